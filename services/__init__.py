@@ -1,0 +1,1 @@
+"""vLLM Backport: an OpenAI-compatible serving mesh over gRPC for older NVIDIA cards."""

@@ -1,0 +1,1 @@
+"""The KV-cache service: LMCache's server, configured and supervised for the mesh."""

@@ -1,0 +1,1 @@
+"""Plumbing every service shares: settings, logging, the gRPC server lifecycle and channels."""

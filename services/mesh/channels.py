@@ -1,0 +1,48 @@
+"""Client channels and health checks between services."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+async def is_serving(channel: grpc.aio.Channel, timeout_s: float = 2.0) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_until_serving(address: str, timeout_s: float) -> bool:
+    """Blocking: polls the health service until it answers SERVING or time runs out."""
+
+    async def poll() -> bool:
+        deadline = time.monotonic() + timeout_s
+        async with open_channel(address) as channel:
+            while time.monotonic() < deadline:
+                if await is_serving(channel):
+                    return True
+                await asyncio.sleep(0.25)
+        return False
+
+    return asyncio.run(poll())

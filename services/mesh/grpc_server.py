@@ -1,0 +1,64 @@
+"""Runs a gRPC aio server with the standard health service until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.mesh.channels import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+Registrar = Callable[[grpc.aio.Server], None]
+
+
+class GrpcServer:
+    """Owns one aio server, its health status and its shutdown on signals."""
+
+    def __init__(self, service_name: str, address: str, *, grace_s: float = 30.0) -> None:
+        self.service_name = service_name
+        self.address = address
+        self.grace_s = grace_s
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+        self._stopping = asyncio.Event()
+
+    def add(self, registrar: Registrar) -> None:
+        registrar(self.server)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", status)
+        await self.health.set(self.service_name, status)
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.address}")
+        await self.server.start()
+        logger.info("%s listening on %s", self.service_name, self.address)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serves until SIGTERM/SIGINT, then drains: NOT_SERVING, `on_stop`, graceful stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.set_serving(True)
+        await self._stopping.wait()
+        logger.info("%s stopping", self.service_name)
+        await self.set_serving(False)
+        if on_stop is not None:
+            await on_stop()
+        await self.server.stop(self.grace_s)
+        logger.info("%s stopped", self.service_name)

@@ -1,0 +1,70 @@
+"""Typed service settings, read from the environment and the command line.
+
+Each service declares one `ServiceSettings` subclass. Values come, lowest
+precedence first, from field defaults, `BACKPORT_<SERVICE>_<FIELD>` environment
+variables, then `--field-name` command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any, Self
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="forbid", validate_default=True)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds one flag per field; unset flags leave the field to env and defaults."""
+        for name, field in cls.model_fields.items():
+            flag = "--" + name.replace("_", "-")
+            help_text = field.description or ""
+            if _is_bool(field.annotation):
+                parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                    default=argparse.SUPPRESS, help=help_text)
+            elif _is_list(field.annotation):
+                parser.add_argument(flag, dest=name, action="append", default=argparse.SUPPRESS,
+                                    help=help_text + " (repeatable)")
+            else:
+                parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text)
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> Self:
+        given = {k: v for k, v in vars(namespace).items() if k in cls.model_fields}
+        return cls(**given)
+
+    def to_args(self) -> list[str]:
+        """The flags that reproduce these settings in a child process."""
+        args: list[str] = []
+        for name in type(self).model_fields:
+            value: Any = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, list):
+                for item in value:
+                    args += [flag, str(item)]
+            elif value is not None:
+                args += [flag, str(value)]
+        return args
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _is_bool(annotation: Any) -> bool:
+    return _unwrap_optional(annotation) is bool
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(_unwrap_optional(annotation)) is list

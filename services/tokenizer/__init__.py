@@ -1,0 +1,1 @@
+"""The tokenizer service: chat rendering, encoding and streaming detokenization over gRPC."""
