@@ -1,0 +1,203 @@
+"""Typing tool-call argument values by the request's tool JSON schemas.
+
+The markup formats carry every value as text. The schema decides what it becomes: a `string`
+parameter keeps its text verbatim ("007" stays "007"), an `integer` parameter "3" becomes 3,
+`number`, `boolean`, `null`, `object` and `array` are read as JSON (Python-literal spellings such
+as `True` or `{'a': 1}` are accepted too, since models produce them). A parameter the schema
+does not know is read as JSON when it parses and kept as text otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ValueEncoding = Literal["text", "json", "unknown"]
+"""How the markup says a value is written: as plain text, as JSON, or not said."""
+
+_NON_STRING_TYPES = ("integer", "number", "boolean", "null", "object", "array")
+_FAILED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RawArgument:
+    """One parameter as the model wrote it, before typing."""
+
+    name: str
+    text: str
+    encoding: ValueEncoding = "unknown"
+
+
+class ToolSchemas:
+    """Parameter schemas of the request's tools, looked up by tool and parameter name."""
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        self._properties: dict[str, Mapping[str, Any]] = {}
+        for tool in tools or ():
+            function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                continue
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+            self._properties[function["name"]] = properties if isinstance(properties, Mapping) else {}
+
+    def parameter_schema(self, tool_name: str, parameter: str) -> Mapping[str, Any] | None:
+        schema = self._properties.get(tool_name, {}).get(parameter)
+        return schema if isinstance(schema, Mapping) else None
+
+    def type_arguments(self, tool_name: str, arguments: Sequence[RawArgument]) -> dict[str, Any]:
+        return {
+            argument.name: type_value(
+                argument.text, argument.encoding, self.parameter_schema(tool_name, argument.name)
+            )
+            for argument in arguments
+        }
+
+
+def declared_types(schema: Mapping[str, Any] | None) -> frozenset[str]:
+    """The JSON types a schema admits; empty when it does not say."""
+    if not schema:
+        return frozenset()
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return frozenset({declared})
+    if isinstance(declared, list):
+        return frozenset(name for name in declared if isinstance(name, str))
+    for combinator in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(combinator)
+        if isinstance(options, list):
+            return frozenset().union(
+                *(declared_types(option) for option in options if isinstance(option, Mapping))
+            )
+    if isinstance(schema.get("enum"), list):
+        return frozenset(_json_type(value) for value in schema["enum"])
+    if "const" in schema:
+        return frozenset({_json_type(schema["const"])})
+    if "properties" in schema:
+        return frozenset({"object"})
+    if "items" in schema:
+        return frozenset({"array"})
+    return frozenset()
+
+
+def type_value(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | None) -> Any:
+    """The typed value of one argument (see the module docstring for the rules)."""
+    types = declared_types(schema)
+    if encoding == "json":
+        parsed = _loads_json(text)
+        if parsed is not _FAILED and (not types or _json_type(parsed) in types or _is_whole(parsed, types)):
+            return parsed
+    if not types:
+        if encoding == "text":
+            return text
+        parsed = _loads_json(text)
+        return text if parsed is _FAILED else parsed
+    for type_name in _NON_STRING_TYPES:
+        if type_name in types:
+            value = _CONVERTERS[type_name](text.strip())
+            if value is not _FAILED:
+                return value
+    if "string" in types:
+        return text
+    parsed = _loads_json(text)
+    return text if parsed is _FAILED else parsed
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _is_whole(value: Any, types: frozenset[str]) -> bool:
+    """An integer also satisfies `number`."""
+    return "number" in types and _json_type(value) == "integer"
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON; a client's strict parser would reject the arguments.
+    raise ValueError(f"non-finite number {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range {text}")
+    return value
+
+
+def _loads_json(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError):
+        return _FAILED
+
+
+def _to_integer(text: str) -> Any:
+    value = _loads_json(text)
+    if isinstance(value, bool):
+        return _FAILED
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return _FAILED
+
+
+def _to_number(text: str) -> Any:
+    value = _loads_json(text)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return _FAILED
+
+
+def _to_boolean(text: str) -> Any:
+    return {"true": True, "false": False}.get(text.lower(), _FAILED)
+
+
+def _to_null(text: str) -> Any:
+    return None if text.lower() in ("null", "none") else _FAILED
+
+
+def _to_container(kind: type) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        value = _loads_json(text)
+        if value is _FAILED:
+            # Models sometimes write Python literals (single quotes, True/None).
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+                return _FAILED
+        if not isinstance(value, kind):
+            return _FAILED
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            return _FAILED
+        return value
+
+    return convert
+
+
+_CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "integer": _to_integer,
+    "number": _to_number,
+    "boolean": _to_boolean,
+    "null": _to_null,
+    "object": _to_container(dict),
+    "array": _to_container(list),
+}

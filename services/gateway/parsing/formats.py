@@ -1,0 +1,52 @@
+"""What the output parser needs to know about one markup format.
+
+A reasoning format names the tags around the reasoning block; a tool-call format names the
+tags that open and close a call (and, for DeepSeek-V4, the block around all calls) and parses one
+complete call. Both list the turn terminators: special tokens after which nothing belongs to
+this assistant turn (they reach the parser only when the detokenizer keeps special tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.gateway.parsing.argument_typing import RawArgument
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    """A tool call read from its markup, values still untyped."""
+
+    name: str
+    arguments: tuple[RawArgument, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    name: str
+    start: str
+    end: str
+    terminators: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFormat:
+    """Markers of one tool-call dialect and the parser of one complete call.
+
+    `parse_call` receives the call's text from its opening marker up to (not including) the
+    closing marker and returns None when the text is not a usable call.
+    """
+
+    name: str
+    call_starts: tuple[str, ...]
+    call_ends: tuple[str, ...]
+    parse_call: Callable[[str], ParsedCall | None]
+    block_starts: tuple[str, ...] = ()
+    block_ends: tuple[str, ...] = ()
+    terminators: tuple[str, ...] = ()
+
+    @property
+    def stray_markup(self) -> tuple[str, ...]:
+        """Closing tags that can appear outside a call and must never reach the client."""
+        return (*self.call_ends, *self.block_ends)

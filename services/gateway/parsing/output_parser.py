@@ -1,0 +1,251 @@
+"""The per-choice streaming parser: raw model text in, OpenAI message deltas out.
+
+One state machine serves streaming and non-streaming alike (non-streaming is one `feed` of the
+whole text, then `finish`). Text is classified by markers found with `find_marker`, which holds
+back any tail that could still grow into a marker, so the result is the same for every way the
+output is split into deltas: one character at a time, a whole tool call in one delta (as
+speculative decoding produces), or anything between.
+
+Rules that hold for every format:
+- Markup never reaches `content` or `reasoning_content`: recognised tags are consumed, stray
+  closing tags are dropped, and a marker cut off by the end of the output is dropped.
+- A tool call is released only once its closing tag has arrived: its first delta carries index,
+  id, type and name, the next its complete arguments (a JSON object, values typed by the tool
+  schema). A call cut off by `max_tokens` is never sent, so the stream and the final message
+  agree and no client ever executes half a call.
+- Tool calls end the turn: text between and after calls is dropped, as the templates never put
+  any there.
+- Leading and trailing whitespace of each reasoning or content stretch is dropped (the
+  templates put newlines around the tags); whitespace inside is kept, held back until
+  non-whitespace text follows it.
+- After a terminator (the family's end-of-turn special token) everything is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum, auto
+from typing import Any
+
+from services.gateway.parsing.argument_typing import ToolSchemas
+from services.gateway.parsing.formats import ReasoningFormat, ToolCallFormat
+from services.gateway.parsing.markers import find_marker
+from services.gateway.parsing.messages import AssistantMessage, MessageDelta, ToolCall, ToolCallDelta
+from services.gateway.parsing.registry import reasoning_format, tool_call_format
+
+
+class _Mode(Enum):
+    REASONING = auto()
+    CONTENT = auto()
+    BETWEEN_CALLS = auto()
+    IN_CALL = auto()
+    ENDED = auto()
+
+
+class _Action(Enum):
+    DROP = auto()
+    OPEN_REASONING = auto()
+    CLOSE_REASONING = auto()
+    OPEN_BLOCK = auto()
+    OPEN_CALL = auto()
+    CLOSE_CALL = auto()
+    END_TURN = auto()
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _marker_table(
+    reasoning: ReasoningFormat | None, tools: ToolCallFormat | None
+) -> dict[_Mode, dict[str, _Action]]:
+    """Which markers mean what in each mode; later entries win where a tag has two roles."""
+    terminators = {*(reasoning.terminators if reasoning else ()), *(tools.terminators if tools else ())}
+    ends_turn = dict.fromkeys(terminators, _Action.END_TURN)
+    strays = dict.fromkeys(tools.stray_markup if tools else (), _Action.DROP)
+    opens_tools = {
+        **dict.fromkeys(tools.block_starts if tools else (), _Action.OPEN_BLOCK),
+        **dict.fromkeys(tools.call_starts if tools else (), _Action.OPEN_CALL),
+    }
+    reasoning_tags = (
+        {reasoning.start: _Action.OPEN_REASONING, reasoning.end: _Action.DROP} if reasoning else {}
+    )
+    return {
+        _Mode.CONTENT: {**strays, **reasoning_tags, **opens_tools, **ends_turn},
+        _Mode.REASONING: {
+            **strays,
+            **({reasoning.start: _Action.DROP, reasoning.end: _Action.CLOSE_REASONING} if reasoning else {}),
+            **opens_tools,
+            **ends_turn,
+        },
+        _Mode.BETWEEN_CALLS: {
+            **dict.fromkeys(tools.call_starts if tools else (), _Action.OPEN_CALL),
+            **ends_turn,
+        },
+        _Mode.IN_CALL: {**dict.fromkeys(tools.call_ends if tools else (), _Action.CLOSE_CALL), **ends_turn},
+        _Mode.ENDED: {},
+    }
+
+
+class ChatOutputParser:
+    """Parses one choice's output text, incrementally.
+
+    `thinking=True` means the prompt ended with `<think>`, so the output starts inside the
+    reasoning; it has no effect without a reasoning parser. Call `feed` with each new piece of
+    text, `finish` once at the end of the stream, then `message()` for the final message.
+    """
+
+    def __init__(
+        self,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        thinking: bool = False,
+        make_call_id: Callable[[], str] = new_call_id,
+    ) -> None:
+        self._tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
+        reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
+        self._markers = _marker_table(reasoning, self._tool_format)
+        self._schemas = ToolSchemas(tools)
+        self._make_call_id = make_call_id
+        self._mode = _Mode.REASONING if thinking and reasoning else _Mode.CONTENT
+        self._unscanned = ""
+        self._call_text = ""
+        self._pending_space = ""
+        self._is_segment_start = True
+        self._is_finished = False
+        self._reasoning_parts: list[str] = []
+        self._content_parts: list[str] = []
+        self._tool_calls: list[ToolCall] = []
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Whether any tool call was released (the choice's finish_reason is then `tool_calls`)."""
+        return bool(self._tool_calls)
+
+    def feed(self, text_delta: str) -> MessageDelta:
+        if self._is_finished:
+            raise RuntimeError("feed() after finish()")
+        delta = MessageDelta()
+        self._unscanned += text_delta
+        self._scan(delta, is_final=False)
+        return delta
+
+    def finish(self) -> MessageDelta:
+        """Flush at the end of the stream; an unfinished tool call is discarded."""
+        delta = MessageDelta()
+        if self._is_finished:
+            return delta
+        self._scan(delta, is_final=True)
+        self._call_text = ""
+        self._pending_space = ""
+        self._mode = _Mode.ENDED
+        self._is_finished = True
+        return delta
+
+    def message(self) -> AssistantMessage:
+        """The message released so far; complete once `finish` has been called."""
+        return AssistantMessage(
+            reasoning_content="".join(self._reasoning_parts) or None,
+            content="".join(self._content_parts) or None,
+            tool_calls=list(self._tool_calls),
+        )
+
+    def _scan(self, delta: MessageDelta, *, is_final: bool) -> None:
+        while self._unscanned:
+            markers = self._markers[self._mode]
+            match = find_marker(self._unscanned, markers)
+            if match is None:
+                self._take_text(self._unscanned, delta)
+                self._unscanned = ""
+                return
+            self._take_text(self._unscanned[: match.start], delta)
+            if match.marker is None:
+                # A possible marker at the very end: wait for more text, or drop it at the end
+                # (a tag cut off by max_tokens is markup, not text).
+                self._unscanned = "" if is_final else self._unscanned[match.start :]
+                return
+            self._unscanned = self._unscanned[match.start + len(match.marker) :]
+            self._apply(markers[match.marker], match.marker, delta)
+
+    def _take_text(self, text: str, delta: MessageDelta) -> None:
+        if not text:
+            return
+        if self._mode is _Mode.IN_CALL:
+            self._call_text += text
+        elif self._mode in (_Mode.REASONING, _Mode.CONTENT):
+            self._emit_text(text, delta)
+
+    def _emit_text(self, text: str, delta: MessageDelta) -> None:
+        if self._is_segment_start:
+            text = text.lstrip()
+            if not text:
+                return
+            self._is_segment_start = False
+        text = self._pending_space + text
+        body = text.rstrip()
+        self._pending_space = text[len(body) :]
+        if not body:
+            return
+        if self._mode is _Mode.REASONING:
+            self._reasoning_parts.append(body)
+            delta.reasoning_content = (delta.reasoning_content or "") + body
+        else:
+            self._content_parts.append(body)
+            delta.content = (delta.content or "") + body
+
+    def _apply(self, action: _Action, marker: str, delta: MessageDelta) -> None:
+        if action is _Action.DROP:
+            return
+        self._pending_space = ""
+        self._is_segment_start = True
+        if action is _Action.OPEN_REASONING:
+            self._mode = _Mode.REASONING
+        elif action is _Action.CLOSE_REASONING:
+            self._mode = _Mode.CONTENT
+        elif action is _Action.OPEN_BLOCK:
+            self._mode = _Mode.BETWEEN_CALLS
+        elif action is _Action.OPEN_CALL:
+            self._mode = _Mode.IN_CALL
+            self._call_text = marker
+        elif action is _Action.CLOSE_CALL:
+            self._release_call(delta)
+            self._mode = _Mode.BETWEEN_CALLS
+        elif action is _Action.END_TURN:
+            self._call_text = ""
+            self._mode = _Mode.ENDED
+
+    def _release_call(self, delta: MessageDelta) -> None:
+        assert self._tool_format is not None  # IN_CALL is only reachable with a tool format
+        parsed = self._tool_format.parse_call(self._call_text)
+        self._call_text = ""
+        if parsed is None:
+            return
+        arguments = json.dumps(
+            self._schemas.type_arguments(parsed.name, parsed.arguments), ensure_ascii=False
+        )
+        call = ToolCall(id=self._make_call_id(), name=parsed.name, arguments=arguments)
+        index = len(self._tool_calls)
+        self._tool_calls.append(call)
+        delta.tool_calls.append(
+            ToolCallDelta(index=index, id=call.id, type="function", name=call.name, arguments="")
+        )
+        delta.tool_calls.append(ToolCallDelta(index=index, arguments=call.arguments))
+
+
+def parse_output(
+    text: str,
+    *,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool = False,
+    make_call_id: Callable[[], str] = new_call_id,
+) -> AssistantMessage:
+    """The final message for a complete (non-streamed) output."""
+    parser = ChatOutputParser(tool_call_parser, reasoning_parser, tools, thinking, make_call_id)
+    parser.feed(text)
+    parser.finish()
+    return parser.message()

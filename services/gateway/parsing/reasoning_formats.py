@@ -1,0 +1,33 @@
+"""Reasoning formats (`deepseek_v4`, `glm45`, `qwen3`): a `<think>...</think>` block.
+
+All three families use the same tags; they differ in who writes `<think>`:
+- DeepSeek-V4 ends a thinking-mode prompt with `<think>` and a chat-mode prompt with `</think>`,
+  so the output starts inside the reasoning (thinking) or is all content (chat).
+- Qwen3 (`enable_thinking`) and GLM-4.5/4.7 sometimes leave `<think>` in the prompt and sometimes
+  let the model write it; GLM-5.3 always opens `<think>` in the prompt.
+So the parser starts in the reasoning when the prompt ended with `<think>` (`thinking=True`),
+and a `<think>` written by the model opens the reasoning in either case. A `</think>` with no
+open reasoning (the model closing a block the prompt opened, or a chat-mode slip) is dropped;
+a duplicate `<think>` inside the reasoning is dropped; a tool call that starts inside the
+reasoning ends it. The terminators are each family's end-of-turn special tokens.
+"""
+
+from __future__ import annotations
+
+from services.gateway.parsing.dsml_tool_calls import END_OF_SENTENCE, USER_TURN
+from services.gateway.parsing.formats import ReasoningFormat
+from services.gateway.parsing.glm47_tool_calls import GLM47_FORMAT
+from services.gateway.parsing.qwen3_xml_tool_calls import QWEN3_XML_FORMAT
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+DEEPSEEK_V4_REASONING = ReasoningFormat(
+    name="deepseek_v4", start=THINK_START, end=THINK_END, terminators=(END_OF_SENTENCE, USER_TURN)
+)
+GLM45_REASONING = ReasoningFormat(
+    name="glm45", start=THINK_START, end=THINK_END, terminators=GLM47_FORMAT.terminators
+)
+QWEN3_REASONING = ReasoningFormat(
+    name="qwen3", start=THINK_START, end=THINK_END, terminators=QWEN3_XML_FORMAT.terminators
+)
