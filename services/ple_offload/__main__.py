@@ -1,0 +1,22 @@
+"""`python -m services.ple_offload [--flags]`: the PLE service without the `backport` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.mesh.logs import configure_logging
+from services.ple_offload.server import serve
+from services.ple_offload.settings import PleSettings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.ple_offload", description=__doc__)
+    PleSettings.add_arguments(parser)
+    settings = PleSettings.from_namespace(parser.parse_args())
+    configure_logging("ple")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

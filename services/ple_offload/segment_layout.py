@@ -1,0 +1,77 @@
+"""The byte layout of a table's POSIX shared-memory segment, shared by service and readers.
+
+A 4 KiB header page, then the rows, row-major, exactly as stored in the file. The
+service writes `state` last when loading (LOADING -> READY) and first when stopping
+(READY -> CLOSED), so a reader that checks `state` and `generation` before a gather
+never mistakes a stale or half-loaded segment for the live table.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.ple_offload.table_format import RowDtype
+
+MAGIC = b"BPPLE\x00\x00\x01"
+LAYOUT_VERSION = 1
+DATA_OFFSET_BYTES = 4096
+SHM_DIR = Path("/dev/shm")
+
+# magic, state, layout version, generation, rows, row width, row bytes, dtype, scale,
+# header sha256, data offset
+_HEADER = struct.Struct("<8sIIQQIIIf32sQ")
+_STATE_AND_GENERATION = struct.Struct("<IIQ")  # state, layout version, generation at byte 8
+STATE_OFFSET = 8
+
+
+class SegmentState(enum.IntEnum):
+    LOADING = 1
+    READY = 2
+    CLOSED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    state: SegmentState
+    generation: int
+    num_rows: int
+    row_width: int
+    row_bytes: int
+    dtype: RowDtype
+    scale: float | None
+    header_sha256: bytes
+
+    @property
+    def segment_bytes(self) -> int:
+        return DATA_OFFSET_BYTES + self.num_rows * self.row_bytes
+
+    def pack(self) -> bytes:
+        scale = math.nan if self.scale is None else self.scale
+        return _HEADER.pack(MAGIC, self.state, LAYOUT_VERSION, self.generation, self.num_rows,
+                            self.row_width, self.row_bytes, self.dtype, scale,
+                            self.header_sha256, DATA_OFFSET_BYTES)
+
+    @classmethod
+    def unpack(cls, buffer: bytes | memoryview, where: str) -> SegmentHeader:
+        """Parses a header; `where` names the segment in error messages."""
+        (magic, state, version, generation, num_rows, row_width, row_bytes, dtype, scale,
+         sha, data_offset) = _HEADER.unpack_from(buffer, 0)
+        if magic != MAGIC or version != LAYOUT_VERSION or data_offset != DATA_OFFSET_BYTES:
+            raise ValueError(f"{where} is not a PLE table segment of layout {LAYOUT_VERSION}")
+        return cls(SegmentState(state), generation, num_rows, row_width, row_bytes,
+                   RowDtype(dtype), None if math.isnan(scale) else scale, sha)
+
+
+def read_state_and_generation(buffer: memoryview | bytes) -> tuple[SegmentState, int]:
+    state, _, generation = _STATE_AND_GENERATION.unpack_from(buffer, STATE_OFFSET)
+    return SegmentState(state), generation
+
+
+def segment_path(shm_name: str) -> Path:
+    if not shm_name or "/" in shm_name:
+        raise ValueError(f"shared-memory name {shm_name!r} must be non-empty and contain no '/'")
+    return SHM_DIR / shm_name

@@ -1,0 +1,63 @@
+"""Runs the PLE service: validate the file, fill shared memory, serve, clean up on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+from backport.v1 import ple_pb2_grpc
+
+from services.mesh.grpc_server import GrpcServer
+from services.ple_offload.servicer import PleOffloadServicer
+from services.ple_offload.settings import PleSettings
+from services.ple_offload.table_format import find_table
+from services.ple_offload.table_loading_progress import LoadingProgress
+from services.ple_offload.table_segment import TableSegment
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "backport.v1.PleOffload"
+
+
+async def serve(settings: PleSettings) -> None:
+    """Serves one table until SIGTERM/SIGINT; the segment is removed on every exit path."""
+    source = find_table(settings.table_path, settings.tensor_name, settings.expectation())
+    logger.info("table %s: %d rows x %d (%s), %.2f GiB, header sha256 %s", source.tensor_name,
+                source.num_rows, source.row_width, source.dtype.name,
+                source.table_bytes / 2**30, source.header_sha256.hex())
+    segment = TableSegment(settings.shm_name, source)
+    try:
+        segment.create()
+        try:
+            await _load_until_signal(segment, settings.show_progress)
+        except InterruptedError:
+            logger.info("stopped while loading the table")
+            return
+        segment.publish()
+        server = GrpcServer(SERVICE_NAME, settings.address, grace_s=settings.grace_s)
+        server.add(lambda s: ple_pb2_grpc.add_PleOffloadServicer_to_server(
+            PleOffloadServicer(segment), s))
+        await server.start()
+
+        async def close_for_readers() -> None:
+            segment.close_for_readers()
+
+        await server.serve_until_signal(on_stop=close_for_readers)
+    finally:
+        segment.unmap()
+
+
+async def _load_until_signal(segment: TableSegment, show_progress: bool) -> None:
+    """Copies the rows on a worker thread; SIGTERM/SIGINT cancel the copy cleanly."""
+    stop = threading.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        with LoadingProgress(segment.source.table_bytes, enabled=show_progress) as progress:
+            await asyncio.to_thread(segment.load, progress.advance, stop)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,37 @@
+"""Settings of the PLE offload service (`backport ple`, env prefix BACKPORT_PLE_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.mesh.settings import ServiceSettings
+from services.ple_offload.table_format import RowDtype, TableExpectation
+
+
+class PleSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="BACKPORT_PLE_", extra="forbid")
+
+    address: str = Field("127.0.0.1:50071", description="gRPC listen address (host:port)")
+    table_path: Path = Field(description="safetensors file, or folder of them, holding the table")
+    tensor_name: str | None = Field(
+        None, description="table tensor stem, e.g. model.layers.0.ple.ple_embedding.ngram_embedding "
+        "(reads <stem>.weight or <stem>.shard_<i>.weight); default: the only candidate")
+    shm_name: str = Field("backport-ple", description="shared-memory name (under /dev/shm)")
+    expect_dtype: str | None = Field(None, description="refuse a table not of this dtype: fp8 or bf16")
+    expect_rows: int | None = Field(None, gt=0, description="refuse a table without this many rows")
+    expect_row_width: int | None = Field(None, gt=0, description="refuse a table of another row width")
+    expect_header_sha256: str | None = Field(
+        None, description="refuse a file whose header fingerprint (hex SHA-256) differs")
+    show_progress: bool = Field(True, description="draw a progress bar while loading")
+    grace_s: float = Field(5.0, ge=0, description="seconds in-flight lookups get on shutdown")
+
+    def expectation(self) -> TableExpectation:
+        return TableExpectation(
+            dtype=RowDtype.from_setting(self.expect_dtype) if self.expect_dtype else None,
+            num_rows=self.expect_rows,
+            row_width=self.expect_row_width,
+            header_sha256_hex=self.expect_header_sha256,
+        )

@@ -1,0 +1,104 @@
+"""Reads rows from a table segment on this machine: a read-only mapping, no service call."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from services.ple_offload.errors import RowIdError, TableClosedError, TableUnavailableError
+from services.ple_offload.segment_layout import (
+    DATA_OFFSET_BYTES,
+    SegmentHeader,
+    SegmentState,
+    read_state_and_generation,
+    segment_path,
+)
+
+
+class SharedTableReader:
+    """A read-only view of one table generation. Every process maps the same pages, so
+    any number of readers add no copy of the table."""
+
+    def __init__(self, shm_name: str) -> None:
+        self.shm_name = shm_name
+        path = segment_path(shm_name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise TableUnavailableError(f"no PLE table segment {path}: is the service running "
+                                        "on this machine?") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < DATA_OFFSET_BYTES:
+                raise TableUnavailableError(f"{path} is not a PLE table segment")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            self.header = SegmentHeader.unpack(self._mmap, str(path))
+            if self.header.state is SegmentState.LOADING:
+                raise TableUnavailableError(f"PLE table {path} is still loading")
+            if self.header.state is SegmentState.CLOSED:
+                raise TableClosedError(f"PLE table {path} was closed by its service")
+            if size < self.header.segment_bytes:
+                raise TableUnavailableError(f"{path} is shorter than its header says")
+        except BaseException:
+            self._mmap.close()
+            raise
+        self._rows: np.ndarray | None = np.frombuffer(
+            self._mmap, np.uint8, self.header.num_rows * self.header.row_bytes, DATA_OFFSET_BYTES,
+        ).reshape(self.header.num_rows, self.header.row_bytes)
+
+    @property
+    def generation(self) -> int:
+        return self.header.generation
+
+    @property
+    def is_attached(self) -> bool:
+        return self._rows is not None
+
+    def gather(self, row_ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows for `row_ids` (any shape of int64) as uint8 [*row_ids.shape, row_bytes].
+
+        Raises TableClosedError once the service has stopped or restarted: the rows
+        are still mapped, but the caller must reattach to reach the live table."""
+        rows = self._live_rows()
+        flat = np.ascontiguousarray(row_ids, dtype=np.int64).reshape(-1)
+        check_row_ids(flat, self.header.num_rows)
+        if out is None:
+            out = np.empty((flat.size, self.header.row_bytes), np.uint8)
+        np.take(rows, flat, axis=0, out=out.reshape(flat.size, self.header.row_bytes))
+        return out.reshape(*np.shape(row_ids), self.header.row_bytes)
+
+    def table_rows(self) -> np.ndarray:
+        """The whole table as a read-only uint8 [num_rows, row_bytes] array (no copy)."""
+        return self._live_rows()
+
+    def close(self) -> None:
+        """Unmaps; the caller must hold no array returned by `table_rows`."""
+        if self._rows is None:
+            return
+        self._rows = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A gather on another thread still holds the view; the mapping goes when it ends.
+            pass
+
+    def _live_rows(self) -> np.ndarray:
+        if self._rows is None:
+            raise TableClosedError(f"PLE table /dev/shm/{self.shm_name} was detached; reattach")
+        state, generation = read_state_and_generation(self._mmap)
+        if state is not SegmentState.READY or generation != self.header.generation:
+            raise TableClosedError(
+                f"the PLE service closed table /dev/shm/{self.shm_name} (generation "
+                f"{self.header.generation:x}): it stopped or restarted; reattach")
+        return self._rows
+
+
+def check_row_ids(flat_ids: np.ndarray, num_rows: int) -> None:
+    if flat_ids.size and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_rows):
+        bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_rows)]
+        raise RowIdError(f"row ids out of range [0, {num_rows}): {bad[:4].tolist()}")

@@ -1,0 +1,157 @@
+"""The service's side of the shared-memory table: create, fill from disk, publish, remove."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from services.ple_offload.errors import TableFileError
+from services.ple_offload.segment_layout import (
+    DATA_OFFSET_BYTES,
+    STATE_OFFSET,
+    SegmentHeader,
+    SegmentState,
+    segment_path,
+)
+from services.ple_offload.table_format import TableSource
+
+logger = logging.getLogger(__name__)
+
+_COPY_CHUNK_BYTES = 64 * 1024 * 1024
+
+ProgressCallback = Callable[[int], None]
+
+
+class TableSegment:
+    """Owns one named segment. Rows are written once, then only read."""
+
+    def __init__(self, shm_name: str, source: TableSource) -> None:
+        self.shm_name = shm_name
+        self.source = source
+        self.path = segment_path(shm_name)
+        self.header = SegmentHeader(SegmentState.LOADING, secrets.randbits(63), source.num_rows,
+                                    source.row_width, source.row_bytes, source.dtype,
+                                    source.scale, source.header_sha256)
+        self._mmap: mmap.mmap | None = None
+        self.rows: np.ndarray | None = None  # (num_rows, row_bytes) uint8 view of the segment
+
+    @property
+    def generation(self) -> int:
+        return self.header.generation
+
+    def create(self) -> None:
+        """Creates the segment and reserves its memory, replacing a stale one by that name."""
+        _retire_stale_segment(self.path)
+        size = self.header.segment_bytes
+        free = os.statvfs(self.path.parent)
+        if free.f_bavail * free.f_frsize < size:
+            raise OSError(f"{self.path.parent} has {free.f_bavail * free.f_frsize} bytes free; "
+                          f"the table needs {size}")
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        try:
+            # Reserving now turns "out of shared memory" into an error here instead of a
+            # SIGBUS in the middle of the copy.
+            os.posix_fallocate(fd, 0, size)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self._mmap[:DATA_OFFSET_BYTES] = self.header.pack().ljust(DATA_OFFSET_BYTES, b"\0")
+        self.rows = np.frombuffer(self._mmap, np.uint8, self.source.table_bytes,
+                                  DATA_OFFSET_BYTES).reshape(self.source.num_rows,
+                                                             self.source.row_bytes)
+
+    def load(self, on_progress: ProgressCallback, stop: threading.Event) -> None:
+        """Streams the rows from disk straight into the segment, dropping the page cache
+        behind the copy so the machine never holds a second full copy."""
+        if self._mmap is None:
+            raise RuntimeError("create() the segment before loading it")
+        view = memoryview(self._mmap)
+        offset = DATA_OFFSET_BYTES
+        try:
+            for segment in self.source.segments:
+                with open(segment.path, "rb", buffering=0) as f:
+                    position = segment.data_start
+                    while position < segment.data_end:
+                        if stop.is_set():
+                            raise InterruptedError("table load cancelled")
+                        want = min(_COPY_CHUNK_BYTES, segment.data_end - position)
+                        f.seek(position)
+                        got = f.readinto(view[offset:offset + want])
+                        if not got:
+                            raise TableFileError(
+                                f"{segment.path} is truncated: {segment.name} ends at byte "
+                                f"{segment.data_end} but reading stopped at {position}")
+                        os.posix_fadvise(f.fileno(), position, got, os.POSIX_FADV_DONTNEED)
+                        position += got
+                        offset += got
+                        on_progress(got)
+        finally:
+            view.release()
+
+    def publish(self) -> None:
+        """Marks the rows complete; readers may attach from now on."""
+        self._set_state(SegmentState.READY)
+        logger.info("table %s ready in /dev/shm/%s: %d rows x %d B (%s), generation %x",
+                    self.source.tensor_name, self.shm_name, self.source.num_rows,
+                    self.source.row_bytes, self.source.dtype.name, self.generation)
+
+    def is_ready(self) -> bool:
+        return self._mmap is not None and self._state() is SegmentState.READY
+
+    def close_for_readers(self) -> None:
+        """Tells attached readers to reattach and removes the name; memory is freed once the
+        last reader unmaps. Safe to call more than once."""
+        if self._mmap is None:
+            return
+        if self._state() is not SegmentState.CLOSED:
+            self._set_state(SegmentState.CLOSED)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def unmap(self) -> None:
+        self.close_for_readers()
+        self.rows = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+    def _state(self) -> SegmentState:
+        assert self._mmap is not None
+        return SegmentState(int.from_bytes(self._mmap[STATE_OFFSET:STATE_OFFSET + 4], "little"))
+
+    def _set_state(self, state: SegmentState) -> None:
+        assert self._mmap is not None
+        self._mmap[STATE_OFFSET:STATE_OFFSET + 4] = int(state).to_bytes(4, "little")
+
+
+def _retire_stale_segment(path: os.PathLike[str]) -> None:
+    """A service killed without cleanup leaves its segment behind with readers possibly
+    attached: mark it CLOSED so they reattach, then remove the name."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        if os.fstat(fd).st_size < DATA_OFFSET_BYTES:
+            raise OSError(f"{path} exists and is not a PLE table; refusing to replace it")
+        with mmap.mmap(fd, DATA_OFFSET_BYTES) as page:
+            try:
+                SegmentHeader.unpack(page, str(path))
+            except ValueError as exc:
+                raise OSError(f"{path} exists and is not a PLE table; refusing to replace it") from exc
+            page[STATE_OFFSET:STATE_OFFSET + 4] = int(SegmentState.CLOSED).to_bytes(4, "little")
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    logger.warning("removed stale segment %s left by a service that did not stop cleanly", path)

@@ -1,0 +1,77 @@
+"""Starts the PLE service as a real child process for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from services.mesh.channels import wait_until_serving
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unique_shm_name() -> str:
+    return f"backport-ple-test-{uuid.uuid4().hex[:12]}"
+
+
+def service_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "protos")]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    return env
+
+
+class ServiceProcess:
+    """One `python -m services.ple_offload` child; `stop()` sends SIGTERM like an operator."""
+
+    def __init__(self, table_path: Path, *, shm_name: str | None = None, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.table_path = table_path
+        self.shm_name = shm_name or unique_shm_name()
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.extra_args = extra_args
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.ple_offload", "--table-path", str(self.table_path),
+             "--address", self.address, "--shm-name", self.shm_name, "--no-show-progress",
+             "--grace-s", "1", *self.extra_args],
+            cwd=REPO_ROOT, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        if not wait_until_serving(self.address, timeout_s):
+            output = self.stop()
+            raise RuntimeError(f"PLE service did not start:\n{output}")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> str:
+        """Signals the service, waits for it and returns everything it printed."""
+        if self.process is None:
+            return ""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        output, _ = self.process.communicate(timeout=timeout_s)
+        return output
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
