@@ -1,0 +1,73 @@
+"""Bad table files are refused before any memory is taken, with a message naming the problem."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.ple_offload.errors import TableFileError
+from services.ple_offload.table_format import RowDtype, TableExpectation, find_table
+from tests.ple.service_process import REPO_ROOT, service_env, unique_shm_name
+from tests.ple.table_files import STEM, random_rows, write_table
+
+
+@pytest.fixture
+def small_rows() -> np.ndarray:
+    return random_rows(10_000, 160, seed=3)
+
+
+def test_reads_shape_dtype_scale_and_fingerprint(tmp_path: Path, small_rows: np.ndarray) -> None:
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="F8_E4M3",
+                        num_shards=3, scale=0.25)
+    source = find_table(table.path, None)
+    assert (source.tensor_name, source.num_rows, source.row_width, source.dtype, source.scale) == (
+        STEM, 10_000, 160, RowDtype.FLOAT8_E4M3FN, 0.25)
+    assert [s.name for s in source.segments] == [f"{STEM}.shard_{i}.weight" for i in range(3)]
+    again = write_table(tmp_path / "u.safetensors", small_rows, safetensors_dtype="F8_E4M3",
+                        num_shards=3, scale=0.25)
+    assert find_table(again.path, STEM).header_sha256 == source.header_sha256
+
+
+def test_truncated_file_is_refused(tmp_path: Path, small_rows: np.ndarray) -> None:
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="BF16")
+    os.truncate(table.path, table.path.stat().st_size - 1000)
+    with pytest.raises(TableFileError, match="truncated"):
+        find_table(table.path, None)
+
+
+@pytest.mark.parametrize(("expect", "message"), [
+    (TableExpectation(dtype=RowDtype.BFLOAT16), "dtype FLOAT8_E4M3FN, expected BFLOAT16"),
+    (TableExpectation(num_rows=123), "10000 rows, expected 123"),
+    (TableExpectation(row_width=2560), "row width 160, expected 2560"),
+    (TableExpectation(header_sha256_hex="00" * 32), "header fingerprint"),
+])
+def test_mismatched_table_is_refused(tmp_path: Path, small_rows: np.ndarray,
+                                     expect: TableExpectation, message: str) -> None:
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="F8_E4M3",
+                        scale=1.0)
+    with pytest.raises(TableFileError, match=message):
+        find_table(table.path, None, expect)
+
+
+def test_fp8_table_without_scale_is_refused(tmp_path: Path, small_rows: np.ndarray) -> None:
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="F8_E4M3")
+    with pytest.raises(TableFileError, match="weight_scale"):
+        find_table(table.path, None)
+
+
+def test_service_exits_with_the_reason_for_a_bad_file(tmp_path: Path, small_rows: np.ndarray) -> None:
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="BF16")
+    os.truncate(table.path, table.path.stat().st_size // 2)
+    shm_name = unique_shm_name()
+    result = subprocess.run(
+        [sys.executable, "-m", "services.ple_offload", "--table-path", str(table.path),
+         "--shm-name", shm_name, "--address", "127.0.0.1:0"],
+        cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "is truncated" in result.stderr
+    assert not Path("/dev/shm", shm_name).exists()
