@@ -67,3 +67,17 @@ def write_table(path: Path, rows: np.ndarray, *, safetensors_dtype: str, num_sha
         for _, _, blob in blobs:
             f.write(memoryview(np.ascontiguousarray(blob)) if isinstance(blob, np.ndarray) else blob)
     return TableFile(path, stem, rows, safetensors_dtype, width, scale)
+
+
+def write_sparse_table(path: Path, num_rows: int, row_bytes: int, *,
+                       stem: str = STEM) -> None:
+    """A bf16-typed table of zero rows whose data is a hole in the file: multi-GB in no
+    time and no disk. The service still writes every byte into shared memory."""
+    width = row_bytes // 2
+    header = {f"{stem}.weight": {"dtype": "BF16", "shape": [num_rows, width],
+                                 "data_offsets": [0, num_rows * row_bytes]}}
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+        f.truncate(8 + len(header_bytes) + num_rows * row_bytes)
