@@ -1,0 +1,154 @@
+"""fp8 e4m3 (OCP `float8_e4m3fn`) encode/decode as Triton device functions over uint8.
+
+Triton emits `tl.float8e4nv` only on sm89+, so on sm80/86 fp8 data must be read and
+written as bytes and converted in software. These helpers use integer bit tricks only,
+so they lower to plain ALU instructions on every architecture.
+
+Format: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits. Largest finite value
+448 (0x7E), NaN is 0x7F/0xFF, there is no infinity. Subnormals are m * 2**-9, m in 1..7.
+
+Encoding rules (`e4m3_encode`), the same as the hardware `cvt.rn.satfinite.e4m3x2.f32`:
+- finite values round to nearest, ties to even;
+- |x| > 448 and +-inf saturate to +-448 (upstream clamps to +-448 before casting too);
+- NaN encodes as 0x7F with the input's sign bit (0x7F or 0xFF).
+torch's own conversion agrees bit for bit on finite inputs in [-448, 448]; for larger
+inputs, infinities and NaN torch's behaviour has varied between releases (NaN or
+saturation), so callers that need fp8 bytes from torch clamp first, as upstream does.
+
+Decoding (`e4m3_decode`) is exact: every byte maps to the fp32 value it denotes, NaN
+bytes to NaN, 0x80 to -0.0. `e4m3_decode_div256` is the fast path for attention: two
+integer ops and an fp16 -> fp32 conversion, giving value / 256 (fold 256 into the
+scale); NaN bytes come out finite there, which is harmless for caches we wrote.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+# fp32 bit patterns used by the encoder.
+_FP32_ABS_MASK = 0x7FFFFFFF
+_FP32_INF_BITS = 0x7F800000
+_FP32_448_BITS = 0x43E00000  # 448.0, the largest finite e4m3 value
+_FP32_MIN_NORMAL_E4M3_BITS = 0x3C800000  # 2**-6, the smallest normal e4m3 value
+_FP32_HALF_MIN_SUBNORMAL_BITS = 0x3A800000  # 2**-10: at or below this rounds to 0
+_EXPONENT_REBIAS = (127 - 7) << 3  # fp32 bias 127 -> e4m3 bias 7, in e4m3 bit units
+BLOCK_ELEMENTS = 1024  # elements per program in the element-wise test launchers
+
+
+@triton.jit
+def e4m3_encode(x):
+    """fp32 tensor -> uint8 e4m3 bytes (round to nearest even, saturate to +-448)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint32)
+    abs_bits = bits & 0x7FFFFFFF
+    is_nan = abs_bits > 0x7F800000
+    # Saturate (+-inf included) by clamping the magnitude's bit pattern: for
+    # non-negative floats, bit order is value order.
+    abs_bits = tl.minimum(abs_bits, 0x43E00000)
+
+    # Normal range: keep 3 of the 23 mantissa bits, rounding to nearest even, then
+    # move the exponent from bias 127 to bias 7. 448 is exact, so no overflow.
+    lsb = (abs_bits >> 20) & 1
+    normal = ((abs_bits + 0x7FFFF + lsb) >> 20) - 960
+
+    # Subnormal range (2**-10 < |x| < 2**-6): value / 2**-9 rounded to nearest even.
+    # The 24-bit significand (implicit 1 restored) is shifted right by 141 - exponent.
+    exponent = abs_bits >> 23
+    significand = (abs_bits & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - exponent.to(tl.int32), 1), 31).to(tl.uint32)
+    quotient = significand >> shift
+    remainder = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
+    subnormal = quotient + round_up.to(tl.uint32)
+
+    magnitude = tl.where(abs_bits >= 0x3C800000, normal, subnormal)
+    magnitude = tl.where(abs_bits <= 0x3A800000, 0, magnitude)
+    magnitude = tl.where(is_nan, 0x7F, magnitude)
+    return (magnitude | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_decode(byte):
+    """uint8 e4m3 bytes -> exact fp32 values (NaN preserved)."""
+    b = byte.to(tl.uint32)
+    sign = (b & 0x80) << 24
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    normal_bits = sign | ((exponent + 120) << 23) | (mantissa << 20)
+    # Subnormal: mantissa * 2**-9, exact in fp32.
+    subnormal = mantissa.to(tl.float32) * 0.001953125
+    subnormal_bits = subnormal.to(tl.uint32, bitcast=True) | sign
+    out_bits = tl.where(exponent == 0, subnormal_bits, normal_bits)
+    out_bits = tl.where((b & 0x7F) == 0x7F, sign | 0x7FC00000, out_bits)
+    return out_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode_div256(byte):
+    """uint8 e4m3 bytes -> fp32 value / 256, exact for every non-NaN byte.
+
+    Shifting the 7 magnitude bits left by 7 lands them in an fp16's exponent and
+    mantissa fields: fp16 has bias 15 instead of 7, so the fp16 is the value * 2**-8
+    (subnormals included, since both formats' subnormals line up the same way).
+    """
+    b = byte.to(tl.uint16)
+    half_bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return half_bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, num_elements, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_elements
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, e4m3_encode(x), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(byte_ptr, out_ptr, fast_out_ptr, num_elements, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_elements
+    b = tl.load(byte_ptr + offsets, mask=mask, other=0)
+    tl.store(out_ptr + offsets, e4m3_decode(b), mask=mask)
+    tl.store(fast_out_ptr + offsets, e4m3_decode_div256(b), mask=mask)
+
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Encode an fp32 tensor to e4m3 bytes with `e4m3_encode` (one launch)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"encode_e4m3 takes float32, got {x.dtype}")
+    flat = x.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
+    grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
+    _encode_kernel[grid](flat, out, flat.numel(), BLOCK=BLOCK_ELEMENTS)
+    return out.view(x.shape)
+
+
+def decode_e4m3(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode e4m3 bytes: (exact fp32 values, fast-path values / 256)."""
+    if data.dtype != torch.uint8:
+        raise TypeError(f"decode_e4m3 takes uint8, got {data.dtype}")
+    flat = data.contiguous().view(-1)
+    exact = torch.empty(flat.shape, dtype=torch.float32, device=data.device)
+    fast = torch.empty_like(exact)
+    grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
+    _decode_kernel[grid](flat, exact, fast, flat.numel(), BLOCK=BLOCK_ELEMENTS)
+    return exact.view(data.shape), fast.view(data.shape)
+
+
+def encode_e4m3_reference(x: torch.Tensor) -> torch.Tensor:
+    """torch reference for `e4m3_encode`: saturate finite values, keep NaN as 0x7F|sign."""
+    x = x.float()
+    saturated = x.clamp(-E4M3_MAX, E4M3_MAX)
+    finite_bytes = saturated.nan_to_num(0.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan_bytes = torch.where(torch.signbit(x), 0xFF, 0x7F).to(torch.uint8)
+    return torch.where(torch.isnan(x), nan_bytes, finite_bytes)
+
+
+def decode_e4m3_reference(data: torch.Tensor) -> torch.Tensor:
+    """torch reference for `e4m3_decode`."""
+    return data.view(torch.float8_e4m3fn).float()

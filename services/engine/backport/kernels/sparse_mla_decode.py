@@ -1,0 +1,317 @@
+"""Sparse MLA decode over the fp8_ds_mla paged cache, split-K, for sm80/86/89.
+
+Replaces FlashMLA's sparse fp8 decode (`flash_mla_with_kvcache(..., is_fp8_kvcache=True,
+indices=...)`) as DeepSeek-V4 calls it (`deepseek_v4/nvidia/flashmla.py`): every query
+token has its own list of global cache slots (-1 = padding) and a valid length; an
+optional second ("extra") cache with its own slot lists and lengths joins the same
+softmax. In DeepSeek-V4 the first cache is the sliding window (SWA) and the extra one
+the compressed cache picked by the indexer (top-k up to 2048). K = V (MQA, one KV head):
+a dequantized 512-dim row is both key and value, so out has 512 dims per head.
+
+Semantics, the reference being `sparse_mla_decode_reference`:
+- valid keys of token t: slots[t, i] >= 0 with i < length[t] (length absent = all);
+- scores = softmax_scale * q . k over valid keys of both caches;
+- attention sink: out *= 2**lse / (2**lse + e**sink[h]) (see `sparse_mla_combine`);
+- returns out [T, H, 512] (q's dtype) and lse [T, H] (natural log, without the sink);
+  a token with no valid key gets out = 0, lse = -inf.
+
+Tiling:
+- a program owns HEADS_PER_PROGRAM heads of one token, so one pass over a K row
+  serves all those heads (the row is read once per head block, not once per head);
+- keys go BLOCK_N at a time: one [BLOCK_N, 512] bf16 tile (fp32 under the interpreter) feeds both dots
+  (q . k^T for scores, p . k for the output), exact because UE8M0 scales are powers
+  of two and fp8 values have 3 mantissa bits;
+- split-K: the two slot lists are each cut into `num_splits` equal pieces, one per
+  program along grid axis 1, so a long list at batch 1 still fills the GPU; when
+  num_splits > 1 the programs write normalized partials and `combine_splits` merges
+  them; with one split the program finalizes and writes the output itself.
+Grid = (head blocks, splits, tokens): head blocks of one (split, token) run side by
+side, so the K rows they share come from L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.fp8_e4m3 import e4m3_decode_div256
+from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
+
+TILES_PER_ROW = 8  # a 512-dim row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE tile
+DEFAULT_BLOCK_N = 32  # keys per step: [32, 512] bf16 = 32 KiB of K in shared memory
+MAX_HEADS_PER_PROGRAM = 32  # [32, 512] fp32 accumulator = 64 registers/thread at 8 warps
+MIN_HEADS_PER_PROGRAM = 16  # tl.dot needs M >= 16
+TARGET_PROGRAMS = 264  # about two programs per SM on an A100/H100-class part
+
+
+@triton.jit
+def load_k_block(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    """Dequantize BLOCK_N cache rows at `slots` into a [BLOCK_N, 512] tile of DOT_DTYPE."""
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    page = (slot // BLOCK_SIZE) * block_stride
+    position = slot % BLOCK_SIZE
+    data = page + position * 576
+    scale_at = page + BLOCK_SIZE * 576 + position * 8
+
+    tile = tl.arange(0, 8)
+    dim = tl.arange(0, 64)
+    # 512 contiguous bytes per row: tiles 0-6 are fp8, "tile 7" reads the first half of
+    # the RoPE bytes and is replaced below; no mask along the row keeps loads 16 B wide.
+    raw = tl.load(cache_ptr + data[:, None, None] + (tile[None, :, None] * 64 + dim[None, None, :]),
+                  mask=valid[:, None, None], other=0)
+    scale_byte = tl.load(cache_ptr + scale_at[:, None] + tile[None, :], mask=valid[:, None], other=0)
+    # 2**(byte - 127) * 256 built from bits: the 256 undoes e4m3_decode_div256's 1/256.
+    scale = ((scale_byte.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
+    nope = e4m3_decode_div256(raw) * scale[:, :, None]
+    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptr[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
+    k = tl.where(tile[None, :, None] == 7, rope[:, None, :].to(tl.float32), nope)
+    return tl.reshape(k, (BLOCK_N, 512)).to(DOT_DTYPE)
+
+
+@triton.jit
+def attend_slot_range(
+    q, m_i, l_i, acc,
+    cache_ptr, slot_row_ptr, list_width, list_length, start, stop,
+    block_stride, qk_scale_log2,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Online softmax (base 2) over list positions [start, stop) of one slot list."""
+    for block_start in range(start, stop, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        in_list = (positions < list_width) & (positions < list_length) & (positions < stop)
+        slots = tl.load(slot_row_ptr + positions, mask=in_list, other=-1)
+        valid = in_list & (slots >= 0)
+        k = load_k_block(cache_ptr, slots, valid, block_stride, BLOCK_SIZE, BLOCK_N, DOT_DTYPE)
+
+        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # All-padding so far: keep the reference point finite so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(
+    q_ptr, cache_ptr, slots_ptr, lengths_ptr,
+    extra_cache_ptr, extra_slots_ptr, extra_lengths_ptr,
+    sink_ptr, out_ptr, lse_ptr, partial_out_ptr, partial_lse_ptr,
+    num_heads, list_width, extra_list_width, split_len, extra_split_len,
+    block_stride, extra_block_stride, qk_scale_log2,
+    stride_q_token, stride_q_head, stride_slots_token, stride_extra_slots_token,
+    stride_out_token, stride_out_head,
+    stride_po_token, stride_po_split, stride_po_head, stride_pl_token, stride_pl_split,
+    BLOCK_SIZE: tl.constexpr, EXTRA_BLOCK_SIZE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LENGTHS: tl.constexpr,
+    HAS_SINK: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    # Program ids.
+    head_block = tl.program_id(0)
+    split = tl.program_id(1)
+    token = tl.program_id(2).to(tl.int64)
+    heads = head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+    head_mask = heads < num_heads
+    dims = tl.arange(0, 512)
+
+    # The query block stays in registers for the whole loop.
+    q_ptrs = q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full((HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((HEADS_PER_PROGRAM,), dtype=tl.float32)
+    acc = tl.zeros((HEADS_PER_PROGRAM, 512), dtype=tl.float32)
+
+    # Loop over this split's piece of the first slot list, then of the extra list.
+    length = list_width
+    if HAS_LENGTHS:
+        length = tl.load(lengths_ptr + token)
+    start = split * split_len
+    m_i, l_i, acc = attend_slot_range(
+        q, m_i, l_i, acc, cache_ptr, slots_ptr + token * stride_slots_token, list_width, length,
+        start, start + split_len, block_stride, qk_scale_log2, BLOCK_SIZE, BLOCK_N, DOT_DTYPE)
+    if HAS_EXTRA:
+        extra_length = extra_list_width
+        if HAS_EXTRA_LENGTHS:
+            extra_length = tl.load(extra_lengths_ptr + token)
+        extra_start = split * extra_split_len
+        m_i, l_i, acc = attend_slot_range(
+            q, m_i, l_i, acc, extra_cache_ptr, extra_slots_ptr + token * stride_extra_slots_token,
+            extra_list_width, extra_length, extra_start, extra_start + extra_split_len,
+            extra_block_stride, qk_scale_log2, EXTRA_BLOCK_SIZE, BLOCK_N, DOT_DTYPE)
+
+    # Write-back: normalized output and base-2 lse (-inf when nothing was valid).
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    if IS_SINGLE_SPLIT:
+        if HAS_SINK:
+            out = apply_sink(out, lse2, sink_ptr, heads, head_mask)
+        out_ptrs = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(lse_ptr + token * num_heads + heads, lse2 * 0.6931471805599453, mask=head_mask)
+    else:
+        po_ptrs = (partial_out_ptr + token * stride_po_token + split * stride_po_split
+                   + heads[:, None] * stride_po_head + dims[None, :])
+        tl.store(po_ptrs, out, mask=head_mask[:, None])
+        tl.store(partial_lse_ptr + token * stride_pl_token + split * stride_pl_split + heads,
+                 lse2, mask=head_mask)
+
+
+def dot_dtype() -> tl.dtype:
+    """bf16 operands for the tensor cores; fp32 under the interpreter, whose tl.dot
+    multiplies bf16 operands' raw bits (seen with Triton 3.9's interpreter)."""
+    return tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
+
+
+def _as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """Accept FlashMLA's [T, 1, ...] (one query per sequence) as well as [T, ...]."""
+    if x is None:
+        return None
+    if x.dim() >= 2 and x.shape[1] == 1 and name in ("q", "indices") and x.dim() == (4 if name == "q" else 3):
+        x = x.squeeze(1)
+    return x
+
+
+def choose_num_splits(num_tokens: int, num_head_blocks: int, longest_list: int, block_n: int) -> int:
+    """Enough splits to give the GPU about TARGET_PROGRAMS programs, each >= one block."""
+    programs = num_tokens * num_head_blocks
+    wanted = triton.cdiv(TARGET_PROGRAMS, programs)
+    return max(1, min(wanted, triton.cdiv(longest_list, block_n)))
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    block_size: int | None = None,
+    extra_block_size: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    heads_per_program: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode; returns (out [T, H, 512], lse [T, H] natural log).
+
+    q [T, H, 512] (or [T, 1, H, 512]); caches uint8 (`ds_mla_cache`); indices [T, K]
+    (or [T, 1, K]) int32/int64 global slots; lengths [T] int32. Extra cache optional.
+    """
+    q = _as_token_major(q, "q")
+    indices = _as_token_major(indices, "indices")
+    extra_indices = _as_token_major(extra_indices, "indices")
+    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
+    num_tokens, num_heads, _ = q.shape
+    if indices.dim() != 2 or indices.shape[0] != num_tokens or indices.stride(-1) != 1:
+        raise ValueError(f"indices must be [T, K] with contiguous rows, got {tuple(indices.shape)}")
+    has_extra = extra_k_cache is not None
+    if has_extra and (extra_indices is None or extra_indices.shape[0] != num_tokens):
+        raise ValueError("extra_k_cache needs extra_indices [T, K2]")
+    geometry = layout.cache_geometry(k_cache, block_size)
+    extra_geometry = layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
+
+    if heads_per_program is None:
+        heads_per_program = min(MAX_HEADS_PER_PROGRAM, max(MIN_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads)))
+    if num_warps is None:
+        num_warps = 8 if heads_per_program >= 32 else 4
+    num_head_blocks = triton.cdiv(num_heads, heads_per_program)
+    list_width = indices.shape[1]
+    extra_list_width = extra_indices.shape[1] if has_extra else 0
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tokens, num_head_blocks, max(list_width, extra_list_width), block_n)
+    split_len = triton.cdiv(triton.cdiv(list_width, num_splits), block_n) * block_n
+    extra_split_len = triton.cdiv(triton.cdiv(extra_list_width, num_splits), block_n) * block_n
+
+    if out is None:
+        out = torch.empty_like(q)
+    out = _as_token_major(out, "q")
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    is_single_split = num_splits == 1
+    if is_single_split:
+        partial_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
+        partial_lse = lse.new_empty((1, 1, 1))
+    else:
+        partial_out = torch.empty((num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32, device=q.device)
+
+    grid = (num_head_blocks, num_splits, num_tokens)
+    placeholder = indices  # any tensor: pointers of absent inputs are never read
+    _sparse_mla_decode_kernel[grid](
+        q, k_cache, indices, topk_length if topk_length is not None else placeholder,
+        extra_k_cache if has_extra else k_cache,
+        extra_indices if has_extra else placeholder,
+        extra_topk_length if extra_topk_length is not None else placeholder,
+        attn_sink if attn_sink is not None else placeholder,
+        out, lse, partial_out, partial_lse,
+        num_heads, list_width, extra_list_width, split_len, extra_split_len,
+        geometry.block_stride, extra_geometry.block_stride, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), indices.stride(0),
+        extra_indices.stride(0) if has_extra else 0,
+        out.stride(0), out.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        BLOCK_SIZE=geometry.block_size, EXTRA_BLOCK_SIZE=extra_geometry.block_size,
+        HAS_LENGTHS=topk_length is not None, HAS_EXTRA=has_extra,
+        HAS_EXTRA_LENGTHS=has_extra and extra_topk_length is not None,
+        HAS_SINK=attn_sink is not None, IS_SINGLE_SPLIT=is_single_split,
+        HEADS_PER_PROGRAM=heads_per_program, BLOCK_N=block_n, DOT_DTYPE=dot_dtype(),
+        num_warps=num_warps, num_stages=1,
+    )
+    if not is_single_split:
+        combine_splits(partial_out, partial_lse, attn_sink, out, lse)
+    return out, lse
+
+
+def sparse_mla_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    block_size: int | None = None,
+    extra_block_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference in fp32 (q rounded to bf16 as the kernel reads it)."""
+    q = _as_token_major(q, "q").float()
+    lists = [(k_cache, _as_token_major(indices, "indices"), topk_length, block_size)]
+    if extra_k_cache is not None:
+        lists.append((extra_k_cache, _as_token_major(extra_indices, "indices"), extra_topk_length, extra_block_size))
+    all_rows, all_valid = [], []
+    for cache, slots, lengths, size in lists:
+        slots = slots.to(torch.int64)
+        positions = torch.arange(slots.shape[1], device=slots.device)
+        valid = slots >= 0
+        if lengths is not None:
+            valid &= positions.unsqueeze(0) < lengths.to(torch.int64).unsqueeze(1)
+        all_rows.append(layout.read_rows_reference(cache, torch.where(valid, slots, -1), size))
+        all_valid.append(valid)
+    rows = torch.cat(all_rows, dim=1)  # [T, K, 512]
+    valid = torch.cat(all_valid, dim=1)  # [T, K]
+    scores = torch.einsum("thd,tkd->thk", q, rows) * softmax_scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [T, H]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("thk,tkd->thd", probs, rows)
+    if attn_sink is not None:
+        out = out * torch.sigmoid(lse - attn_sink.float()).unsqueeze(-1)
+    return out, lse
