@@ -1,0 +1,83 @@
+"""Decides whether the PLE hook is on and swaps the embedding class when Qwen4Exp loads.
+
+The seam is the one name Qwen4Exp's n-gram embedding looks up when it builds its table
+(`Qwen4ExpPLEPinnedHostEmbedding` or `Qwen4ExpPLEDeviceEmbedding` in the module that
+constructs it). The swap happens only when vLLM imports those modules, which it does only
+for Qwen4Exp models, so other models never load this code.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_ENV = "BACKPORT_PLE_ADDRESS"
+SHARED_MEMORY_ENV = "BACKPORT_PLE_SHARED_MEMORY"
+REATTACH_TIMEOUT_ENV = "BACKPORT_PLE_REATTACH_TIMEOUT_S"
+
+# Modules that pick the PLE embedding class by these names when a layer is built.
+_EMBEDDING_CHOOSERS = (
+    "vllm.models.qwen4_exp.nvidia.ngram_embedding",
+    "vllm.models.qwen4_exp.amd.ple_layer",
+)
+_STOCK_CLASS_NAMES = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
+
+_installed = False
+
+
+def install() -> bool:
+    """Turns the hook on when `BACKPORT_PLE_ADDRESS` names a PLE service. Idempotent;
+    returns whether the hook is active."""
+    global _installed
+    if _installed:
+        return True
+    if not os.environ.get(ADDRESS_ENV):
+        return False
+    _installed = True
+    for name in _EMBEDDING_CHOOSERS:
+        module = sys.modules.get(name)
+        if module is not None:
+            _swap_embedding_class(module)
+    sys.meta_path.insert(0, _PatchOnImport())
+    logger.info("Qwen4Exp PLE lookups will be served by the PLE service at %s",
+                os.environ[ADDRESS_ENV])
+    return True
+
+
+def _swap_embedding_class(module: ModuleType) -> None:
+    from services.engine.backport.ple.service_embedding import ServicePleEmbedding
+
+    for name in _STOCK_CLASS_NAMES:
+        if hasattr(module, name):
+            setattr(module, name, ServicePleEmbedding)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs `_swap_embedding_class` right after one of the chooser modules executes."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _EMBEDDING_CHOOSERS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        _swap_embedding_class(module)

@@ -1,0 +1,193 @@
+"""A Qwen4Exp PLE embedding whose rows live in the PLE offload service.
+
+Stands in for vLLM's `Qwen4ExpPLEPinnedHostEmbedding`/`Qwen4ExpPLEDeviceEmbedding`: same
+constructor, same ETP/DP ownership rules and the same storage-dtype output, so the stock
+`dequantize` and projection follow unchanged. Rows come from this machine's shared-memory
+copy when the service runs here, over gRPC otherwise; the process holds no table.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from services.engine.backport.ple.activation import (
+    ADDRESS_ENV,
+    REATTACH_TIMEOUT_ENV,
+    SHARED_MEMORY_ENV,
+)
+from services.ple_offload.client import PleTableClient
+from services.ple_offload.table_format import RowDtype
+from vllm.logger import init_logger
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEEmbedding,
+    Qwen4ExpPLEEmbeddingMethod,
+)
+from vllm.utils.torch_utils import direct_register_custom_op
+
+logger = init_logger(__name__)
+
+_TORCH_DTYPES = {RowDtype.FLOAT8_E4M3FN: torch.float8_e4m3fn, RowDtype.BFLOAT16: torch.bfloat16}
+
+_layers: dict[str, ServicePleEmbedding] = {}
+_clients: dict[str, PleTableClient] = {}
+_clients_lock = threading.Lock()
+_op_registered = False
+
+
+class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
+    """PLE table served by the PLE offload service (`BACKPORT_PLE_ADDRESS`)."""
+
+    supports_prefetch: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: torch.dtype,
+        padding_size: int,
+        prefix: str,
+        embedding_method: Qwen4ExpPLEEmbeddingMethod,
+        num_ngram_heads: int = 1,
+        max_total_tokens: int = 0,
+        data_parallel_rank: int = 0,
+        reduce_results: bool = True,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            params_dtype=params_dtype,
+            padding_size=padding_size,
+            prefix=prefix,
+            embedding_method=embedding_method,
+            num_ngram_heads=num_ngram_heads,
+            max_total_tokens=max_total_tokens,
+            data_parallel_rank=data_parallel_rank,
+            reduce_results=reduce_results,
+        )
+        self.layer_name = prefix
+        self.table = _shared_client()
+        self._check_table_fits()
+        _register_lookup_op()
+        _layers[prefix] = self
+        logger.info("PLE %s served by %s (%s)", prefix, self.table.address,
+                    "shared memory" if self.table.is_local else "gRPC")
+
+    def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int,
+                                  dtype: torch.dtype) -> torch.Tensor:
+        """One zero row stretched to the table's shape: vLLM's loader and logs see the
+        parameter they expect, and the process spends one row of memory on it."""
+        return torch.zeros(embedding_dim, dtype=dtype, device="cpu").expand(num_embeddings,
+                                                                           embedding_dim)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
+                      checkpoint_start: int | None = None) -> None:
+        """Checks a checkpoint shard against the service's rows instead of copying it."""
+        start = checkpoint_start or 0
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != self.embedding_dim:
+            raise ValueError(f"{self.layer_name}: checkpoint rows {tuple(loaded_weight.shape)} "
+                             f"do not have width {self.embedding_dim}")
+        if loaded_weight.dtype != self.weight.dtype:
+            raise ValueError(f"{self.layer_name}: checkpoint stores {loaded_weight.dtype}, the "
+                             f"PLE service {self.weight.dtype}")
+        num_rows = loaded_weight.shape[0]
+        if num_rows == 0:
+            return
+        probe = np.array([start, start + num_rows - 1], dtype=np.int64)
+        expected = loaded_weight[[0, num_rows - 1]].contiguous().view(torch.uint8).numpy()
+        if not np.array_equal(self.table.gather(probe), expected):
+            raise ValueError(
+                f"{self.layer_name}: the PLE service at {self.table.address} serves "
+                f"{self.table.info.tensor_name} (sha256 {self.table.info.header_sha256.hex()[:16]}), "
+                f"whose rows differ from this checkpoint at rows {probe.tolist()}")
+
+    def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+        """Rows for [tokens, heads] ids in the storage dtype, like the stock classes."""
+        slot_size, slot_offset = self._get_dp_gather_slot(ngram_ids.shape[0])
+        gathered_ids = self._gather_dp_ids(ngram_ids, slot_size)
+        embeddings = torch.ops.vllm.backport_ple_lookup(gathered_ids, self.layer_name)
+        if self.reduce_results and self.tp_size > 1:
+            embeddings = self._reduce_owned_rows(embeddings)
+        return self._select_embeddings(embeddings, ngram_ids.shape[0], slot_offset)
+
+    sync_lookup = forward
+
+    def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+        return None
+
+    def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+        raise RuntimeError("the PLE service embedding looks rows up in forward()")
+
+    def lookup_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the ids this ETP rank owns; zeros for the rest (another rank adds them)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("PLE service lookups run on the host and cannot be captured in a "
+                               "CUDA graph; exclude the PLE layer from capture or use enforce_eager")
+        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        start = self.shard_indices.org_vocab_start_index
+        end = self.shard_indices.org_vocab_end_index
+        owned = (flat >= start) & (flat < end)
+        if owned.all():
+            rows = self.table.gather(flat)
+        else:
+            rows = self.table.gather(np.where(owned, flat, 0))
+            rows = np.require(rows, requirements="W")
+            rows[~owned] = 0
+        out = torch.from_numpy(np.require(rows, requirements="W")).view(self.weight.dtype)
+        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def _reduce_owned_rows(self, embeddings: torch.Tensor) -> torch.Tensor:
+        # Each row has exactly one owning rank, so summing raw fp8 bytes is exact.
+        assert self.parallel_group is not None
+        if embeddings.dtype == torch.float8_e4m3fn:
+            return self.parallel_group.all_reduce(embeddings.view(torch.int8)).view(embeddings.dtype)
+        return self.parallel_group.all_reduce(embeddings)
+
+    def _check_table_fits(self) -> None:
+        info = self.table.info
+        want_dtype = self.weight.dtype
+        problems = []
+        if info.num_rows != self.org_vocab_size:
+            problems.append(f"{info.num_rows} rows, the layer needs {self.org_vocab_size}")
+        if info.row_width != self.embedding_dim:
+            problems.append(f"row width {info.row_width}, the layer needs {self.embedding_dim}")
+        if _TORCH_DTYPES.get(RowDtype(info.dtype)) != want_dtype:
+            problems.append(f"dtype {RowDtype(info.dtype).name}, the layer stores {want_dtype}")
+        if problems:
+            raise ValueError(f"PLE service at {self.table.address} serves {info.tensor_name}, "
+                             f"which does not fit {self.layer_name}: " + "; ".join(problems))
+
+
+def _shared_client() -> PleTableClient:
+    """One client per process and address, shared by every PLE layer."""
+    address = os.environ[ADDRESS_ENV]
+    with _clients_lock:
+        if address not in _clients:
+            _clients[address] = PleTableClient(
+                address,
+                allow_shared_memory=os.environ.get(SHARED_MEMORY_ENV, "1") != "0",
+                reattach_timeout_s=float(os.environ.get(REATTACH_TIMEOUT_ENV, "60")),
+            )
+        return _clients[address]
+
+
+def _lookup_op(ngram_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return _layers[layer_name].lookup_rows(ngram_ids)
+
+
+def _lookup_op_fake(ngram_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    layer = _layers[layer_name]
+    return ngram_ids.new_empty((*ngram_ids.shape, layer.embedding_dim), dtype=layer.weight.dtype)
+
+
+def _register_lookup_op() -> None:
+    """An opaque op, so torch.compile traces around the host-side lookup."""
+    global _op_registered
+    if not _op_registered:
+        direct_register_custom_op("backport_ple_lookup", _lookup_op, fake_impl=_lookup_op_fake)
+        _op_registered = True
