@@ -147,6 +147,10 @@ class DeepseekV4Renderer:
         if continue_final_message and parsed[-1].role != "assistant":
             raise ChatRenderError(f"messages[{len(parsed) - 1}].role",
                                   "continue_final_message needs a final assistant message")
+        for index, message in enumerate(parsed):
+            # The model never saw an empty developer turn (vLLM's encoder refuses one too).
+            if message.role == "developer" and not "".join(message.text_parts):
+                raise ChatRenderError(f"messages[{index}].content", "must not be empty for a developer message")
         mode = DeepseekV4Mode.from_template_kwargs(template_kwargs)
         return encode(parsed, tool_functions, mode, add_generation_prompt, continue_final_message)
 
@@ -173,7 +177,7 @@ def encode(
     for index, turn in enumerate(turns):
         is_final = index == len(turns) - 1
         keeps_reasoning = mode.is_thinking and (not drop_earlier or index > last_user_index)
-        pieces.append(_encode_turn(turn, index, keeps_reasoning, is_continued=is_final and continue_final_message))
+        pieces.append(_encode_turn(turn, keeps_reasoning, is_continued=is_final and continue_final_message))
         next_role = None if is_final else turns[index + 1].role
         opens_answer = turn.role != "assistant" and next_role in (None, "assistant")
         if opens_answer and (add_generation_prompt or not is_final):
@@ -229,15 +233,13 @@ def _without_earlier_developer_turns(turns: list[_Turn]) -> list[_Turn]:
     return [turn for i, turn in enumerate(turns) if turn.role != "developer" or i >= last_user_index]
 
 
-def _encode_turn(turn: _Turn, index: int, keeps_reasoning: bool, is_continued: bool) -> str:
+def _encode_turn(turn: _Turn, keeps_reasoning: bool, is_continued: bool) -> str:
     if turn.role == "system":
         if not turn.tools:
             return turn.text
         schemas = "\n".join(_to_json(function) for function in turn.tools)
         return turn.text + "\n\n" + _TOOLS_SECTION.replace("{tool_schemas}", schemas)
     if turn.role == "developer":
-        if not turn.text:
-            raise ChatRenderError(f"messages[{index}].content", "must not be empty for a developer message")
         return USER + turn.text
     if turn.role == "user":
         return USER + "\n\n".join(
