@@ -89,8 +89,11 @@ def type_value(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | N
     types = declared_types(schema)
     if encoding == "json":
         parsed = _loads_json(text)
-        if parsed is not _FAILED and (not types or _json_type(parsed) in types or _is_whole(parsed, types)):
-            return parsed
+        if parsed is not _FAILED:
+            if not types or _json_type(parsed) in types or _is_whole(parsed, types):
+                return parsed
+            if isinstance(parsed, str):
+                text = parsed  # a quoted "3" for an integer: type what is inside the quotes
     if not types:
         if encoding == "text":
             return text

@@ -1,0 +1,84 @@
+"""Argument values typed by the tool's JSON schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.gateway.parsing.argument_typing import ToolSchemas, ValueEncoding, declared_types, type_value
+
+STRING = {"type": "string"}
+INTEGER = {"type": "integer"}
+NUMBER = {"type": "number"}
+BOOLEAN = {"type": "boolean"}
+OBJECT = {"type": "object"}
+ARRAY = {"type": "array"}
+NULLABLE_INTEGER = {"type": ["integer", "null"]}
+
+
+@pytest.mark.parametrize(
+    ("text", "encoding", "schema", "expected"),
+    [
+        ("007", "unknown", STRING, "007"),
+        ("007", "json", STRING, "007"),
+        ("true", "unknown", STRING, "true"),
+        (' spaced "quoted" ', "text", STRING, ' spaced "quoted" '),
+        ('"quoted"', "json", STRING, "quoted"),
+        ("3", "unknown", INTEGER, 3),
+        ("3", "text", INTEGER, 3),
+        (" 3.0\n", "unknown", INTEGER, 3),
+        ('"3"', "json", INTEGER, 3),
+        ("three", "unknown", INTEGER, "three"),
+        ("2.5", "unknown", NUMBER, 2.5),
+        ("4", "json", NUMBER, 4),
+        ("1e999", "unknown", NUMBER, "1e999"),
+        ("NaN", "json", NUMBER, "NaN"),
+        ("True", "unknown", BOOLEAN, True),
+        ("false", "json", BOOLEAN, False),
+        ("null", "unknown", NULLABLE_INTEGER, None),
+        ("None", "unknown", NULLABLE_INTEGER, None),
+        ("12", "unknown", NULLABLE_INTEGER, 12),
+        ('{"a": [1, {"b": null}]}', "unknown", OBJECT, {"a": [1, {"b": None}]}),
+        ("{'a': True, 'b': None}", "unknown", OBJECT, {"a": True, "b": None}),
+        ("[1, 'x']", "unknown", ARRAY, [1, "x"]),
+        ("[1, 2]", "unknown", OBJECT, [1, 2]),  # the wrong type, still read as JSON
+        ("not json", "unknown", ARRAY, "not json"),
+        ('{"x": 1}', "unknown", None, {"x": 1}),
+        ("42", "unknown", None, 42),
+        ("hello", "unknown", None, "hello"),
+        ("42", "text", None, "42"),
+        ('{"x": 1}', "json", {"anyOf": [{"type": "object"}, {"type": "null"}]}, {"x": 1}),
+        ("b", "unknown", {"enum": ["a", "b"]}, "b"),
+        ("2", "unknown", {"enum": [1, 2]}, 2),
+    ],
+)
+def test_value_typed_by_schema(text: str, encoding: ValueEncoding, schema: dict[str, Any] | None, expected: Any) -> None:
+    value = type_value(text, encoding, schema)
+
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_declared_types_read_unions_and_structural_hints() -> None:
+    assert declared_types({"type": ["string", "null"]}) == {"string", "null"}
+    assert declared_types({"oneOf": [{"type": "integer"}, {"type": "string"}]}) == {"integer", "string"}
+    assert declared_types({"properties": {}}) == {"object"}
+    assert declared_types({"items": {}}) == {"array"}
+    assert declared_types({"description": "anything"}) == frozenset()
+
+
+def test_tool_schemas_accept_openai_tools_and_bare_functions_and_skip_junk() -> None:
+    schemas = ToolSchemas(
+        [
+            {"type": "function", "function": {"name": "a", "parameters": {"properties": {"n": INTEGER}}}},
+            {"name": "b", "parameters": {"properties": {"s": STRING}}},
+            {"type": "function", "function": {"description": "no name"}},
+            "not a tool",  # type: ignore[list-item]
+        ]
+    )
+
+    assert schemas.parameter_schema("a", "n") == INTEGER
+    assert schemas.parameter_schema("b", "s") == STRING
+    assert schemas.parameter_schema("a", "missing") is None
+    assert schemas.parameter_schema("unknown_tool", "n") is None

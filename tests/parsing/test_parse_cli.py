@@ -1,0 +1,81 @@
+"""`backport parse` (run as `python -m services.gateway.parsing.cli`) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.parsing.test_deepseek_v4_parsing import PYTHON_SOURCE, REALISTIC_OUTPUT, TOOLS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_parse(arguments: list[str], stdin: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.gateway.parsing.cli", *arguments],
+        input=stdin.encode("utf-8"),
+        capture_output=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def tools_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("chunk_arguments", [[], ["--chunk-size", "1"], ["--chunk-size", "13"]])
+def test_prints_the_message_for_every_chunk_size(tools_file: Path, chunk_arguments: list[str]) -> None:
+    result = _run_parse(
+        ["--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4", "--tools", str(tools_file), *chunk_arguments],
+        REALISTIC_OUTPUT,
+    )
+
+    assert result.returncode == 0, result.stderr.decode()
+    printed: dict[str, Any] = json.loads(result.stdout)
+    assert printed["content"] == "I'll write the file and look up related code."
+    assert printed["reasoning_content"].startswith("The user wants a file")
+    assert [call["function"]["name"] for call in printed["tool_calls"]] == ["write_file", "search"]
+    assert all(call["type"] == "function" and call["id"].startswith("call_") for call in printed["tool_calls"])
+    first_arguments = json.loads(printed["tool_calls"][0]["function"]["arguments"])
+    assert first_arguments["content"] == PYTHON_SOURCE
+    assert json.loads(printed["tool_calls"][1]["function"]["arguments"])["agent_id"] == "007"
+
+
+def test_no_thinking_reads_the_output_as_content() -> None:
+    result = _run_parse(["--reasoning-parser", "qwen3", "--no-thinking"], "Just an answer.</think>")
+
+    assert result.returncode == 0, result.stderr.decode()
+    assert json.loads(result.stdout) == {
+        "role": "assistant",
+        "reasoning_content": None,
+        "content": "Just an answer.",
+        "tool_calls": [],
+    }
+
+
+def test_thinking_is_the_default() -> None:
+    result = _run_parse(["--reasoning-parser", "glm45"], "Hmm.</think>Yes.")
+
+    printed = json.loads(result.stdout)
+    assert (printed["reasoning_content"], printed["content"]) == ("Hmm.", "Yes.")
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--tool-call-parser", "hermes"], ["--chunk-size", "0"], ["--tools", "/nonexistent/tools.json"]],
+)
+def test_bad_options_exit_with_status_2(arguments: list[str]) -> None:
+    result = _run_parse(arguments, "text")
+
+    assert result.returncode == 2
+    assert result.stderr

@@ -1,0 +1,57 @@
+"""The parsing package: parser names, errors, and staying light enough for the gateway."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.gateway.parsing import (
+    REASONING_PARSER_NAMES,
+    TOOL_CALL_PARSER_NAMES,
+    ChatOutputParser,
+    UnknownParserError,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parser_names_are_vllms() -> None:
+    assert TOOL_CALL_PARSER_NAMES == ("deepseek_v4", "glm47", "qwen3_xml")
+    assert REASONING_PARSER_NAMES == ("deepseek_v4", "glm45", "qwen3")
+
+
+@pytest.mark.parametrize("options", [{"tool_call_parser": "hermes"}, {"reasoning_parser": "deepseek_r1"}])
+def test_unknown_parser_name_is_a_value_error(options: dict[str, str]) -> None:
+    with pytest.raises(UnknownParserError, match="known:"):
+        ChatOutputParser(**options)
+
+
+def test_feed_after_finish_is_refused_and_finish_twice_is_harmless() -> None:
+    parser = ChatOutputParser(reasoning_parser="qwen3")
+    assert parser.feed("hi").content == "hi"
+    assert parser.finish().is_empty
+    assert parser.finish().is_empty
+    with pytest.raises(RuntimeError):
+        parser.feed("more")
+
+
+def test_without_parsers_the_text_is_content_verbatim_apart_from_edges() -> None:
+    parser = ChatOutputParser()
+    text = "<think>not parsed</think> <tool_call>x</tool_call>"
+    assert parser.feed(text).content == text
+    assert parser.finish().is_empty
+
+
+def test_importing_the_parsers_pulls_in_no_torch_vllm_or_transformers() -> None:
+    code = (
+        "import sys, services.gateway.parsing, services.gateway.parsing.cli;"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers'));"
+        "print(','.join(heavy))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True
+    )
+    assert result.stdout.strip() == ""
