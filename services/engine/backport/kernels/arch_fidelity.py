@@ -1,0 +1,120 @@
+"""Compile Triton kernels as an older card would, on the newer card that is present.
+
+On an H200 (sm90) we prove kernels meant for sm80/86/89: Triton lowers them with the
+target arch's instruction set (`knobs.runtime.override_arch`), so anything the target
+lacks (`tl.float8e4nv` on sm80/86, wgmma, TMA) fails exactly as on that card, and only
+the final PTX -> cubin step targets the real card (an inspection hook replaces the
+`cubin` stage), so the kernel still runs and its results can be checked.
+
+The card itself allows more shared memory than the target does, so the compiled
+kernels' `metadata.shared` is held against the target's per-block limit here
+(`SHARED_MEMORY_LIMIT_BYTES`). torch ops that reach fp8 matmuls would fail on Ampere;
+`Fp8MatmulGuard` makes them fail here too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SHARED_MEMORY_LIMIT_BYTES = {"sm80": 166_912, "sm86": 101_376, "sm89": 101_376}
+ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
+_MATMUL_FUNCTIONS = frozenset(
+    {"matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "linear", "_scaled_mm", "__matmul__", "__rmatmul__"}
+)
+
+
+def enable_arch_emulation(arch: str, cache_dir: str) -> None:
+    """Make every later Triton compile in this process lower for `arch` (e.g. "sm80")
+    and finish with a cubin for the real card. Call before the first compile."""
+    import triton
+
+    if arch not in SHARED_MEMORY_LIMIT_BYTES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(SHARED_MEMORY_LIMIT_BYTES)}")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    triton.knobs.cache.dir = cache_dir
+    major, minor = torch.cuda.get_device_capability()
+    real_capability = major * 10 + minor
+    pipeline_key = f"backport-lower-{arch}-cubin-sm{real_capability}"
+    pipeline_hash = hashlib.sha256(pipeline_key.encode()).hexdigest()
+
+    def inspect_stages(backend: Any = None, stages: Any = None, options: Any = None,
+                       language: Any = None, capability: Any = None) -> tuple[str, str] | None:
+        # Called with no arguments, Triton asks for a key that keeps these compiles
+        # apart in its caches; called with the pipeline, we swap the last stage.
+        if backend is None:
+            return pipeline_key, pipeline_hash
+        stages["cubin"] = lambda src, metadata: backend.make_cubin(src, metadata, options, real_capability)
+        return None
+
+    triton.knobs.runtime.override_arch = arch
+    triton.knobs.runtime.add_stages_inspection_hook = inspect_stages
+
+
+class Fp8MatmulGuard(TorchFunctionMode):
+    """Raises on any torch matmul that gets an fp8 operand (Ampere has no fp8 MMA)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _MATMUL_FUNCTIONS and _has_fp8_tensor(args, kwargs):
+            raise RuntimeError(f"fp8 torch matmul ({func.__name__}) is not available on sm80/sm86")
+        return func(*args, **kwargs)
+
+
+def _has_fp8_tensor(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
+    values = list(args) + list(kwargs.values())
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            if _has_fp8_tensor(value, {}):
+                return True
+        elif isinstance(value, torch.Tensor) and value.dtype.itemsize == 1 and value.dtype.is_floating_point:
+            return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledKernelReport:
+    """Resources of one compiled specialization of a Triton kernel."""
+
+    name: str
+    shared_bytes: int
+    registers: int
+    spills: int
+
+
+def compiled_kernel_reports(modules: Iterable[ModuleType]) -> list[CompiledKernelReport]:
+    """Every compiled specialization of the `@triton.jit` kernels defined in `modules`."""
+    from triton.runtime.jit import JITFunction
+
+    reports = []
+    for module in modules:
+        for value in vars(module).values():
+            if not isinstance(value, JITFunction) or value.__module__ != module.__name__:
+                continue
+            for device_cache in getattr(value, "device_caches", {}).values():
+                kernel_cache = device_cache[0] if isinstance(device_cache, tuple) else device_cache
+                for kernel in list(kernel_cache.values()):
+                    reports.append(_report(value.__name__, kernel))
+    return reports
+
+
+def _report(name: str, kernel: Any) -> CompiledKernelReport:
+    # Registers and spills are known once the cubin is loaded; a kernel over the
+    # real card's limits cannot load, and then only its shared memory is reported.
+    try:
+        kernel._init_handles()
+    except Exception:  # noqa: BLE001 - triton raises OutOfResources and friends
+        pass
+    return CompiledKernelReport(
+        name=name,
+        shared_bytes=int(kernel.metadata.shared),
+        registers=int(getattr(kernel, "n_regs", -1)),
+        spills=int(getattr(kernel, "n_spills", -1)),
+    )

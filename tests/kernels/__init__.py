@@ -1,0 +1,1 @@
+"""Tests and fidelity harness for the Triton kernels in services/engine/backport/kernels."""

@@ -1,0 +1,207 @@
+"""pytest plugin: the Ampere fidelity harness for the Triton kernels.
+
+Load it with `-p tests.kernels.fidelity_plugin` (run pytest as `python -m pytest` from
+the repository root so the `tests` package is importable at plugin-load time).
+
+- `--gpu-arch sm80|sm86|sm89` on a CUDA machine: kernels are lowered with that arch's
+  instruction set and a fresh Triton cache (`arch_fidelity.enable_arch_emulation`);
+  each kernel test fails if a compiled kernel's shared memory exceeds the arch's
+  per-block limit, and in sm80/sm86 mode on any fp8 torch matmul.
+- No CUDA: the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set here
+  before any kernel module is imported) on small shapes; `--gpu-arch` then only labels.
+- At the end a table is printed (and written as markdown to `--fidelity-report PATH`):
+  kernel, arch, max error vs reference, shared memory, registers, spills.
+
+Nothing heavy is imported unless a test under tests/kernels is collected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+KERNEL_TESTS_DIR = Path(__file__).resolve().parent
+KERNEL_PACKAGE = "services.engine.backport.kernels"
+GPU_ARCHS = ("sm80", "sm86", "sm89")
+
+
+@dataclass
+class _HarnessState:
+    arch: str | None = None
+    report_path: str | None = None
+    is_prepared: bool = False
+    is_interpreter: bool = False
+    device: str = "cpu"
+    max_errors: dict[str, float] = field(default_factory=dict)
+    over_limit: set[str] = field(default_factory=set)
+
+
+_state = _HarnessState()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kernel fidelity")
+    group.addoption("--gpu-arch", choices=GPU_ARCHS, default=None,
+                    help="compile Triton kernels with this arch's instruction set and limits")
+    group.addoption("--fidelity-report", default=None, metavar="PATH",
+                    help="also write the kernel fidelity table as markdown to PATH")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _state.arch = config.getoption("--gpu-arch")
+    _state.report_path = config.getoption("--fidelity-report")
+
+
+def _is_kernel_test_path(path: Path) -> bool:
+    return KERNEL_TESTS_DIR == path or KERNEL_TESTS_DIR in path.resolve().parents
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+    # Runs before the test module is imported, so the backend can still be chosen.
+    if _is_kernel_test_path(file_path) and file_path.suffix == ".py":
+        _prepare_backend()
+
+
+def _prepare_backend() -> None:
+    if _state.is_prepared:
+        return
+    _state.is_prepared = True
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+    _state.is_interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    _state.device = "cpu" if _state.is_interpreter else "cuda"
+    if _state.arch is not None and not _state.is_interpreter:
+        from services.engine.backport.kernels.arch_fidelity import enable_arch_emulation
+
+        enable_arch_emulation(_state.arch, tempfile.mkdtemp(prefix=f"triton-cache-{_state.arch}-"))
+
+
+def _kernel_modules() -> list[Any]:
+    package = importlib.import_module(KERNEL_PACKAGE)
+    return [importlib.import_module(f"{KERNEL_PACKAGE}.{info.name}")
+            for info in pkgutil.iter_modules(package.__path__)]
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> str:
+    """"cuda" when kernels compile for a GPU, "cpu" under the interpreter."""
+    _prepare_backend()
+    return _state.device
+
+
+@pytest.fixture(scope="session")
+def is_interpreter() -> bool:
+    _prepare_backend()
+    return _state.is_interpreter
+
+
+@pytest.fixture(scope="session")
+def gpu_arch() -> str | None:
+    return _state.arch
+
+
+@pytest.fixture
+def record_max_error() -> Callable[[str, float], None]:
+    """Record a kernel's error against its reference for the fidelity table."""
+
+    def record(kernel_name: str, error: float) -> None:
+        _state.max_errors[kernel_name] = max(error, _state.max_errors.get(kernel_name, 0.0))
+
+    return record
+
+
+@pytest.fixture(autouse=True)
+def _kernel_fidelity_checks(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not _is_kernel_test_path(Path(str(request.node.path))) or _state.is_interpreter:
+        yield
+        return
+    from services.engine.backport.kernels.arch_fidelity import (
+        ARCHS_WITHOUT_FP8,
+        SHARED_MEMORY_LIMIT_BYTES,
+        Fp8MatmulGuard,
+        compiled_kernel_reports,
+    )
+
+    if _state.arch in ARCHS_WITHOUT_FP8:
+        with Fp8MatmulGuard():
+            yield
+    else:
+        yield
+    if _state.arch is None:
+        return
+    limit = SHARED_MEMORY_LIMIT_BYTES[_state.arch]
+    offenders = {r.name: r.shared_bytes for r in compiled_kernel_reports(_kernel_modules())
+                 if r.shared_bytes > limit and r.name not in _state.over_limit}
+    _state.over_limit.update(offenders)
+    if offenders:
+        pytest.fail(f"shared memory over the {_state.arch} limit of {limit} B: {offenders}")
+
+
+def fidelity_table() -> list[dict[str, str]]:
+    """One row per kernel: compiled resources (worst specialization) and max error."""
+    rows: dict[str, dict[str, Any]] = {}
+    if not _state.is_interpreter and _state.is_prepared:
+        from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
+
+        for report in compiled_kernel_reports(_kernel_modules()):
+            row = rows.setdefault(report.name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0})
+            row["variants"] += 1
+            row["shared"] = max(row["shared"], report.shared_bytes)
+            row["registers"] = max(row["registers"], report.registers)
+            row["spills"] = max(row["spills"], report.spills)
+    for name in _state.max_errors:
+        rows.setdefault(name, {})
+    if _state.is_interpreter:
+        arch_label = f"{_state.arch or 'any'} (interpreter)"
+    else:
+        arch_label = _state.arch or "native"
+    limit = None
+    if _state.arch is not None:
+        from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
+
+        limit = SHARED_MEMORY_LIMIT_BYTES[_state.arch]
+    table = []
+    for name in sorted(rows):
+        row = rows[name]
+        error = _state.max_errors.get(name)
+        table.append({
+            "kernel": name,
+            "arch": arch_label,
+            "max error vs reference": "-" if error is None else f"{error:.3g}",
+            "shared B": str(row["shared"]) + (f" / {limit}" if limit else "") if "shared" in row else "-",
+            "registers": str(row.get("registers", "-")),
+            "spills": str(row.get("spills", "-")),
+            "variants": str(row.get("variants", "-")),
+        })
+    return table
+
+
+def _markdown(table: list[dict[str, str]]) -> str:
+    header = list(table[0])
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row[h] for h in header) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _state.is_prepared:
+        return
+    table = fidelity_table()
+    if not table:
+        return
+    text = _markdown(table)
+    terminalreporter.write_sep("=", "kernel fidelity")
+    terminalreporter.write(text)
+    if _state.report_path:
+        Path(_state.report_path).write_text(text)
