@@ -1,6 +1,6 @@
 """Split-safe search for markup markers in streamed text.
 
-Text arrives in arbitrary pieces, so a marker may be cut between two deltas. `find_marker`
+Text arrives in arbitrary pieces, so a marker may be cut between two deltas. `MarkerSet.find`
 reports either the first complete marker or the position from which the rest of the text could
 still grow into one; the caller holds that tail back until more text (or the end) arrives.
 Because the answer only depends on text that can no longer change, the parse is the same for
@@ -9,7 +9,8 @@ every way of splitting the output.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -21,25 +22,38 @@ class MarkerMatch:
     marker: str | None
 
 
-def find_marker(text: str, markers: Collection[str]) -> MarkerMatch | None:
-    """First marker in `text` (the longest when several start at one place), or None.
+class MarkerSet:
+    """A fixed set of markers, compiled once for repeated searches."""
 
-    A complete marker that a longer one could still extend is not reported yet: the tail is
-    held back instead, so the choice never depends on where the text was split.
-    """
-    if not markers:
-        return None
-    first_chars = {marker[0] for marker in markers}
-    for start, char in enumerate(text):
-        if char not in first_chars:
-            continue
-        num_left = len(text) - start
-        complete = [marker for marker in markers if text.startswith(marker, start)]
-        is_growing = any(
-            len(marker) > num_left and marker.startswith(text[start:]) for marker in markers
+    def __init__(self, markers: Iterable[str]) -> None:
+        self.markers = frozenset(marker for marker in markers if marker)
+        by_length = sorted(self.markers, key=len, reverse=True)
+        # Longest first, so where two markers start at one place the longer one is taken.
+        self._pattern = re.compile("|".join(map(re.escape, by_length))) if by_length else None
+        self._proper_prefixes = frozenset(
+            marker[:length] for marker in self.markers for length in range(1, len(marker))
         )
-        if is_growing:
-            return MarkerMatch(start, None)
-        if complete:
-            return MarkerMatch(start, max(complete, key=len))
-    return None
+        self._max_prefix_length = max(map(len, self.markers), default=1) - 1
+        self._first_chars = frozenset(marker[0] for marker in self.markers)
+
+    def find(self, text: str) -> MarkerMatch | None:
+        """First marker in `text`, or the start of a tail that may still grow into one, or None.
+
+        A complete marker that a longer one could still extend is not reported yet: the tail is
+        held back instead, so the choice never depends on where the text was split.
+        """
+        if self._pattern is None:
+            return None
+        found = self._pattern.search(text)
+        growing_start = self._growing_tail_start(text)
+        if growing_start is not None and (found is None or growing_start <= found.start()):
+            return MarkerMatch(growing_start, None)
+        if found is None:
+            return None
+        return MarkerMatch(found.start(), found.group())
+
+    def _growing_tail_start(self, text: str) -> int | None:
+        for start in range(max(0, len(text) - self._max_prefix_length), len(text)):
+            if text[start] in self._first_chars and text[start:] in self._proper_prefixes:
+                return start
+        return None

@@ -1,7 +1,7 @@
 """The per-choice streaming parser: raw model text in, OpenAI message deltas out.
 
 One state machine serves streaming and non-streaming alike (non-streaming is one `feed` of the
-whole text, then `finish`). Text is classified by markers found with `find_marker`, which holds
+whole text, then `finish`). Text is classified by markers found with `MarkerSet.find`, which holds
 back any tail that could still grow into a marker, so the result is the same for every way the
 output is split into deltas: one character at a time, a whole tool call in one delta (as
 speculative decoding produces), or anything between.
@@ -31,7 +31,7 @@ from typing import Any
 
 from services.gateway.parsing.argument_typing import ToolSchemas
 from services.gateway.parsing.formats import ReasoningFormat, ToolCallFormat
-from services.gateway.parsing.markers import find_marker
+from services.gateway.parsing.markers import MarkerSet
 from services.gateway.parsing.messages import AssistantMessage, MessageDelta, ToolCall, ToolCallDelta
 from services.gateway.parsing.registry import reasoning_format, tool_call_format
 
@@ -107,13 +107,16 @@ class ChatOutputParser:
     ) -> None:
         self._tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
         reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
-        self._markers = _marker_table(reasoning, self._tool_format)
+        self._actions = _marker_table(reasoning, self._tool_format)
+        self._marker_sets = {mode: MarkerSet(actions) for mode, actions in self._actions.items()}
         self._schemas = ToolSchemas(tools)
         self._make_call_id = make_call_id
         self._mode = _Mode.REASONING if thinking and reasoning else _Mode.CONTENT
         self._unscanned = ""
-        self._call_text = ""
-        self._pending_space = ""
+        # Lists, not strings: a long argument or a whitespace loop arrives a token at a time,
+        # and growing a string attribute piece by piece would copy it on every delta.
+        self._call_parts: list[str] = []
+        self._pending_space: list[str] = []
         self._is_segment_start = True
         self._is_finished = False
         self._reasoning_parts: list[str] = []
@@ -139,8 +142,8 @@ class ChatOutputParser:
         if self._is_finished:
             return delta
         self._scan(delta, is_final=True)
-        self._call_text = ""
-        self._pending_space = ""
+        self._call_parts = []
+        self._pending_space = []
         self._mode = _Mode.ENDED
         self._is_finished = True
         return delta
@@ -155,8 +158,7 @@ class ChatOutputParser:
 
     def _scan(self, delta: MessageDelta, *, is_final: bool) -> None:
         while self._unscanned:
-            markers = self._markers[self._mode]
-            match = find_marker(self._unscanned, markers)
+            match = self._marker_sets[self._mode].find(self._unscanned)
             if match is None:
                 self._take_text(self._unscanned, delta)
                 self._unscanned = ""
@@ -168,13 +170,13 @@ class ChatOutputParser:
                 self._unscanned = "" if is_final else self._unscanned[match.start :]
                 return
             self._unscanned = self._unscanned[match.start + len(match.marker) :]
-            self._apply(markers[match.marker], match.marker, delta)
+            self._apply(self._actions[self._mode][match.marker], match.marker, delta)
 
     def _take_text(self, text: str, delta: MessageDelta) -> None:
         if not text:
             return
         if self._mode is _Mode.IN_CALL:
-            self._call_text += text
+            self._call_parts.append(text)
         elif self._mode in (_Mode.REASONING, _Mode.CONTENT):
             self._emit_text(text, delta)
 
@@ -184,11 +186,13 @@ class ChatOutputParser:
             if not text:
                 return
             self._is_segment_start = False
-        text = self._pending_space + text
-        body = text.rstrip()
-        self._pending_space = text[len(body) :]
-        if not body:
+        stripped = text.rstrip()
+        if not stripped:
+            self._pending_space.append(text)
             return
+        body = "".join(self._pending_space) + stripped
+        trailing = text[len(stripped) :]
+        self._pending_space = [trailing] if trailing else []
         if self._mode is _Mode.REASONING:
             self._reasoning_parts.append(body)
             delta.reasoning_content = (delta.reasoning_content or "") + body
@@ -199,7 +203,7 @@ class ChatOutputParser:
     def _apply(self, action: _Action, marker: str, delta: MessageDelta) -> None:
         if action is _Action.DROP:
             return
-        self._pending_space = ""
+        self._pending_space = []
         self._is_segment_start = True
         if action is _Action.OPEN_REASONING:
             self._mode = _Mode.REASONING
@@ -209,18 +213,18 @@ class ChatOutputParser:
             self._mode = _Mode.BETWEEN_CALLS
         elif action is _Action.OPEN_CALL:
             self._mode = _Mode.IN_CALL
-            self._call_text = marker
+            self._call_parts = [marker]
         elif action is _Action.CLOSE_CALL:
             self._release_call(delta)
             self._mode = _Mode.BETWEEN_CALLS
         elif action is _Action.END_TURN:
-            self._call_text = ""
+            self._call_parts = []
             self._mode = _Mode.ENDED
 
     def _release_call(self, delta: MessageDelta) -> None:
         assert self._tool_format is not None  # IN_CALL is only reachable with a tool format
-        parsed = self._tool_format.parse_call(self._call_text)
-        self._call_text = ""
+        parsed = self._tool_format.parse_call("".join(self._call_parts))
+        self._call_parts = []
         if parsed is None:
             return
         arguments = json.dumps(
