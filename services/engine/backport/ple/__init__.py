@@ -1,8 +1,8 @@
 """Qwen4Exp PLE lookups served by the PLE offload service instead of a per-process table.
 
-`install()` is the whole public API; importing this package imports nothing heavy.
+`install()` turns it on (when configured), `uninstall()` off; importing this package imports nothing heavy.
 """
 
-from services.engine.backport.ple.activation import install
+from services.engine.backport.ple.activation import install, uninstall
 
-__all__ = ["install"]
+__all__ = ["install", "uninstall"]

@@ -29,6 +29,7 @@ _EMBEDDING_CHOOSERS = (
 _STOCK_CLASS_NAMES = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
 
 _installed = False
+_stock_classes: dict[tuple[str, str], type] = {}
 
 
 def install() -> bool:
@@ -50,11 +51,24 @@ def install() -> bool:
     return True
 
 
+def uninstall() -> None:
+    """Puts vLLM's own embedding classes back (for tests and for switching the hook off)."""
+    global _installed
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    for (module_name, name), cls in _stock_classes.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(module, name, cls)
+    _stock_classes.clear()
+    _installed = False
+
+
 def _swap_embedding_class(module: ModuleType) -> None:
     from services.engine.backport.ple.service_embedding import ServicePleEmbedding
 
     for name in _STOCK_CLASS_NAMES:
         if hasattr(module, name):
+            _stock_classes.setdefault((module.__name__, name), getattr(module, name))
             setattr(module, name, ServicePleEmbedding)
 
 

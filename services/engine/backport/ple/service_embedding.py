@@ -34,7 +34,7 @@ logger = init_logger(__name__)
 _TORCH_DTYPES = {RowDtype.FLOAT8_E4M3FN: torch.float8_e4m3fn, RowDtype.BFLOAT16: torch.bfloat16}
 
 _layers: dict[str, ServicePleEmbedding] = {}
-_clients: dict[str, PleTableClient] = {}
+_clients: dict[tuple[str, bool], PleTableClient] = {}
 _clients_lock = threading.Lock()
 _op_registered = False
 
@@ -88,6 +88,10 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
                       checkpoint_start: int | None = None) -> None:
         """Checks a checkpoint shard against the service's rows instead of copying it."""
+        if param is not self.weight:
+            super().weight_loader(param, loaded_weight, checkpoint_start)
+            self._check_scale(param)
+            return
         start = checkpoint_start or 0
         if loaded_weight.dim() != 2 or loaded_weight.shape[1] != self.embedding_dim:
             raise ValueError(f"{self.layer_name}: checkpoint rows {tuple(loaded_weight.shape)} "
@@ -148,6 +152,13 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
             return self.parallel_group.all_reduce(embeddings.view(torch.int8)).view(embeddings.dtype)
         return self.parallel_group.all_reduce(embeddings)
 
+    def _check_scale(self, param: torch.Tensor) -> None:
+        served_scale = self.table.info.scale if self.table.info.HasField("scale") else None
+        if param is getattr(self, "weight_scale", None) and served_scale is not None:
+            if not torch.allclose(param.float().cpu(), torch.tensor(served_scale), rtol=0, atol=0):
+                raise ValueError(f"{self.layer_name}: checkpoint scale {param.flatten().tolist()} "
+                                 f"differs from the PLE service's {served_scale}")
+
     def _check_table_fits(self) -> None:
         info = self.table.info
         want_dtype = self.weight.dtype
@@ -166,14 +177,16 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
 def _shared_client() -> PleTableClient:
     """One client per process and address, shared by every PLE layer."""
     address = os.environ[ADDRESS_ENV]
+    allow_shared_memory = os.environ.get(SHARED_MEMORY_ENV, "1") != "0"
+    key = (address, allow_shared_memory)
     with _clients_lock:
-        if address not in _clients:
-            _clients[address] = PleTableClient(
+        if key not in _clients:
+            _clients[key] = PleTableClient(
                 address,
-                allow_shared_memory=os.environ.get(SHARED_MEMORY_ENV, "1") != "0",
+                allow_shared_memory=allow_shared_memory,
                 reattach_timeout_s=float(os.environ.get(REATTACH_TIMEOUT_ENV, "60")),
             )
-        return _clients[address]
+        return _clients[key]
 
 
 def _lookup_op(ngram_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
