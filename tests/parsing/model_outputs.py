@@ -93,11 +93,23 @@ _CALL_RENDERERS = {
 }
 
 
-def render_output(family: str, message: ExpectedMessage, *, thinking: bool) -> str:
-    """The text a model of `family` generates after a prompt that ended with `<think>` or not."""
-    parts = []
-    if thinking:
-        parts.append(f"{message.reasoning or ''}\n</think>\n\n")
+THINK_STYLES = ("prompt_opened", "prompt_and_model_opened", "model_opened", "chat", "chat_with_stray_end")
+"""Who writes the reasoning tags: the prompt ended with `<think>` (the parser is told so); the
+prompt did and the model repeats it; only the model writes `<think>`; chat mode (no reasoning);
+chat mode where the model still writes a `</think>` first."""
+PROMPT_OPENED_STYLES = ("prompt_opened", "prompt_and_model_opened")
+REASONING_STYLES = ("prompt_opened", "prompt_and_model_opened", "model_opened")
+
+
+def render_output(family: str, message: ExpectedMessage, *, think_style: str) -> str:
+    """The text a model of `family` generates; chat styles ignore `message.reasoning`."""
+    parts = {
+        "prompt_opened": [f"{message.reasoning or ''}\n</think>\n\n"],
+        "prompt_and_model_opened": [f"<think>\n{message.reasoning or ''}\n</think>\n\n"],
+        "model_opened": [f"<think>\n{message.reasoning or ''}\n</think>\n\n"],
+        "chat": [],
+        "chat_with_stray_end": ["</think>\n\n"],
+    }[think_style]
     parts.append(message.content or "")
     if message.calls:
         parts.append("\n\n" + _CALL_RENDERERS[family](message.calls))

@@ -3,17 +3,21 @@ leaks, and output cut off anywhere yields no half-formed call and no exception."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import string
 from typing import Any
 
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.parsing import AssistantMessage, parse_output
 from tests.parsing.model_outputs import (
     FAMILIES,
     REASONING_PARSER_OF,
+    PROMPT_OPENED_STYLES,
+    REASONING_STYLES,
+    THINK_STYLES,
     ExpectedCall,
     ExpectedMessage,
     all_markup,
@@ -51,7 +55,8 @@ _json_scalars = st.one_of(
 _json_values = st.recursive(
     _json_scalars,
     lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=5), inner, max_size=3)
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=5), inner, max_size=3),
     ),
     max_leaves=6,
 )
@@ -77,13 +82,18 @@ def _messages(draw: st.DrawFn) -> ExpectedMessage:
     )
 
 
-def _options(family: str, tools: list[dict[str, Any]], thinking: bool) -> dict[str, Any]:
+def _options(family: str, tools: list[dict[str, Any]], think_style: str) -> dict[str, Any]:
     return {
         "tool_call_parser": family,
         "reasoning_parser": REASONING_PARSER_OF[family],
         "tools": tools,
-        "thinking": thinking,
+        "thinking": think_style in PROMPT_OPENED_STYLES,
     }
+
+
+def _fit_to_style(expected: ExpectedMessage, think_style: str) -> ExpectedMessage:
+    """Chat mode has no reasoning to expect."""
+    return expected if think_style in REASONING_STYLES else dataclasses.replace(expected, reasoning=None)
 
 
 def _assert_no_markup(message: AssistantMessage) -> None:
@@ -103,20 +113,20 @@ def _as_expected(message: AssistantMessage) -> ExpectedMessage:
 @given(
     family=st.sampled_from(FAMILIES),
     expected=_messages(),
-    thinking=st.booleans(),
+    think_style=st.sampled_from(THINK_STYLES),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
 )
 def test_any_split_gives_the_rendered_message(
-    family: str, expected: ExpectedMessage, thinking: bool, cuts: list[int]
+    family: str, expected: ExpectedMessage, think_style: str, cuts: list[int]
 ) -> None:
-    assume(thinking or expected.reasoning is None)
-    text = render_output(family, expected, thinking=thinking)
+    expected = _fit_to_style(expected, think_style)
+    text = render_output(family, expected, think_style=think_style)
     tools = tools_for(expected.calls)
 
-    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, thinking))
+    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, think_style))
     assert _as_expected(whole) == expected
     for pieces in (split_at(text, cuts), list(text), [text]):
-        deltas, streamed = stream(pieces, **_options(family, tools, thinking))
+        deltas, streamed = stream(pieces, **_options(family, tools, think_style))
         assert streamed == whole
         assert_openai_delta_shape(deltas)
 
@@ -125,19 +135,19 @@ def test_any_split_gives_the_rendered_message(
 @given(
     family=st.sampled_from(FAMILIES),
     expected=_messages(),
-    thinking=st.booleans(),
+    think_style=st.sampled_from(THINK_STYLES),
     cut=st.integers(min_value=0, max_value=2000),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8),
 )
 def test_output_cut_anywhere_gives_a_prefix_and_only_whole_calls(
-    family: str, expected: ExpectedMessage, thinking: bool, cut: int, cuts: list[int]
+    family: str, expected: ExpectedMessage, think_style: str, cut: int, cuts: list[int]
 ) -> None:
-    assume(thinking or expected.reasoning is None)
-    text = render_output(family, expected, thinking=thinking)[:cut]
+    expected = _fit_to_style(expected, think_style)
+    text = render_output(family, expected, think_style=think_style)[:cut]
     tools = tools_for(expected.calls)
 
-    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, thinking))
-    deltas, streamed = stream(split_at(text, cuts), **_options(family, tools, thinking))
+    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, think_style))
+    deltas, streamed = stream(split_at(text, cuts), **_options(family, tools, think_style))
     assert streamed == whole
     assert_openai_delta_shape(deltas)
     _assert_no_markup(whole)
@@ -157,15 +167,16 @@ _markup_soup = st.lists(
 @given(
     family=st.sampled_from(FAMILIES),
     text=_markup_soup,
-    thinking=st.booleans(),
+    think_style=st.sampled_from(THINK_STYLES),
     cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10),
 )
 def test_arbitrary_markup_soup_never_raises_and_is_split_invariant(
-    family: str, text: str, thinking: bool, cuts: list[int]
+    family: str, text: str, think_style: str, cuts: list[int]
 ) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}}}]
-    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, thinking))
+    schema = {"properties": {"n": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, think_style))
     for pieces in (split_at(text, cuts), list(text)):
-        deltas, streamed = stream(pieces, **_options(family, tools, thinking))
+        deltas, streamed = stream(pieces, **_options(family, tools, think_style))
         assert streamed == whole
         assert_openai_delta_shape(deltas)
