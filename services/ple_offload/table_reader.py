@@ -12,6 +12,7 @@ from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
     SegmentHeader,
     SegmentState,
+    advise_huge_pages,
     read_state_and_generation,
     segment_path,
 )
@@ -34,6 +35,7 @@ class SharedTableReader:
             if size < DATA_OFFSET_BYTES:
                 raise TableUnavailableError(f"{path} is not a PLE table segment")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            advise_huge_pages(self._mmap)
         finally:
             os.close(fd)
         try:

@@ -17,6 +17,7 @@ from services.ple_offload.segment_layout import (
     STATE_OFFSET,
     SegmentHeader,
     SegmentState,
+    advise_huge_pages,
     segment_path,
 )
 from services.ple_offload.table_format import TableSource
@@ -59,6 +60,7 @@ class TableSegment:
             # SIGBUS in the middle of the copy.
             os.posix_fallocate(fd, 0, size)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            advise_huge_pages(self._mmap)
         except BaseException:
             os.unlink(self.path)
             raise
