@@ -71,3 +71,12 @@ def test_service_exits_with_the_reason_for_a_bad_file(tmp_path: Path, small_rows
     assert result.returncode != 0
     assert "is truncated" in result.stderr
     assert not Path("/dev/shm", shm_name).exists()
+
+
+def test_table_with_a_missing_shard_is_refused(tmp_path: Path, small_rows: np.ndarray) -> None:
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="BF16",
+                        num_shards=3)
+    data = table.path.read_bytes()
+    table.path.write_bytes(data.replace(b".shard_1.weight", b".shard_7.weight", 1))
+    with pytest.raises(TableFileError, match=r"missing shards \[1, 3, 4, 5, 6\]"):
+        find_table(table.path, None)
