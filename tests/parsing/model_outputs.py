@@ -41,21 +41,28 @@ def all_markup() -> set[str]:
         tags.update(tool_format.block_ends, tool_format.terminators)
     for reasoning_format in REASONING_FORMATS.values():
         tags.update((reasoning_format.start, reasoning_format.end, *reasoning_format.terminators))
-    tags.update((f"<{DSML}parameter", f"</{DSML}parameter>", "<arg_key>", "</arg_key>", "</arg_value>"))
+    tags.update(
+        (f"<{DSML}parameter", f"</{DSML}parameter>", "<arg_key>", "</arg_key>", "</arg_value>")
+    )
     tags.update(("<parameter=", "</parameter>"))
     return tags
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+def _as_text(value: Any) -> str:
+    """Strings as written, everything else as JSON (what all three formats do)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _string_flag(value: Any) -> str:
+    return "true" if isinstance(value, str) else "false"
 
 
 def render_dsml_calls(calls: tuple[ExpectedCall, ...]) -> str:
     invokes = []
     for call in calls:
         parameters = "\n".join(
-            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-            f"{value if isinstance(value, str) else _json(value)}</{DSML}parameter>"
+            f'<{DSML}parameter name="{key}" string="{_string_flag(value)}">'
+            f"{_as_text(value)}</{DSML}parameter>"
             for key, value in call.arguments.items()
         )
         invokes.append(f'<{DSML}invoke name="{call.name}">\n{parameters}\n</{DSML}invoke>')
@@ -66,7 +73,7 @@ def render_glm47_calls(calls: tuple[ExpectedCall, ...]) -> str:
     return "".join(
         f"<tool_call>{call.name}"
         + "".join(
-            f"<arg_key>{key}</arg_key><arg_value>{value if isinstance(value, str) else _json(value)}</arg_value>"
+            f"<arg_key>{key}</arg_key><arg_value>{_as_text(value)}</arg_value>"
             for key, value in call.arguments.items()
         )
         + "</tool_call>"
@@ -78,7 +85,7 @@ def render_qwen3_xml_calls(calls: tuple[ExpectedCall, ...]) -> str:
     return "\n".join(
         f"<tool_call>\n<function={call.name}>\n"
         + "".join(
-            f"<parameter={key}>\n{value if isinstance(value, str) else _json(value)}\n</parameter>\n"
+            f"<parameter={key}>\n{_as_text(value)}\n</parameter>\n"
             for key, value in call.arguments.items()
         )
         + "</function>\n</tool_call>"
@@ -93,7 +100,13 @@ _CALL_RENDERERS = {
 }
 
 
-THINK_STYLES = ("prompt_opened", "prompt_and_model_opened", "model_opened", "chat", "chat_with_stray_end")
+THINK_STYLES = (
+    "prompt_opened",
+    "prompt_and_model_opened",
+    "model_opened",
+    "chat",
+    "chat_with_stray_end",
+)
 """Who writes the reasoning tags: the prompt ended with `<think>` (the parser is told so); the
 prompt did and the model repeats it; only the model writes `<think>`; chat mode (no reasoning);
 chat mode where the model still writes a `</think>` first."""

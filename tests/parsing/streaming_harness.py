@@ -24,7 +24,9 @@ def chunks_of(text: str, size: int) -> list[str]:
     return [text[start : start + size] for start in range(0, len(text), size)]
 
 
-def stream(pieces: Sequence[str], **parser_options: Any) -> tuple[list[MessageDelta], AssistantMessage]:
+def stream(
+    pieces: Sequence[str], **parser_options: Any
+) -> tuple[list[MessageDelta], AssistantMessage]:
     """Deltas from feeding `pieces`, and the message an OpenAI client accumulates from them."""
     parser = ChatOutputParser(make_call_id=sequential_ids(), **parser_options)
     deltas = [parser.feed(piece) for piece in pieces]

@@ -6,7 +6,12 @@ from typing import Any
 
 import pytest
 
-from services.gateway.parsing.argument_typing import ToolSchemas, ValueEncoding, declared_types, type_value
+from services.gateway.parsing.argument_typing import (
+    ToolSchemas,
+    ValueEncoding,
+    declared_types,
+    type_value,
+)
 
 STRING = {"type": "string"}
 INTEGER = {"type": "integer"}
@@ -53,7 +58,9 @@ NULLABLE_INTEGER = {"type": ["integer", "null"]}
         ("2", "unknown", {"enum": [1, 2]}, 2),
     ],
 )
-def test_value_typed_by_schema(text: str, encoding: ValueEncoding, schema: dict[str, Any] | None, expected: Any) -> None:
+def test_value_typed_by_schema(
+    text: str, encoding: ValueEncoding, schema: dict[str, Any] | None, expected: Any
+) -> None:
     value = type_value(text, encoding, schema)
 
     assert value == expected
@@ -62,7 +69,10 @@ def test_value_typed_by_schema(text: str, encoding: ValueEncoding, schema: dict[
 
 def test_declared_types_read_unions_and_structural_hints() -> None:
     assert declared_types({"type": ["string", "null"]}) == {"string", "null"}
-    assert declared_types({"oneOf": [{"type": "integer"}, {"type": "string"}]}) == {"integer", "string"}
+    assert declared_types({"oneOf": [{"type": "integer"}, {"type": "string"}]}) == {
+        "integer",
+        "string",
+    }
     assert declared_types({"properties": {}}) == {"object"}
     assert declared_types({"items": {}}) == {"array"}
     assert declared_types({"description": "anything"}) == frozenset()
@@ -71,7 +81,10 @@ def test_declared_types_read_unions_and_structural_hints() -> None:
 def test_tool_schemas_accept_openai_tools_and_bare_functions_and_skip_junk() -> None:
     schemas = ToolSchemas(
         [
-            {"type": "function", "function": {"name": "a", "parameters": {"properties": {"n": INTEGER}}}},
+            {
+                "type": "function",
+                "function": {"name": "a", "parameters": {"properties": {"n": INTEGER}}},
+            },
             {"name": "b", "parameters": {"properties": {"s": STRING}}},
             {"type": "function", "function": {"description": "no name"}},
             "not a tool",  # type: ignore[list-item]

@@ -54,28 +54,43 @@ PYTHON_SOURCE = 'def f(a, b):\n    """Return "a < b" as <bool>."""\n    return a
 
 
 def _parameter(name: str, value: str, is_string: bool) -> str:
-    return f'<{DSML}parameter name="{name}" string="{"true" if is_string else "false"}">{value}</{DSML}parameter>'
+    flag = "true" if is_string else "false"
+    return f'<{DSML}parameter name="{name}" string="{flag}">{value}</{DSML}parameter>'
 
 
 REALISTIC_OUTPUT = (
     "The user wants a file and a search. I'll write the file first, then search.\n"
-    "Edge: the source has \"quotes\" and <angle> brackets.\n"
+    'Edge: the source has "quotes" and <angle> brackets.\n'
     "</think>\n\n"
     "I'll write the file and look up related code.\n\n"
     f"<{DSML}tool_calls>\n"
     f'<{DSML}invoke name="write_file">\n'
-    + _parameter("path", "src/compare.py", True) + "\n"
-    + _parameter("content", PYTHON_SOURCE, True) + "\n"
-    + _parameter("overwrite", "true", False) + "\n"
-    + _parameter("mode", "null", False) + "\n"
+    + _parameter("path", "src/compare.py", True)
+    + "\n"
+    + _parameter("content", PYTHON_SOURCE, True)
+    + "\n"
+    + _parameter("overwrite", "true", False)
+    + "\n"
+    + _parameter("mode", "null", False)
+    + "\n"
     f"</{DSML}invoke>\n"
     f'<{DSML}invoke name="search">\n'
-    + _parameter("query", "compare <T> in \"src\"", True) + "\n"
-    + _parameter("agent_id", "007", True) + "\n"
-    + _parameter("limit", "3", True) + "\n"
-    + _parameter("filters", '{"lang": "python", "path": {"prefix": "src/", "depth": 2}, "archived": false}', False) + "\n"
-    + _parameter("tags", '["a", "b<c>"]', False) + "\n"
-    + _parameter("min_score", "0.25", False) + "\n"
+    + _parameter("query", 'compare <T> in "src"', True)
+    + "\n"
+    + _parameter("agent_id", "007", True)
+    + "\n"
+    + _parameter("limit", "3", True)
+    + "\n"
+    + _parameter(
+        "filters",
+        '{"lang": "python", "path": {"prefix": "src/", "depth": 2}, "archived": false}',
+        False,
+    )
+    + "\n"
+    + _parameter("tags", '["a", "b<c>"]', False)
+    + "\n"
+    + _parameter("min_score", "0.25", False)
+    + "\n"
     f"</{DSML}invoke>\n"
     f"</{DSML}tool_calls>{DEEPSEEK_EOS}"
 )
@@ -86,18 +101,25 @@ def test_realistic_thinking_output_with_two_calls() -> None:
 
     assert message.reasoning_content == (
         "The user wants a file and a search. I'll write the file first, then search.\n"
-        "Edge: the source has \"quotes\" and <angle> brackets."
+        'Edge: the source has "quotes" and <angle> brackets.'
     )
     assert message.content == "I'll write the file and look up related code."
     assert arguments_of(message) == [
-        ("write_file", {"path": "src/compare.py", "content": PYTHON_SOURCE, "overwrite": True, "mode": None}),
+        (
+            "write_file",
+            {"path": "src/compare.py", "content": PYTHON_SOURCE, "overwrite": True, "mode": None},
+        ),
         (
             "search",
             {
                 "query": 'compare <T> in "src"',
                 "agent_id": "007",
                 "limit": 3,
-                "filters": {"lang": "python", "path": {"prefix": "src/", "depth": 2}, "archived": False},
+                "filters": {
+                    "lang": "python",
+                    "path": {"prefix": "src/", "depth": 2},
+                    "archived": False,
+                },
                 "tags": ["a", "b<c>"],
                 "min_score": 0.25,
             },
@@ -107,7 +129,9 @@ def test_realistic_thinking_output_with_two_calls() -> None:
 
 
 def test_chat_mode_output_is_all_content_and_a_stray_think_end_is_dropped() -> None:
-    message = parse_every_way(f"</think>Paris is the capital of France.{DEEPSEEK_EOS}", thinking=False, **DEEPSEEK)
+    message = parse_every_way(
+        f"</think>Paris is the capital of France.{DEEPSEEK_EOS}", thinking=False, **DEEPSEEK
+    )
 
     assert message.reasoning_content is None
     assert message.content == "Paris is the capital of France."
@@ -116,7 +140,7 @@ def test_chat_mode_output_is_all_content_and_a_stray_think_end_is_dropped() -> N
 
 def test_tool_call_inside_reasoning_ends_the_reasoning() -> None:
     output = (
-        f"I need the weather.\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"get_weather\">\n"
+        f'I need the weather.\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
         f"{_parameter('city', 'Paris', True)}\n</{DSML}invoke>\n</{DSML}tool_calls>"
     )
     message = parse_every_way(output, thinking=True, **DEEPSEEK)
@@ -134,7 +158,9 @@ def test_output_cut_inside_the_second_call_keeps_only_the_first() -> None:
 
 
 def test_output_cut_inside_reasoning_gives_reasoning_only() -> None:
-    message = parse_every_way("Let me think about <this> carefully and </thi", thinking=True, **DEEPSEEK)
+    message = parse_every_way(
+        "Let me think about <this> carefully and </thi", thinking=True, **DEEPSEEK
+    )
 
     assert message.reasoning_content == "Let me think about <this> carefully and"
     assert message.content is None
@@ -144,7 +170,7 @@ def test_output_cut_inside_reasoning_gives_reasoning_only() -> None:
 def test_dsml_deviations_seen_in_production_are_accepted() -> None:
     # `toolcalls` spelling, a parameter without `string`, an invoke closed only by the block end.
     output = (
-        f"<{DSML}toolcalls>\n<{DSML}invoke name=\"search\">\n"
+        f'<{DSML}toolcalls>\n<{DSML}invoke name="search">\n'
         f'<{DSML}parameter name="limit">5</{DSML}parameter>\n'
         f'<{DSML}parameter name="query">plain words</{DSML}parameter>\n'
         f"</{DSML}tool_calls>"
@@ -156,7 +182,8 @@ def test_dsml_deviations_seen_in_production_are_accepted() -> None:
 
 def test_invoke_without_block_and_text_after_the_calls() -> None:
     output = (
-        f"Checking.\n<{DSML}invoke name=\"search\">\n{_parameter('query', 'x', True)}\n</{DSML}invoke>\n"
+        f'Checking.\n<{DSML}invoke name="search">\n'
+        f"{_parameter('query', 'x', True)}\n</{DSML}invoke>\n"
         "Trailing chatter the template never puts here."
     )
     message = parse_every_way(output, tools=TOOLS, thinking=False, **DEEPSEEK)
@@ -166,7 +193,9 @@ def test_invoke_without_block_and_text_after_the_calls() -> None:
 
 
 def test_nothing_after_end_of_sentence_is_parsed() -> None:
-    message = parse_every_way(f"Done.{DEEPSEEK_EOS}<{DSML}tool_calls>junk", thinking=False, **DEEPSEEK)
+    message = parse_every_way(
+        f"Done.{DEEPSEEK_EOS}<{DSML}tool_calls>junk", thinking=False, **DEEPSEEK
+    )
 
     assert message.content == "Done."
     assert not message.has_tool_calls
@@ -177,7 +206,9 @@ def _load_vllm_encoder() -> ModuleType:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vllm is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizers" / "deepseek_v4_encoding.py"
+    path = (
+        Path(next(iter(spec.submodule_search_locations))) / "tokenizers" / "deepseek_v4_encoding.py"
+    )
     if not path.exists():
         pytest.skip(f"this vllm has no {path.name}")
     module_spec = importlib.util.spec_from_file_location("vllm_deepseek_v4_encoding", path)
@@ -203,7 +234,7 @@ def test_assistant_turns_rendered_by_vllm_encoder_parse_back(thinking_mode: str)
     ]
     assistant = {
         "role": "assistant",
-        "reasoning": "Two tools are needed: <write_file> then \"search\".",
+        "reasoning": 'Two tools are needed: <write_file> then "search".',
         "content": "Writing and searching now.",
         "tool_calls": [
             {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}

@@ -1,4 +1,4 @@
-"""GLM-4.7 / GLM-5.x: `<tool_call>name<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>`."""
+"""GLM-4.7 / GLM-5.x: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _arg(key: str, value: str) -> str:
 
 
 REALISTIC_OUTPUT = (
-    "<think>Run the search, then fix the comparison.\nCareful with \"quotes\" & <tags>.</think>"
+    '<think>Run the search, then fix the comparison.\nCareful with "quotes" & <tags>.</think>'
     "\nI'll search first and edit the file.\n"
     "<tool_call>run_shell"
     + _arg("command", SHELL)
@@ -73,12 +73,20 @@ REALISTIC_OUTPUT = (
 def test_realistic_output_with_two_calls_model_opens_think() -> None:
     message = parse_every_way(REALISTIC_OUTPUT, tools=TOOLS, thinking=False, **GLM)
 
-    assert message.reasoning_content == 'Run the search, then fix the comparison.\nCareful with "quotes" & <tags>.'
+    assert (
+        message.reasoning_content
+        == 'Run the search, then fix the comparison.\nCareful with "quotes" & <tags>.'
+    )
     assert message.content == "I'll search first and edit the file."
     assert arguments_of(message) == [
         (
             "run_shell",
-            {"command": SHELL, "timeout_s": 30, "env": {"LANG": "C", "PATH": {"prepend": ["/opt/bin"]}}, "dry_run": False},
+            {
+                "command": SHELL,
+                "timeout_s": 30,
+                "env": {"LANG": "C", "PATH": {"prepend": ["/opt/bin"]}},
+                "dry_run": False,
+            },
         ),
         ("edit", {"old": "if a > b:", "new": NEW_CODE, "lines": [3, 4], "note": None}),
     ]
@@ -94,21 +102,36 @@ def test_prompt_opened_think_glm53_style() -> None:
 
 
 def test_call_without_arguments_and_strings_kept_verbatim() -> None:
-    output = "<tool_call>list_files</tool_call><tool_call>echo" + _arg("text", "  007  ") + "</tool_call>"
+    output = (
+        "<tool_call>list_files</tool_call><tool_call>echo"
+        + _arg("text", "  007  ")
+        + "</tool_call>"
+    )
     message = parse_every_way(output, thinking=False, **GLM)
 
     assert arguments_of(message) == [("list_files", {}), ("echo", {"text": "  007  "})]
 
 
 def test_unknown_parameters_are_read_as_json_when_they_parse() -> None:
-    output = "<tool_call>anything" + _arg("n", "3") + _arg("flag", "true") + _arg("word", "hello") + "</tool_call>"
+    output = (
+        "<tool_call>anything"
+        + _arg("n", "3")
+        + _arg("flag", "true")
+        + _arg("word", "hello")
+        + "</tool_call>"
+    )
     message = parse_every_way(output, thinking=False, **GLM)
 
     assert arguments_of(message) == [("anything", {"n": 3, "flag": True, "word": "hello"})]
 
 
 def test_tool_call_inside_reasoning_ends_it_and_cut_call_is_dropped() -> None:
-    output = "Need to run it.<tool_call>run_shell" + _arg("command", "ls") + "</tool_call><tool_call>edit" + _arg("old", "x")
+    output = (
+        "Need to run it.<tool_call>run_shell"
+        + _arg("command", "ls")
+        + "</tool_call><tool_call>edit"
+        + _arg("old", "x")
+    )
     message = parse_every_way(output, tools=TOOLS, thinking=True, **GLM)
 
     assert message.reasoning_content == "Need to run it."
@@ -117,7 +140,9 @@ def test_tool_call_inside_reasoning_ends_it_and_cut_call_is_dropped() -> None:
 
 
 def test_a_call_with_no_name_is_dropped() -> None:
-    message = parse_every_way("Hi.<tool_call>" + _arg("a", "1") + "</tool_call>", thinking=False, **GLM)
+    message = parse_every_way(
+        "Hi.<tool_call>" + _arg("a", "1") + "</tool_call>", thinking=False, **GLM
+    )
 
     assert message.content == "Hi."
     assert not message.has_tool_calls

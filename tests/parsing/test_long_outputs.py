@@ -20,7 +20,7 @@ BIG_VALUE = ('x = "<a>" if y < z else "</b>"\n' * (NUM_CHARS // 30))[:NUM_CHARS]
 
 LONG_OUTPUTS = {
     "argument": (
-        f"</think>\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"write\">\n"
+        f'</think>\n\n<{DSML}tool_calls>\n<{DSML}invoke name="write">\n'
         f'<{DSML}parameter name="text" string="true">{BIG_VALUE}</{DSML}parameter>\n'
         f"</{DSML}invoke>\n</{DSML}tool_calls>"
     ),

@@ -44,6 +44,11 @@ def test_sdk_stream_state_rebuilds_the_tool_calls(chunk_size: int) -> None:
     choice = state.get_final_completion().choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == message.content
-    sdk_calls = [(call.id, call.function.name, json.loads(call.function.arguments)) for call in choice.message.tool_calls]
-    assert sdk_calls == [(call.id, call.name, json.loads(call.arguments)) for call in message.tool_calls]
+    sdk_calls = [
+        (call.id, call.function.name, json.loads(call.function.arguments))
+        for call in choice.message.tool_calls
+    ]
+    assert sdk_calls == [
+        (call.id, call.name, json.loads(call.arguments)) for call in message.tool_calls
+    ]
     assert [name for _, name, _ in sdk_calls] == ["write_file", "search"]

@@ -34,9 +34,19 @@ def tools_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("chunk_arguments", [[], ["--chunk-size", "1"], ["--chunk-size", "13"]])
-def test_prints_the_message_for_every_chunk_size(tools_file: Path, chunk_arguments: list[str]) -> None:
+def test_prints_the_message_for_every_chunk_size(
+    tools_file: Path, chunk_arguments: list[str]
+) -> None:
     result = _run_parse(
-        ["--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4", "--tools", str(tools_file), *chunk_arguments],
+        [
+            "--tool-call-parser",
+            "deepseek_v4",
+            "--reasoning-parser",
+            "deepseek_v4",
+            "--tools",
+            str(tools_file),
+            *chunk_arguments,
+        ],
         REALISTIC_OUTPUT,
     )
 
@@ -45,7 +55,10 @@ def test_prints_the_message_for_every_chunk_size(tools_file: Path, chunk_argumen
     assert printed["content"] == "I'll write the file and look up related code."
     assert printed["reasoning_content"].startswith("The user wants a file")
     assert [call["function"]["name"] for call in printed["tool_calls"]] == ["write_file", "search"]
-    assert all(call["type"] == "function" and call["id"].startswith("call_") for call in printed["tool_calls"])
+    assert all(
+        call["type"] == "function" and call["id"].startswith("call_")
+        for call in printed["tool_calls"]
+    )
     first_arguments = json.loads(printed["tool_calls"][0]["function"]["arguments"])
     assert first_arguments["content"] == PYTHON_SOURCE
     assert json.loads(printed["tool_calls"][1]["function"]["arguments"])["agent_id"] == "007"
@@ -72,7 +85,11 @@ def test_thinking_is_the_default() -> None:
 
 @pytest.mark.parametrize(
     "arguments",
-    [["--tool-call-parser", "hermes"], ["--chunk-size", "0"], ["--tools", "/nonexistent/tools.json"]],
+    [
+        ["--tool-call-parser", "hermes"],
+        ["--chunk-size", "0"],
+        ["--tools", "/nonexistent/tools.json"],
+    ],
 )
 def test_bad_options_exit_with_status_2(arguments: list[str]) -> None:
     result = _run_parse(arguments, "text")

@@ -23,7 +23,9 @@ def test_parser_names_are_vllms() -> None:
     assert REASONING_PARSER_NAMES == ("deepseek_v4", "glm45", "qwen3")
 
 
-@pytest.mark.parametrize("options", [{"tool_call_parser": "hermes"}, {"reasoning_parser": "deepseek_r1"}])
+@pytest.mark.parametrize(
+    "options", [{"tool_call_parser": "hermes"}, {"reasoning_parser": "deepseek_r1"}]
+)
 def test_unknown_parser_name_is_a_value_error(options: dict[str, str]) -> None:
     with pytest.raises(UnknownParserError, match="known:"):
         ChatOutputParser(**options)
@@ -48,10 +50,16 @@ def test_without_parsers_the_text_is_content_verbatim_apart_from_edges() -> None
 def test_importing_the_parsers_pulls_in_no_torch_vllm_or_transformers() -> None:
     code = (
         "import sys, services.gateway.parsing, services.gateway.parsing.cli;"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers'));"
+        "heavy = sorted(m for m in sys.modules"
+        " if m.split('.')[0] in ('torch', 'vllm', 'transformers'));"
         "print(','.join(heavy))"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=True,
     )
     assert result.stdout.strip() == ""

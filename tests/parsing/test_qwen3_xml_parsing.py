@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tests.parsing.streaming_harness import arguments_of, parse_every_way
@@ -60,7 +61,10 @@ REALISTIC_OUTPUT = (
     "<tool_call>\n<function=http_request>\n"
     + _param("url", "https://example.test/notify?a=1&b=<2>")
     + _param("retries", "3")
-    + _param("body", '{"event": "created", "meta": {"paths": ["/index.html"], "size": 87, "draft": null}}')
+    + _param(
+        "body",
+        '{"event": "created", "meta": {"paths": ["/index.html"], "size": 87, "draft": null}}',
+    )
     + _param("follow_redirects", "True")
     + _param("timeout", "null")
     + "</function>\n</tool_call><|im_end|>"
@@ -70,16 +74,25 @@ REALISTIC_OUTPUT = (
 def test_realistic_thinking_output_with_two_calls() -> None:
     message = parse_every_way(REALISTIC_OUTPUT, tools=TOOLS, thinking=True, **QWEN)
 
-    assert message.reasoning_content == "The user wants an HTML file, then a POST.\nI'll use <two> tools."
+    assert (
+        message.reasoning_content
+        == "The user wants an HTML file, then a POST.\nI'll use <two> tools."
+    )
     assert message.content == "Creating the page and notifying the server."
     assert arguments_of(message) == [
-        ("str_replace_editor", {"command": "create", "path": "/srv/www/index.html", "file_text": HTML}),
+        (
+            "str_replace_editor",
+            {"command": "create", "path": "/srv/www/index.html", "file_text": HTML},
+        ),
         (
             "http_request",
             {
                 "url": "https://example.test/notify?a=1&b=<2>",
                 "retries": 3,
-                "body": {"event": "created", "meta": {"paths": ["/index.html"], "size": 87, "draft": None}},
+                "body": {
+                    "event": "created",
+                    "meta": {"paths": ["/index.html"], "size": 87, "draft": None},
+                },
                 "follow_redirects": True,
                 "timeout": None,
             },
@@ -88,7 +101,11 @@ def test_realistic_thinking_output_with_two_calls() -> None:
 
 
 def test_only_the_template_newlines_around_a_value_are_removed() -> None:
-    output = "<tool_call>\n<function=str_replace_editor>\n" + _param("file_text", "\n\nindented\n\n") + "</function>\n</tool_call>"
+    output = (
+        "<tool_call>\n<function=str_replace_editor>\n"
+        + _param("file_text", "\n\nindented\n\n")
+        + "</function>\n</tool_call>"
+    )
     message = parse_every_way(output, tools=TOOLS, thinking=False, **QWEN)
 
     assert arguments_of(message) == [("str_replace_editor", {"file_text": "\n\nindented\n\n"})]
@@ -104,7 +121,8 @@ def test_chat_mode_with_empty_think_block_written_by_the_model() -> None:
 
 def test_deviations_function_without_tool_call_and_missing_closers() -> None:
     output = (
-        "<function=str_replace_editor>\n<parameter=command>\nview\n<parameter=view_range>\n[1, 20]\n</function>\n"
+        "<function=str_replace_editor>\n<parameter=command>\nview\n"
+        "<parameter=view_range>\n[1, 20]\n</function>\n"
         "<tool_call>\n<function=http_request>\n" + _param("url", "http://a.test") + "</tool_call>"
     )
     message = parse_every_way(output, tools=TOOLS, thinking=False, **QWEN)
@@ -116,7 +134,8 @@ def test_deviations_function_without_tool_call_and_missing_closers() -> None:
 
 
 def test_hermes_json_body_is_accepted() -> None:
-    output = '<tool_call>\n{"name": "http_request", "arguments": {"url": "http://a.test", "retries": "2"}}\n</tool_call>'
+    call = {"name": "http_request", "arguments": {"url": "http://a.test", "retries": "2"}}
+    output = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     message = parse_every_way(output, tools=TOOLS, thinking=False, **QWEN)
 
     assert arguments_of(message) == [("http_request", {"url": "http://a.test", "retries": 2})]

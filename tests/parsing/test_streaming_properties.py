@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from services.gateway.parsing import AssistantMessage, parse_output
 from tests.parsing.model_outputs import (
     FAMILIES,
-    REASONING_PARSER_OF,
     PROMPT_OPENED_STYLES,
+    REASONING_PARSER_OF,
     REASONING_STYLES,
     THINK_STYLES,
     ExpectedCall,
@@ -24,7 +24,12 @@ from tests.parsing.model_outputs import (
     render_output,
     tools_for,
 )
-from tests.parsing.streaming_harness import assert_openai_delta_shape, sequential_ids, split_at, stream
+from tests.parsing.streaming_harness import (
+    assert_openai_delta_shape,
+    sequential_ids,
+    split_at,
+    stream,
+)
 
 MARKUP = all_markup()
 PROPERTY_SETTINGS = settings(
@@ -32,7 +37,9 @@ PROPERTY_SETTINGS = settings(
 )
 
 # Text full of the characters markup is made of, so near-misses of every tag get generated.
-_TEXT_ALPHABET = string.ascii_letters[:12] + string.digits[:4] + " \n\t<>/=\"'{}[],:|_-\\" + "é中\uff5c"
+_TEXT_ALPHABET = (
+    string.ascii_letters[:12] + string.digits[:4] + " \n\t<>/=\"'{}[],:|_-\\" + "é中\uff5c"
+)
 _text = st.text(alphabet=_TEXT_ALPHABET, max_size=40)
 
 
@@ -93,7 +100,11 @@ def _options(family: str, tools: list[dict[str, Any]], think_style: str) -> dict
 
 def _fit_to_style(expected: ExpectedMessage, think_style: str) -> ExpectedMessage:
     """Chat mode has no reasoning to expect."""
-    return expected if think_style in REASONING_STYLES else dataclasses.replace(expected, reasoning=None)
+    return (
+        expected
+        if think_style in REASONING_STYLES
+        else dataclasses.replace(expected, reasoning=None)
+    )
 
 
 def _assert_no_markup(message: AssistantMessage) -> None:
@@ -105,7 +116,9 @@ def _as_expected(message: AssistantMessage) -> ExpectedMessage:
     return ExpectedMessage(
         reasoning=message.reasoning_content,
         content=message.content,
-        calls=tuple(ExpectedCall(call.name, json.loads(call.arguments)) for call in message.tool_calls),
+        calls=tuple(
+            ExpectedCall(call.name, json.loads(call.arguments)) for call in message.tool_calls
+        ),
     )
 
 
@@ -123,7 +136,9 @@ def test_any_split_gives_the_rendered_message(
     text = render_output(family, expected, think_style=think_style)
     tools = tools_for(expected.calls)
 
-    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, think_style))
+    whole = parse_output(
+        text, make_call_id=sequential_ids(), **_options(family, tools, think_style)
+    )
     assert _as_expected(whole) == expected
     for pieces in (split_at(text, cuts), list(text), [text]):
         deltas, streamed = stream(pieces, **_options(family, tools, think_style))
@@ -146,7 +161,9 @@ def test_output_cut_anywhere_gives_a_prefix_and_only_whole_calls(
     text = render_output(family, expected, think_style=think_style)[:cut]
     tools = tools_for(expected.calls)
 
-    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, think_style))
+    whole = parse_output(
+        text, make_call_id=sequential_ids(), **_options(family, tools, think_style)
+    )
     deltas, streamed = stream(split_at(text, cuts), **_options(family, tools, think_style))
     assert streamed == whole
     assert_openai_delta_shape(deltas)
@@ -158,7 +175,9 @@ def test_output_cut_anywhere_gives_a_prefix_and_only_whole_calls(
 
 
 _markup_soup = st.lists(
-    st.one_of(st.sampled_from(sorted(MARKUP)), _text, st.sampled_from(['name="f">', "f>", "x</", "\n"])),
+    st.one_of(
+        st.sampled_from(sorted(MARKUP)), _text, st.sampled_from(['name="f">', "f>", "x</", "\n"])
+    ),
     max_size=25,
 ).map("".join)
 
@@ -175,7 +194,9 @@ def test_arbitrary_markup_soup_never_raises_and_is_split_invariant(
 ) -> None:
     schema = {"properties": {"n": {"type": "integer"}}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
-    whole = parse_output(text, make_call_id=sequential_ids(), **_options(family, tools, think_style))
+    whole = parse_output(
+        text, make_call_id=sequential_ids(), **_options(family, tools, think_style)
+    )
     for pieces in (split_at(text, cuts), list(text)):
         deltas, streamed = stream(pieces, **_options(family, tools, think_style))
         assert streamed == whole

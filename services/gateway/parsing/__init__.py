@@ -4,7 +4,12 @@ The gateway makes one `ChatOutputParser` per choice, feeds it each text delta an
 returned `MessageDelta`s; `parse_output` does the same for a non-streamed response.
 """
 
-from services.gateway.parsing.messages import AssistantMessage, MessageDelta, ToolCall, ToolCallDelta
+from services.gateway.parsing.messages import (
+    AssistantMessage,
+    MessageDelta,
+    ToolCall,
+    ToolCallDelta,
+)
 from services.gateway.parsing.output_parser import ChatOutputParser, new_call_id, parse_output
 from services.gateway.parsing.registry import (
     REASONING_FORMATS,
@@ -16,11 +21,11 @@ REASONING_PARSER_NAMES = tuple(sorted(REASONING_FORMATS))
 TOOL_CALL_PARSER_NAMES = tuple(sorted(TOOL_CALL_FORMATS))
 
 __all__ = [
+    "REASONING_PARSER_NAMES",
+    "TOOL_CALL_PARSER_NAMES",
     "AssistantMessage",
     "ChatOutputParser",
     "MessageDelta",
-    "REASONING_PARSER_NAMES",
-    "TOOL_CALL_PARSER_NAMES",
     "ToolCall",
     "ToolCallDelta",
     "UnknownParserError",

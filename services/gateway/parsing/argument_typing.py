@@ -43,7 +43,9 @@ class ToolSchemas:
                 continue
             parameters = function.get("parameters")
             properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
-            self._properties[function["name"]] = properties if isinstance(properties, Mapping) else {}
+            self._properties[function["name"]] = (
+                properties if isinstance(properties, Mapping) else {}
+            )
 
     def parameter_schema(self, tool_name: str, parameter: str) -> Mapping[str, Any] | None:
         schema = self._properties.get(tool_name, {}).get(parameter)

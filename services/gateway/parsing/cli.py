@@ -51,7 +51,9 @@ def _load_tools(path: Path | None) -> list[dict[str, Any]] | None:
     if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
         tools = tools["tools"]
     if not isinstance(tools, list):
-        raise ValueError("the tools file must hold a JSON array (or an object with a `tools` array)")
+        raise ValueError(
+            "the tools file must hold a JSON array (or an object with a `tools` array)"
+        )
     return tools
 
 
@@ -84,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         "content": message.content,
         "tool_calls": [call.to_dict() for call in message.tool_calls],
     }
-    sys.stdout.buffer.write(json.dumps(printed, ensure_ascii=False, indent=2).encode("utf-8") + b"\n")
+    sys.stdout.buffer.write(
+        json.dumps(printed, ensure_ascii=False, indent=2).encode("utf-8") + b"\n"
+    )
     sys.stdout.flush()
     return 0
 

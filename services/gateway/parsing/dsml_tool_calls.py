@@ -51,7 +51,11 @@ def parse_invoke(text: str) -> ParsedCall | None:
     if head is None or not head.group(1).strip():
         return None
     arguments = tuple(
-        RawArgument(name=match.group(1), text=match.group(3), encoding=_ENCODINGS.get(match.group(2), "unknown"))
+        RawArgument(
+            name=match.group(1),
+            text=match.group(3),
+            encoding=_ENCODINGS.get(match.group(2), "unknown"),
+        )
         for match in _PARAMETER.finditer(text, head.end())
     )
     return ParsedCall(name=head.group(1).strip(), arguments=arguments)

@@ -32,7 +32,12 @@ from typing import Any
 from services.gateway.parsing.argument_typing import ToolSchemas
 from services.gateway.parsing.formats import ReasoningFormat, ToolCallFormat
 from services.gateway.parsing.markers import MarkerSet
-from services.gateway.parsing.messages import AssistantMessage, MessageDelta, ToolCall, ToolCallDelta
+from services.gateway.parsing.messages import (
+    AssistantMessage,
+    MessageDelta,
+    ToolCall,
+    ToolCallDelta,
+)
 from services.gateway.parsing.registry import reasoning_format, tool_call_format
 
 
@@ -62,7 +67,10 @@ def _marker_table(
     reasoning: ReasoningFormat | None, tools: ToolCallFormat | None
 ) -> dict[_Mode, dict[str, _Action]]:
     """Which markers mean what in each mode; later entries win where a tag has two roles."""
-    terminators = {*(reasoning.terminators if reasoning else ()), *(tools.terminators if tools else ())}
+    terminators = {
+        *(reasoning.terminators if reasoning else ()),
+        *(tools.terminators if tools else ()),
+    }
     ends_turn = dict.fromkeys(terminators, _Action.END_TURN)
     strays = dict.fromkeys(tools.stray_markup if tools else (), _Action.DROP)
     opens_tools = {
@@ -76,7 +84,11 @@ def _marker_table(
         _Mode.CONTENT: {**strays, **reasoning_tags, **opens_tools, **ends_turn},
         _Mode.REASONING: {
             **strays,
-            **({reasoning.start: _Action.DROP, reasoning.end: _Action.CLOSE_REASONING} if reasoning else {}),
+            **(
+                {reasoning.start: _Action.DROP, reasoning.end: _Action.CLOSE_REASONING}
+                if reasoning
+                else {}
+            ),
             **opens_tools,
             **ends_turn,
         },
@@ -84,7 +96,10 @@ def _marker_table(
             **dict.fromkeys(tools.call_starts if tools else (), _Action.OPEN_CALL),
             **ends_turn,
         },
-        _Mode.IN_CALL: {**dict.fromkeys(tools.call_ends if tools else (), _Action.CLOSE_CALL), **ends_turn},
+        _Mode.IN_CALL: {
+            **dict.fromkeys(tools.call_ends if tools else (), _Action.CLOSE_CALL),
+            **ends_turn,
+        },
         _Mode.ENDED: {},
     }
 

@@ -51,7 +51,11 @@ def _parse_hermes_json(text: str) -> ParsedCall | None:
         call = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(call, Mapping) or not isinstance(call.get("name"), str) or not call["name"].strip():
+    if (
+        not isinstance(call, Mapping)
+        or not isinstance(call.get("name"), str)
+        or not call["name"].strip()
+    ):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):
