@@ -1,9 +1,11 @@
 """Renders with the checkpoint's own jinja chat template (GLM-5.3, Qwen3.8, SmolLM2, ...).
 
-Messages reach the template the way vLLM hands them over for string-content templates: text
-parts joined by a newline, tool-call arguments as objects, the reasoning under both `reasoning`
-and `reasoning_content` (templates read one or the other). Every template kwarg, such as
-`enable_thinking`, is passed through to the template.
+Messages reach the template the way vLLM hands them over, so prompts match a vLLM deployment:
+content as one string (parts joined by a newline) or, for templates that loop over content, as
+a list of text parts; tool results always as a string; tool-call arguments as objects; the
+reasoning under both `reasoning` and `reasoning_content`; developer messages turned into system
+messages (merged into one leading system message) when the template does not know the role.
+Every template kwarg, such as `enable_thinking`, is passed through.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 
 import jinja2
 
+from services.tokenizer.chat_formats.jinja_content_format import ContentFormat, content_format
 from services.tokenizer.chat_formats.openai_messages import ChatMessage, parse_messages, parse_tools
 from services.tokenizer.chat_formats.protocol import ChatRenderError
 
@@ -29,6 +32,8 @@ class ChatTemplateTokenizer(Protocol):
     """The part of a `transformers` tokenizer this renderer uses."""
 
     chat_template: str | dict[str, str] | None
+
+    def get_chat_template(self, chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str: ...
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
@@ -53,7 +58,7 @@ class JinjaTemplateRenderer:
     ) -> str:
         """Renders the prompt; template errors (`raise_exception`) become `ChatRenderError`."""
         parsed = parse_messages(messages)
-        tool_dicts = parse_tools(tools)
+        tool_dicts = parse_tools(tools) or None
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
         if reserved:
             raise ChatRenderError(f"chat_template_kwargs.{reserved[0]}", "is reserved and cannot be set")
@@ -62,10 +67,16 @@ class JinjaTemplateRenderer:
         if continue_final_message and parsed[-1].role != "assistant":
             raise ChatRenderError(f"messages[{len(parsed) - 1}].role",
                                   "continue_final_message needs a final assistant message")
+        template = self._tokenizer.get_chat_template(None, tools=tool_dicts)
+        shape = content_format(template)
+        conversation = [_template_message(message, shape) for message in parsed]
+        if any(message.role == "developer" for message in parsed) and not _knows_developer_role(template):
+            conversation = _with_developer_as_system(conversation)
         try:
             prompt = self._tokenizer.apply_chat_template(
-                [_template_message(message) for message in parsed],
-                tools=tool_dicts or None,
+                conversation,
+                tools=tool_dicts,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
@@ -79,8 +90,13 @@ class JinjaTemplateRenderer:
         return prompt
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    rendered: dict[str, Any] = {"role": message.role, "content": "\n".join(message.text_parts)}
+def _template_message(message: ChatMessage, shape: ContentFormat) -> dict[str, Any]:
+    content: str | list[dict[str, str]]
+    if shape == "openai" and message.role != "tool":
+        content = [{"type": "text", "text": text} for text in message.text_parts]
+    else:
+        content = "\n".join(message.text_parts)
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -94,3 +110,24 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         rendered["name"] = message.name
     return rendered
+
+
+def _knows_developer_role(template: str) -> bool:
+    return '"developer"' in template or "'developer'" in template
+
+
+def _with_developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # Templates that do not know the role would drop or reject it; many also insist on a
+    # single system message in front, so every system text is merged there.
+    converted = [{**message, "role": "system"} if message["role"] == "developer" else message
+                 for message in conversation]
+    system_indexes = [i for i, message in enumerate(converted) if message["role"] == "system"]
+    if system_indexes in ([], [0]):
+        return converted
+    texts = [_as_text(converted[i]["content"]) for i in system_indexes]
+    merged = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
+    return [merged, *(message for message in converted if message["role"] != "system")]
+
+
+def _as_text(content: str | list[dict[str, str]]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)

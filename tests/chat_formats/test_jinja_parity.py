@@ -1,0 +1,94 @@
+"""Jinja-template prompts equal vLLM's for the same request, template by template.
+
+The reference is vLLM's HF path: `ChatCompletionRequest`, content-format detection,
+`parse_chat_messages` and `safe_apply_chat_template`. The templates cover the shapes real
+checkpoints take: content printed as a string, content looped over (Qwen3.5+), content passed to
+a macro (GLM-5.x), and a template that knows the developer role.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from services.tokenizer.chat_formats import JinjaTemplateRenderer
+from services.tokenizer.chat_formats.jinja_content_format import content_format
+from tests.chat_formats.deepseek_v4_corpus import CONVERSATIONS
+
+pytest.importorskip("vllm.renderers.hf", reason="vllm is not installed")
+tokenizers = pytest.importorskip("tokenizers")
+
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
+from vllm.renderers.chat_utils import parse_chat_messages  # noqa: E402
+from vllm.renderers.hf import _detect_content_format, safe_apply_chat_template  # noqa: E402
+
+_COMMON_TAIL = (
+    "{%- if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% else %}<think>{% endif %}{{ persona | default('') }}{{ reasoning_effort | default('') }}"
+    "{% endif %}"
+)
+_TOOLS_HEAD = "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
+_CALLS = ("{%- for tc in m.tool_calls or [] %}<call>{{ tc.function.name }}{{ tc.function.arguments | tojson }}"
+          "</call>{% endfor %}{% if m.reasoning_content %}<r>{{ m.reasoning_content }}</r>{% endif %}")
+TEMPLATES = {
+    "string": _TOOLS_HEAD + "{%- for m in messages %}<{{ m.role }}>{{ m.content }}" + _CALLS + "{% endfor %}"
+              + _COMMON_TAIL,
+    "content_loop": _TOOLS_HEAD + "{%- for m in messages %}<{{ m.role }}>{% if m.content is string %}"
+                    "{{ m.content }}{% else %}{% for part in m.content %}[{{ part.text }}]{% endfor %}{% endif %}"
+                    + _CALLS + "{% endfor %}" + _COMMON_TAIL,
+    "content_macro": "{% macro visible_text(c) %}{% if c is string %}{{ c }}{% else %}{% for item in c %}"
+                     "{{ item.text }}{% endfor %}{% endif %}{% endmacro %}" + _TOOLS_HEAD
+                     + "{%- for m in messages %}<{{ m.role }}>{{ visible_text(m.content) }}" + _CALLS
+                     + "{% endfor %}" + _COMMON_TAIL,
+    "knows_developer": _TOOLS_HEAD + "{%- for m in messages %}{% if m.role == 'developer' %}<dev>{% else %}"
+                       "<{{ m.role }}>{% endif %}{{ m.content }}" + _CALLS + "{% endfor %}" + _COMMON_TAIL,
+}
+# parse_chat_messages and safe_apply_chat_template read only these ModelConfig fields here.
+_TEXT_ONLY_MODEL_CONFIG = SimpleNamespace(multimodal_config=None, is_multimodal_model=False, enable_prompt_embeds=False,
+                                          hf_config=SimpleNamespace(model_type="llama"))
+KWARGS = {"none": {}, "no_thinking": {"enable_thinking": False}, "custom": {"enable_thinking": True, "persona": "P"}}
+
+
+@functools.cache
+def _tokenizer(chat_template: str) -> Any:
+    model = tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>")
+    loaded = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model))
+    loaded.chat_template = chat_template
+    return loaded
+
+
+def vllm_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                chat_template_kwargs: dict[str, Any]) -> str:
+    request = ChatCompletionRequest(model="m", messages=copy.deepcopy(messages), tools=copy.deepcopy(tools),
+                                    chat_template_kwargs=chat_template_kwargs)
+    kwargs = request.build_chat_params(None, "auto").get_apply_chat_template_kwargs()
+    shape = _detect_content_format(tokenizer.chat_template, default="string")
+    conversation, _, _ = parse_chat_messages(request.messages, _TEXT_ONLY_MODEL_CONFIG, shape)
+    tool_dicts = [tool.model_dump() for tool in request.tools] if request.tools else None
+    return safe_apply_chat_template(_TEXT_ONLY_MODEL_CONFIG, tokenizer, conversation, tools=tool_dicts,
+                                    chat_template=tokenizer.chat_template, tokenize=False, **kwargs)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_content_format_detection_agrees_with_vllm(template: str) -> None:
+    assert content_format(TEMPLATES[template]) == _detect_content_format(TEMPLATES[template], default="string")
+
+
+# Every conversation through every template; the kwargs variants only need one template.
+CASES = [(template, conversation, "custom") for template in TEMPLATES for conversation in CONVERSATIONS] + [
+    ("string", conversation, kwargs_name) for conversation in CONVERSATIONS for kwargs_name in ("none", "no_thinking")]
+
+
+@pytest.mark.parametrize(("template", "conversation", "kwargs_name"), CASES)
+def test_prompt_matches_vllm(template: str, conversation: str, kwargs_name: str) -> None:
+    tokenizer = _tokenizer(TEMPLATES[template])
+    messages, tools = CONVERSATIONS[conversation]
+    expected = vllm_prompt(tokenizer, messages, tools, dict(KWARGS[kwargs_name]))
+    rendered = JinjaTemplateRenderer(tokenizer).render(copy.deepcopy(messages), copy.deepcopy(tools),
+                                                       KWARGS[kwargs_name])
+    assert rendered == expected
