@@ -101,6 +101,41 @@ def e4m3_decode_div256(byte):
 
 
 @triton.jit
+def e4m3_scale_exponent(amax):
+    """ceil(log2(amax / 448)) for amax > 0, exactly, from amax's bits: the exponent of
+    the power-of-two (UE8M0) scale that maps a block with this absolute maximum into
+    e4m3's range. Callers floor amax first (upstream uses 1e-4 or 1e-10).
+
+    With amax = m * 2**E (1 <= m < 2) and 448 = 1.75 * 2**8, amax / 448 lies in
+    (2**(E-9), 2**(E-8)] when m <= 1.75 and in (2**(E-8), 2**(E-7)) otherwise. Doing
+    this with `log2` + `ceil` would depend on log2's approximate lowering.
+    """
+    bits = amax.to(tl.int32, bitcast=True)
+    biased_exponent = (bits >> 23) & 0xFF
+    above_1_75 = (bits & 0x7FFFFF) > 0x600000
+    return biased_exponent - 127 - 8 + above_1_75.to(tl.int32)
+
+
+@triton.jit
+def exp2_int(exponent):
+    """2**exponent as fp32 for integer exponents in [-126, 127], built from bits."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """Round fp32 to the nearest bf16 value (ties to even), kept in fp32, for finite x.
+
+    Upstream rounds intermediates through bf16 before picking fp8 scales; doing it on
+    the bits gives round-to-nearest-even everywhere, including Triton's interpreter,
+    whose fp32 -> bf16 cast truncates (seen with Triton 3.9).
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _encode_kernel(x_ptr, out_ptr, num_elements, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < num_elements

@@ -6,9 +6,8 @@ outputs: K [num_tokens, 512] bf16, a uint8 cache laid out as `ds_mla_cache` desc
 slot_mapping [num_tokens'] (-1 = skip; num_tokens' <= num_tokens, upstream's DP padding).
 
 Per 64-dim tile the scale is 2**e with e = ceil(log2(max(amax, 1e-4) / 448)), found
-from the float's bits rather than `log2` + `ceil` (whose approximate lowering can land
-one power of two low); the tile is multiplied by 2**-e (exact) and encoded with
-`e4m3_encode`. The reference is `ds_mla_cache.insert_rows_reference`.
+from the float's bits (`e4m3_scale_exponent`); the tile is multiplied by 2**-e (exact)
+and encoded with `e4m3_encode`. The reference is `ds_mla_cache.insert_rows_reference`.
 """
 
 from __future__ import annotations
@@ -18,23 +17,10 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.fp8_e4m3 import e4m3_encode
+from services.engine.backport.kernels.fp8_e4m3 import e4m3_encode, e4m3_scale_exponent, exp2_int
 
 TILES_PER_ROW = 8  # 7 fp8 tiles + the RoPE tile, so a row is one [8, 64] block
-
-
-@triton.jit
-def ue8m0_exponent(tile_amax):
-    """ceil(log2(max(amax, 1e-4) / 448)) from the bits of amax, exactly.
-
-    With amax = m * 2**E (1 <= m < 2) and 448 = 1.75 * 2**8, amax / 448 lies in
-    (2**(E-9), 2**(E-8)] when m <= 1.75 and in (2**(E-8), 2**(E-7)) otherwise.
-    """
-    amax = tl.maximum(tile_amax, 1e-4)
-    bits = amax.to(tl.int32, bitcast=True)
-    biased_exponent = (bits >> 23) & 0xFF
-    above_1_75 = (bits & 0x7FFFFF) > 0x600000
-    return biased_exponent - 127 - 8 + above_1_75.to(tl.int32)
+AMAX_FLOOR = tl.constexpr(1e-4)  # upstream's floor on a tile's absolute maximum
 
 
 @triton.jit
@@ -70,8 +56,8 @@ def _quantize_insert_kernel(
     row = tl.load(k_ptr + token * stride_k_token + offsets).to(tl.float32)
 
     # fp8 part: one power-of-two scale per 64-dim tile.
-    exponent = ue8m0_exponent(tl.max(tl.abs(row), axis=1))
-    inverse_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(row), axis=1), AMAX_FLOOR))
+    inverse_scale = exp2_int(-exponent)
     fp8_bytes = e4m3_encode(row * inverse_scale[:, None])
     tl.store(data_ptr + offsets, fp8_bytes, mask=is_nope)
     scale_bytes = tl.minimum(tl.maximum(exponent + 127, 0), 255)

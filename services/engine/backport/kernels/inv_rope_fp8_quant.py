@@ -1,0 +1,153 @@
+"""Inverse RoPE + block-scaled fp8 quant of the attention output, before wo_a.
+
+Replaces upstream's `fused_inv_rope_fp8_quant` (deepseek_v4/common/ops/
+fused_inv_rope_fp8_quant.py) with `tma_aligned_scales=False` (the sm90 fp32-scale
+format), whose kernel casts with `tl.float8e4nv`. Same inputs and outputs:
+  o [T, H, 512] bf16 (448 NoPE dims, then 64 RoPE dims as interleaved pairs),
+  positions [T], cos_sin_cache [max_pos, 64] fp32 (cos || sin), n_groups,
+  heads_per_group (H = n_groups * heads_per_group)
+-> output [T, G, heads_per_group * 512] float8_e4m3fn (a transposed view of a
+  [G, T, D] buffer), scales [T, G, D / 128] fp32 powers of two (a transposed view of
+  an MN-major [G, S, T_aligned] buffer, T_aligned = T rounded up to 4, as DeepGEMM
+  wants them). With quantize=False: the rotated output in o's dtype, empty scales.
+
+The RoPE pairs are rotated by -position (x_even' = x_even cos + x_odd sin, x_odd' =
+x_odd cos - x_even sin): the attention output is a mix of rows at many positions, and
+undoing the query's rotation gives what wo_a expects. Scale per 128 dims:
+2**ceil(log2(max(amax, 1e-10) / 448)). Contraction off, as in `indexer_q_quant`.
+
+Tiling: one program per (token, head): a 512-dim head row is four 128-dim quant
+groups; the grid also covers the scale buffer's padding rows, which get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.backport.kernels.fp8_e4m3 import E4M3_MAX, e4m3_encode, e4m3_scale_exponent, exp2_int
+
+AMAX_FLOOR = tl.constexpr(1e-10)  # upstream's eps before picking a scale
+SCALE_ROW_ALIGNMENT = 4  # DeepGEMM's TMA alignment for fp32 scales: 16 B / 4 B
+
+
+@triton.jit
+def _inv_rope_quant_kernel(
+    o_ptr, positions_ptr, cos_sin_ptr, out_ptr, scale_ptr,
+    num_tokens, heads_per_group,
+    stride_o_token, stride_o_head, stride_cos_sin, stride_out_group, stride_out_token,
+    stride_scale_group, stride_scale_block,
+    NOPE_DIM: tl.constexpr, HALF_ROPE: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    GROUPS_PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    group = head // heads_per_group
+    head_in_group = head % heads_per_group
+    first_block = head_in_group * GROUPS_PER_HEAD
+    blocks = tl.arange(0, GROUPS_PER_HEAD)
+    scale_ptrs = scale_ptr + group * stride_scale_group + token + (first_block + blocks) * stride_scale_block
+    if token >= num_tokens:
+        # Padding rows of the aligned scale buffer.
+        if QUANTIZE:
+            tl.store(scale_ptrs, tl.zeros((GROUPS_PER_HEAD,), dtype=tl.float32))
+        return
+
+    # Inverse RoPE on the interleaved pairs after the NoPE dims.
+    HEAD_DIM: tl.constexpr = GROUPS_PER_HEAD * GROUP_SIZE
+    dims = tl.arange(0, HEAD_DIM)
+    row = o_ptr + token * stride_o_token + head * stride_o_head
+    x = tl.load(row + dims).to(tl.float32)
+    is_rope = dims >= NOPE_DIM
+    partner = tl.load(row + (dims ^ 1), mask=is_rope, other=0.0).to(tl.float32)
+    pair = tl.maximum(dims - NOPE_DIM, 0) >> 1
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + pair, mask=is_rope, other=1.0)
+    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + pair, mask=is_rope, other=0.0)
+    is_even = (dims & 1) == 0
+    rotated = tl.where(is_even, x * cos + partner * sin, x * cos - partner * sin)
+    x = tl.where(is_rope, rotated, x)
+
+    out = out_ptr + group * stride_out_group + token * stride_out_token + first_block * GROUP_SIZE + dims
+    if QUANTIZE:
+        # One power-of-two scale per 128 dims.
+        x_blocks = tl.reshape(x, (GROUPS_PER_HEAD, GROUP_SIZE))
+        exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(x_blocks), axis=1), AMAX_FLOOR))
+        scaled = x_blocks * exp2_int(-exponent)[:, None]
+        tl.store(out, tl.reshape(e4m3_encode(scaled), (HEAD_DIM,)))
+        tl.store(scale_ptrs, exp2_int(exponent))
+    else:
+        tl.store(out, x.to(out_ptr.dtype.element_ty))
+
+
+def fused_inv_rope_fp8_quant(
+    o: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    n_groups: int,
+    heads_per_group: int,
+    nope_dim: int = 448,
+    rope_dim: int = 64,
+    quant_group_size: int = 128,
+    quantize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [T, G, D], scales [T, G, D / 128]); see module doc."""
+    num_tokens, num_heads, head_dim = o.shape
+    if num_heads != n_groups * heads_per_group or head_dim != nope_dim + rope_dim:
+        raise ValueError("o must be [T, n_groups * heads_per_group, nope_dim + rope_dim]")
+    if head_dim % quant_group_size or rope_dim % 2 or o.stride(-1) != 1:
+        raise ValueError("head_dim must be a multiple of the quant group; rope_dim even; rows contiguous")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != rope_dim:
+        raise ValueError("cos_sin_cache must be fp32 [max_pos, rope_dim]")
+    group_dim = heads_per_group * head_dim
+    num_scale_blocks = group_dim // quant_group_size
+    aligned_tokens = -(-num_tokens // SCALE_ROW_ALIGNMENT) * SCALE_ROW_ALIGNMENT if quantize else num_tokens
+    out_dtype = torch.uint8 if quantize else o.dtype
+    out_buf = torch.empty((n_groups, num_tokens, group_dim), dtype=out_dtype, device=o.device)
+    if quantize:
+        scale_buf = torch.empty(n_groups * num_scale_blocks * aligned_tokens, dtype=torch.float32, device=o.device)
+        scale_buf = scale_buf.as_strided((n_groups, num_tokens, num_scale_blocks),
+                                         (num_scale_blocks * aligned_tokens, 1, aligned_tokens))
+    else:
+        scale_buf = torch.empty(0, dtype=torch.float32, device=o.device)
+    if aligned_tokens > 0:
+        _inv_rope_quant_kernel[(aligned_tokens, num_heads)](
+            o, positions, cos_sin_cache, out_buf, scale_buf,
+            num_tokens, heads_per_group,
+            o.stride(0), o.stride(1), cos_sin_cache.stride(0), out_buf.stride(0), out_buf.stride(1),
+            num_scale_blocks * aligned_tokens if quantize else 0, aligned_tokens,
+            NOPE_DIM=nope_dim, HALF_ROPE=rope_dim // 2, GROUP_SIZE=quant_group_size,
+            GROUPS_PER_HEAD=head_dim // quant_group_size, QUANTIZE=quantize,
+            num_warps=4, enable_fp_fusion=False,
+        )
+    output = out_buf.transpose(0, 1)
+    if quantize:
+        return output.view(torch.float8_e4m3fn), scale_buf.transpose(0, 1)
+    return output, scale_buf
+
+
+def fused_inv_rope_fp8_quant_reference(
+    o: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    n_groups: int,
+    heads_per_group: int,
+    nope_dim: int = 448,
+    rope_dim: int = 64,
+    quant_group_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch reference: (fp8 output [T, G, D], fp32 scales [T, G, D / 128])."""
+    num_tokens = o.shape[0]
+    half = rope_dim // 2
+    x = o.float()
+    cos_sin = cos_sin_cache[positions.long()].unsqueeze(1)
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+    x_even, x_odd = x[..., nope_dim::2], x[..., nope_dim + 1 :: 2]
+    rotated = torch.stack([x_even * cos + x_odd * sin, x_odd * cos - x_even * sin], dim=-1).flatten(-2)
+    y = torch.cat([x[..., :nope_dim], rotated], dim=-1).reshape(num_tokens, n_groups, -1)
+    blocks = y.reshape(num_tokens, n_groups, -1, quant_group_size)
+    amax = blocks.abs().amax(dim=-1).double().clamp(min=1e-10)
+    scales = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))).float()
+    quantized = (blocks / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(num_tokens, n_groups, -1), scales
