@@ -36,24 +36,24 @@ class MarkerSet:
         self._max_prefix_length = max(map(len, self.markers), default=1) - 1
         self._first_chars = frozenset(marker[0] for marker in self.markers)
 
-    def find(self, text: str) -> MarkerMatch | None:
-        """First marker in `text`, or the start of a tail that may still grow into one, or None.
+    def find(self, text: str, start: int = 0) -> MarkerMatch | None:
+        """First marker in `text[start:]`, or where a tail that may still grow into one begins.
 
         A complete marker that a longer one could still extend is not reported yet: the tail is
         held back instead, so the choice never depends on where the text was split.
         """
         if self._pattern is None:
             return None
-        found = self._pattern.search(text)
-        growing_start = self._growing_tail_start(text)
+        found = self._pattern.search(text, start)
+        growing_start = self._growing_tail_start(text, start)
         if growing_start is not None and (found is None or growing_start <= found.start()):
             return MarkerMatch(growing_start, None)
         if found is None:
             return None
         return MarkerMatch(found.start(), found.group())
 
-    def _growing_tail_start(self, text: str) -> int | None:
-        for start in range(max(0, len(text) - self._max_prefix_length), len(text)):
-            if text[start] in self._first_chars and text[start:] in self._proper_prefixes:
-                return start
+    def _growing_tail_start(self, text: str, start: int) -> int | None:
+        for position in range(max(start, len(text) - self._max_prefix_length), len(text)):
+            if text[position] in self._first_chars and text[position:] in self._proper_prefixes:
+                return position
         return None

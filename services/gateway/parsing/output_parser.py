@@ -23,6 +23,7 @@ Rules that hold for every format:
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -63,6 +64,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+@functools.cache
 def _marker_table(
     reasoning: ReasoningFormat | None, tools: ToolCallFormat | None
 ) -> dict[_Mode, dict[str, _Action]]:
@@ -104,6 +106,14 @@ def _marker_table(
     }
 
 
+@functools.cache
+def _marker_sets(
+    reasoning: ReasoningFormat | None, tools: ToolCallFormat | None
+) -> dict[_Mode, MarkerSet]:
+    # Cached: a parser is made per choice of every request, the formats are fixed.
+    return {mode: MarkerSet(actions) for mode, actions in _marker_table(reasoning, tools).items()}
+
+
 class ChatOutputParser:
     """Parses one choice's output text, incrementally.
 
@@ -123,7 +133,7 @@ class ChatOutputParser:
         self._tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
         reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
         self._actions = _marker_table(reasoning, self._tool_format)
-        self._marker_sets = {mode: MarkerSet(actions) for mode, actions in self._actions.items()}
+        self._marker_sets = _marker_sets(reasoning, self._tool_format)
         self._schemas = ToolSchemas(tools)
         self._make_call_id = make_call_id
         self._mode = _Mode.REASONING if thinking and reasoning else _Mode.CONTENT
@@ -172,19 +182,21 @@ class ChatOutputParser:
         )
 
     def _scan(self, delta: MessageDelta, *, is_final: bool) -> None:
-        while self._unscanned:
-            match = self._marker_sets[self._mode].find(self._unscanned)
+        text, position = self._unscanned, 0
+        self._unscanned = ""
+        while position < len(text):
+            match = self._marker_sets[self._mode].find(text, position)
             if match is None:
-                self._take_text(self._unscanned, delta)
-                self._unscanned = ""
+                self._take_text(text[position:], delta)
                 return
-            self._take_text(self._unscanned[: match.start], delta)
+            self._take_text(text[position : match.start], delta)
             if match.marker is None:
                 # A possible marker at the very end: wait for more text, or drop it at the end
                 # (a tag cut off by max_tokens is markup, not text).
-                self._unscanned = "" if is_final else self._unscanned[match.start :]
+                if not is_final:
+                    self._unscanned = text[match.start :]
                 return
-            self._unscanned = self._unscanned[match.start + len(match.marker) :]
+            position = match.start + len(match.marker)
             self._apply(self._actions[self._mode][match.marker], match.marker, delta)
 
     def _take_text(self, text: str, delta: MessageDelta) -> None:
