@@ -1,0 +1,197 @@
+"""Indexer K: compress + RMSNorm + RoPE + fp8 quant + insert into the indexer cache.
+
+Replaces upstream's fp8 indexer kernel `_fused_kv_compress_norm_rope_insert_indexer_attn`
+(deepseek_v4/common/ops/fused_compress_quant_cache.py), which casts with
+`tl.float8e4nv`. Same inputs and outputs (head_dim 128, one quant block per row):
+
+- state_cache [num_state_blocks, state_block_size, 2 * state_width] fp32: per token the
+  compressor's kv values then its scores (scores start at `state_width`); with overlap
+  (compress ratio 4) each half holds two 128-dim sets, the previous window's and this
+  window's;
+- a token at position p with (p + 1) % ratio == 0 closes a window: the (1 + overlap) *
+  ratio state rows ending at p (positions < 0 skipped) are merged per dim with softmax
+  weights over their scores (rows of the older window read the first 128-dim set, rows
+  of the current window the second), RMS-normalized with `rms_norm_weight`, rotated
+  (GPT-J pairs in the last rope dims, at position (p // ratio) * ratio), rounded to
+  bf16, and quantized with one fp32 power-of-two scale (floor 1e-4);
+- the result goes to kv_slot_mapping[t] of the indexer cache, whose page is
+  [block_size x 128 fp8 bytes][block_size x 4 B fp32 scales][padding].
+Tokens whose state slot or cache slot is -1, or that close no window, write nothing.
+
+Tiling: one program per token; the window's rows are one [(1 + overlap) * ratio, 128]
+tile, so the softmax and the sum over rows are in-register reductions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.backport.kernels.fp8_e4m3 import (
+    E4M3_MAX,
+    e4m3_encode,
+    e4m3_scale_exponent,
+    exp2_int,
+    round_to_bf16,
+)
+
+AMAX_FLOOR = tl.constexpr(1e-4)  # upstream's floor before picking a scale
+SCALE_BYTES = 4  # one fp32 scale per cached row
+
+
+@triton.jit
+def _indexer_k_compress_kernel(
+    state_ptr, token_to_req_ptr, positions_ptr, state_slots_ptr, block_table_ptr,
+    norm_weight_ptr, cos_sin_ptr, cache_ptr, cache_slots_ptr,
+    norm_eps, state_block_size, stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
+    cache_block_size, cache_block_stride,
+    HEAD_DIM: tl.constexpr, STATE_WIDTH: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
+    HALF_ROPE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    if tl.load(state_slots_ptr + token) < 0:
+        return
+    if (position + 1) % RATIO != 0:
+        return
+    cache_slot = tl.load(cache_slots_ptr + token).to(tl.int64)
+    if cache_slot < 0:
+        return
+    request = tl.load(token_to_req_ptr + token).to(tl.int64)
+
+    # Gather the window's state rows through the request's block table.
+    WINDOW: tl.constexpr = (1 + OVERLAP) * RATIO
+    rows = tl.arange(0, WINDOW)
+    dims = tl.arange(0, HEAD_DIM)
+    row_position = position - WINDOW + 1 + rows
+    in_sequence = row_position >= 0
+    safe_position = tl.where(in_sequence, row_position, 0)
+    block = tl.load(block_table_ptr + request * stride_table_req + safe_position // state_block_size,
+                    mask=in_sequence, other=0).to(tl.int64)
+    dim_set = (rows >= RATIO).to(tl.int32) * HEAD_DIM  # older window: set 0, this window: set 1
+    row_ptrs = (state_ptr + block * stride_state_block + (safe_position % state_block_size) * stride_state_row
+                + dim_set)[:, None] + dims[None, :]
+    kv = tl.load(row_ptrs, mask=in_sequence[:, None], other=0.0)
+    score = tl.load(row_ptrs + STATE_WIDTH, mask=in_sequence[:, None], other=float("-inf"))
+
+    # Softmax-weighted merge over rows, then RMSNorm, all fp32.
+    weights = tl.exp(score - tl.max(score, axis=0)[None, :])
+    merged = tl.sum(kv * weights, axis=0) / tl.sum(weights, axis=0)
+    variance = tl.sum(merged * merged, axis=0) / HEAD_DIM
+    normed = merged * tl.rsqrt(variance + norm_eps) * tl.load(norm_weight_ptr + dims).to(tl.float32)
+
+    # GPT-J RoPE on the last 2 * HALF_ROPE dims at the window's first position.
+    NOPE_DIM: tl.constexpr = HEAD_DIM - 2 * HALF_ROPE
+    pairs = tl.reshape(normed, (HEAD_DIM // 2, 2))
+    even, odd = tl.split(pairs)
+    pair = tl.arange(0, HEAD_DIM // 2)
+    is_rope = pair >= NOPE_DIM // 2
+    rope_index = tl.maximum(pair - NOPE_DIM // 2, 0)
+    cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
+    cos = tl.load(cos_sin_row + rope_index, mask=is_rope, other=1.0)
+    sin = tl.load(cos_sin_row + HALF_ROPE + rope_index, mask=is_rope, other=0.0)
+    rotated = tl.interleave(even * cos - odd * sin, odd * cos + even * sin)
+    rotated = round_to_bf16(rotated)
+
+    # One power-of-two scale for the row; fp8 bytes then the fp32 scale.
+    exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(rotated), axis=0), AMAX_FLOOR))
+    page = cache_ptr + (cache_slot // cache_block_size) * cache_block_stride
+    in_page = cache_slot % cache_block_size
+    tl.store(page + in_page * HEAD_DIM + dims, e4m3_encode(rotated * exp2_int(-exponent)))
+    scale_ptr = (page + cache_block_size * HEAD_DIM + in_page * 4).to(tl.pointer_type(tl.float32))
+    tl.store(scale_ptr, exp2_int(exponent))
+
+
+def indexer_k_compress_insert(
+    state_cache: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+    rms_norm_weight: torch.Tensor,
+    rms_norm_eps: float,
+    compress_ratio: int,
+    head_dim: int = 128,
+    rope_head_dim: int = 64,
+) -> None:
+    """Compress, normalize, rotate, quantize and insert indexer K rows (module doc)."""
+    if state_cache.dtype != torch.float32 or state_cache.stride(-1) != 1:
+        raise ValueError("state_cache must be fp32 with contiguous rows")
+    overlap = compress_ratio == 4
+    state_width = head_dim * (1 + overlap)
+    if state_cache.shape[-1] != 2 * state_width:
+        raise ValueError(f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}")
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() < 2:
+        raise ValueError("kv_cache must be uint8 [num_blocks, block_size, ...]")
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    _indexer_k_compress_kernel[(num_tokens,)](
+        state_cache, token_to_req_indices, positions, slot_mapping, block_table,
+        rms_norm_weight, cos_sin_cache, kv_cache, kv_slot_mapping,
+        rms_norm_eps, state_cache.shape[1], state_cache.stride(0), state_cache.stride(1),
+        block_table.stride(0), cos_sin_cache.stride(0), kv_cache.shape[1], kv_cache.stride(0),
+        HEAD_DIM=head_dim, STATE_WIDTH=state_width, RATIO=compress_ratio, OVERLAP=int(overlap),
+        HALF_ROPE=rope_head_dim // 2, num_warps=4,
+    )
+
+
+def indexer_k_compress_insert_reference(
+    state_cache: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+    rms_norm_weight: torch.Tensor,
+    rms_norm_eps: float,
+    compress_ratio: int,
+    head_dim: int = 128,
+    rope_head_dim: int = 64,
+) -> None:
+    """torch reference of `indexer_k_compress_insert` (one token at a time)."""
+    overlap = int(compress_ratio == 4)
+    state_width = head_dim * (1 + overlap)
+    window = (1 + overlap) * compress_ratio
+    state_block_size = state_cache.shape[1]
+    cache_block_size = kv_cache.shape[1]
+    flat_cache = kv_cache.as_strided((kv_cache.shape[0] * kv_cache.stride(0),), (1,))
+    half = rope_head_dim // 2
+    for token in range(positions.shape[0]):
+        position = int(positions[token])
+        if int(slot_mapping[token]) < 0 or (position + 1) % compress_ratio or int(kv_slot_mapping[token]) < 0:
+            continue
+        request = int(token_to_req_indices[token])
+        kv_rows, score_rows = [], []
+        for row in range(window):
+            row_position = position - window + 1 + row
+            if row_position < 0:
+                continue
+            block = int(block_table[request, row_position // state_block_size])
+            state = state_cache[block, row_position % state_block_size]
+            dim_set = head_dim if row >= compress_ratio else 0
+            kv_rows.append(state[dim_set : dim_set + head_dim])
+            score_rows.append(state[state_width + dim_set : state_width + dim_set + head_dim])
+        weights = torch.softmax(torch.stack(score_rows), dim=0)
+        merged = (torch.stack(kv_rows) * weights).sum(dim=0)
+        normed = merged * torch.rsqrt(merged.pow(2).mean() + rms_norm_eps) * rms_norm_weight.float()
+        rope_position = (position // compress_ratio) * compress_ratio
+        cos, sin = cos_sin_cache[rope_position, :half], cos_sin_cache[rope_position, half:]
+        even, odd = normed[-rope_head_dim::2], normed[-rope_head_dim + 1 :: 2]
+        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
+        row_values = torch.cat([normed[:-rope_head_dim], rotated]).to(torch.bfloat16).float()
+        amax = row_values.abs().max().double().clamp(min=1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))).float()
+        fp8 = (row_values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        slot = int(kv_slot_mapping[token])
+        page = (slot // cache_block_size) * kv_cache.stride(0)
+        in_page = slot % cache_block_size
+        flat_cache[page + in_page * head_dim : page + (in_page + 1) * head_dim] = fp8
+        scale_at = page + cache_block_size * head_dim + in_page * SCALE_BYTES
+        flat_cache[scale_at : scale_at + SCALE_BYTES] = scale.reshape(1).view(torch.uint8)
