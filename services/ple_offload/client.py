@@ -30,7 +30,9 @@ class PleTableClient:
     """Gathers rows of the table a PLE service serves. Thread-safe."""
 
     def __init__(self, address: str, *, allow_shared_memory: bool = True,
-                 reattach_timeout_s: float = 60.0, rpc_timeout_s: float = 5.0) -> None:
+                 reattach_timeout_s: float = 60.0, rpc_timeout_s: float = 5.0,
+                 connect_timeout_s: float = 0.0) -> None:
+        """`connect_timeout_s` waits for a service that is still starting or loading."""
         self.address = address
         self.allow_shared_memory = allow_shared_memory
         self.reattach_timeout_s = reattach_timeout_s
@@ -39,7 +41,7 @@ class PleTableClient:
         self._stub = ple_pb2_grpc.PleOffloadStub(self._channel)
         self._lock = threading.Lock()
         self._reader: SharedTableReader | None = None
-        self.info = self._describe()
+        self.info = self._wait_for_table(connect_timeout_s)
         self._attach_shared_memory()
 
     @property
@@ -106,7 +108,10 @@ class PleTableClient:
             while True:
                 try:
                     info = self._describe()
-                    if info.generation != lost_generation:
+                    # A failed RPC to a service that is still up (same generation) needs
+                    # only a retry; a closed segment means waiting for the next generation.
+                    if (info.generation != lost_generation
+                            or not isinstance(cause, TableClosedError)):
                         break
                 except TableUnavailableError:
                     pass
@@ -120,6 +125,16 @@ class PleTableClient:
             self._attach_shared_memory()
             logger.info("reattached to PLE table at %s (generation %x, %s)", self.address,
                         info.generation, "shared memory" if self.is_local else "gRPC")
+
+    def _wait_for_table(self, timeout_s: float) -> ple_pb2.TableInfo:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._describe()
+            except TableUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(_REATTACH_POLL_S)
 
     def _describe(self) -> ple_pb2.TableInfo:
         try:

@@ -125,7 +125,11 @@ class TableSegment:
         self.close_for_readers()
         self.rows = None
         if self._mmap is not None:
-            self._mmap.close()
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A lookup thread outlived the grace period; the mapping goes with it.
+                pass
             self._mmap = None
 
     def _state(self) -> SegmentState:

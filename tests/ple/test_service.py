@@ -80,15 +80,15 @@ def _segment_exists(service: ServiceProcess) -> bool:
 
 def test_restart_gives_attached_clients_a_clear_error_then_they_reattach(
         small_fp8_table: TableFile) -> None:
-    fp8_table = small_fp8_table
-    ids = np.random.default_rng(7).integers(0, fp8_table.rows.shape[0], (64, HEADS))
-    first = ServiceProcess(fp8_table.path).start()
+    table = small_fp8_table
+    ids = np.random.default_rng(7).integers(0, table.rows.shape[0], (64, HEADS))
+    first = ServiceProcess(table.path).start()
     reader = SharedTableReader(first.shm_name)
     local = PleTableClient(first.address, reattach_timeout_s=0.5)
     remote = PleTableClient(first.address, allow_shared_memory=False, reattach_timeout_s=0.5)
-    second = ServiceProcess(fp8_table.path, shm_name=first.shm_name, port=first.port)
+    second = ServiceProcess(table.path, shm_name=first.shm_name, port=first.port)
     try:
-        assert np.array_equal(local.gather(ids), fp8_table.rows[ids])
+        assert np.array_equal(local.gather(ids), table.rows[ids])
         log = first.stop(signal.SIGTERM)
         assert first.process is not None and first.process.returncode == 0, log
         assert not _segment_exists(first), "SIGTERM must free the shared memory"
@@ -102,7 +102,7 @@ def test_restart_gives_attached_clients_a_clear_error_then_they_reattach(
         second.start()
         for client in (local, remote):
             client.reattach_timeout_s = 30.0
-            assert np.array_equal(client.gather(ids), fp8_table.rows[ids])
+            assert np.array_equal(client.gather(ids), table.rows[ids])
         assert local.is_local and not remote.is_local
     finally:
         reader.close()
@@ -113,17 +113,17 @@ def test_restart_gives_attached_clients_a_clear_error_then_they_reattach(
 
 
 def test_segment_of_a_killed_service_is_retired_by_the_next_one(small_fp8_table: TableFile) -> None:
-    fp8_table = small_fp8_table
+    table = small_fp8_table
     ids = np.arange(32).reshape(2, HEADS)
-    killed = ServiceProcess(fp8_table.path).start()
+    killed = ServiceProcess(table.path).start()
     client = PleTableClient(killed.address, reattach_timeout_s=30.0)
-    successor = ServiceProcess(fp8_table.path, shm_name=killed.shm_name, port=killed.port)
+    successor = ServiceProcess(table.path, shm_name=killed.shm_name, port=killed.port)
     try:
         old_generation = client.info.generation
         killed.stop(signal.SIGKILL)
         assert _segment_exists(killed), "a killed service cannot clean up"
         successor.start()
-        assert np.array_equal(client.gather(ids), fp8_table.rows[ids])
+        assert np.array_equal(client.gather(ids), table.rows[ids])
         assert client.info.generation != old_generation and client.is_local
     finally:
         client.close()

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 ADDRESS_ENV = "BACKPORT_PLE_ADDRESS"
 SHARED_MEMORY_ENV = "BACKPORT_PLE_SHARED_MEMORY"
 REATTACH_TIMEOUT_ENV = "BACKPORT_PLE_REATTACH_TIMEOUT_S"
+# How long an engine waits at start for a service that is still loading its table.
+CONNECT_TIMEOUT_ENV = "BACKPORT_PLE_CONNECT_TIMEOUT_S"
 
 # Modules that pick the PLE embedding class by these names when a layer is built.
 _EMBEDDING_CHOOSERS = (

@@ -17,6 +17,7 @@ import torch
 
 from services.engine.backport.ple.activation import (
     ADDRESS_ENV,
+    CONNECT_TIMEOUT_ENV,
     REATTACH_TIMEOUT_ENV,
     SHARED_MEMORY_ENV,
 )
@@ -185,6 +186,7 @@ def _shared_client() -> PleTableClient:
                 address,
                 allow_shared_memory=allow_shared_memory,
                 reattach_timeout_s=float(os.environ.get(REATTACH_TIMEOUT_ENV, "60")),
+                connect_timeout_s=float(os.environ.get(CONNECT_TIMEOUT_ENV, "900")),
             )
         return _clients[key]
 
