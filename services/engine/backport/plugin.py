@@ -7,10 +7,30 @@ not fail the engine when an optional piece cannot load.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 _registered = False
+
+
+def _cpu_fixes() -> list[tuple[str, Callable[[], object]]]:
+    from services.engine.backport.cpu.missing_kernels import register_missing_kernels
+    from services.engine.backport.cpu.metadata_kernels import use_torch_metadata_kernels
+    from services.engine.backport.cpu.tile_scheduler import fill_all_layer_types
+
+    return [
+        ("missing CPU kernels", register_missing_kernels),
+        ("sparse-SWA tile scheduler layer types", fill_all_layer_types),
+        ("torch attention-metadata kernels", use_torch_metadata_kernels),
+    ]
+
+
+def _apply(name: str, fix: Callable[[], object]) -> None:
+    try:
+        fix()
+    except Exception:  # an optional fix must never take the engine down
+        logger.exception("backport: could not apply %s", name)
 
 
 def register() -> None:
@@ -18,3 +38,13 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        try:
+            fixes = _cpu_fixes()
+        except Exception:
+            logger.exception("backport: CPU fixes unavailable")
+            return
+        for name, fix in fixes:
+            _apply(name, fix)
