@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.gateway.parsing.argument_typing import (
     ToolSchemas,
@@ -35,6 +38,12 @@ NULLABLE_INTEGER = {"type": ["integer", "null"]}
         (" 3.0\n", "unknown", INTEGER, 3),
         ('"3"', "json", INTEGER, 3),
         ("three", "unknown", INTEGER, "three"),
+        ("0003", "unknown", INTEGER, 3),
+        ("+7", "text", INTEGER, 7),
+        ("1_000", "unknown", INTEGER, "1_000"),
+        ("9" * 5000, "unknown", INTEGER, "9" * 5000),
+        (".5", "unknown", NUMBER, 0.5),
+        ("007", "unknown", {"type": ["string", "integer"]}, 7),
         ("2.5", "unknown", NUMBER, 2.5),
         ("4", "json", NUMBER, 4),
         ("1e999", "unknown", NUMBER, "1e999"),
@@ -95,3 +104,34 @@ def test_tool_schemas_accept_openai_tools_and_bare_functions_and_skip_junk() -> 
     assert schemas.parameter_schema("b", "s") == STRING
     assert schemas.parameter_schema("a", "missing") is None
     assert schemas.parameter_schema("unknown_tool", "n") is None
+
+
+_SCHEMAS = [
+    None,
+    STRING,
+    INTEGER,
+    NUMBER,
+    BOOLEAN,
+    OBJECT,
+    ARRAY,
+    NULLABLE_INTEGER,
+    {"enum": [1, "a"]},
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.one_of(
+        st.text(max_size=30),
+        st.from_regex(r"[-+]?[0-9.eE_]{1,12}", fullmatch=True),
+        st.sampled_from(["NaN", "-Infinity", "1e999", "{'a': 1e999}", "[1, {2}]", "9" * 4400]),
+    ),
+    encoding=st.sampled_from(["text", "json", "unknown"]),
+    schema=st.sampled_from(_SCHEMAS),
+)
+def test_any_text_types_to_strict_json_without_raising(
+    text: str, encoding: ValueEncoding, schema: dict[str, Any] | None
+) -> None:
+    value = type_value(text, encoding, schema)
+
+    assert json.loads(json.dumps(value, allow_nan=False)) == value

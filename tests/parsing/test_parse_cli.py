@@ -64,6 +64,18 @@ def test_prints_the_message_for_every_chunk_size(
     assert json.loads(printed["tool_calls"][1]["function"]["arguments"])["agent_id"] == "007"
 
 
+def test_tools_file_may_be_a_whole_request_body(tmp_path: Path) -> None:
+    request_file = tmp_path / "request.json"
+    request_file.write_text(json.dumps({"model": "m", "messages": [], "tools": TOOLS}))
+    output = REALISTIC_OUTPUT.replace('string="true">3<', 'string="true">0003<')
+
+    result = _run_parse(["--tool-call-parser", "deepseek_v4", "--tools", str(request_file)], output)
+
+    assert result.returncode == 0, result.stderr.decode()
+    arguments = json.loads(json.loads(result.stdout)["tool_calls"][1]["function"]["arguments"])
+    assert arguments["limit"] == 3
+
+
 def test_no_thinking_reads_the_output_as_content() -> None:
     result = _run_parse(["--reasoning-parser", "qwen3", "--no-thinking"], "Just an answer.</think>")
 

@@ -47,6 +47,17 @@ def test_without_parsers_the_text_is_content_verbatim_apart_from_edges() -> None
     assert parser.finish().is_empty
 
 
+def test_tool_calls_not_allowed_are_consumed_but_not_released() -> None:
+    output = "Sure.<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    parser = ChatOutputParser("glm47", "glm45", allow_tool_calls=False)
+    deltas = [parser.feed(char) for char in output]
+    deltas.append(parser.finish())
+
+    assert parser.message().content == "Sure."
+    assert not parser.has_tool_calls
+    assert not any(delta.tool_calls for delta in deltas)
+
+
 def test_importing_the_parsers_pulls_in_no_torch_vllm_or_transformers() -> None:
     code = (
         "import sys, services.gateway.parsing, services.gateway.parsing.cli;"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -152,7 +153,17 @@ def _loads_json(text: str) -> Any:
         return _FAILED
 
 
+# Spellings JSON rejects but a model writing a number means as one: "007", "+3", ".5", "1.".
+_LOOSE_INTEGER = re.compile(r"[-+]?\d+")
+_LOOSE_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
 def _to_integer(text: str) -> Any:
+    if _LOOSE_INTEGER.fullmatch(text):
+        try:
+            return int(text)
+        except ValueError:  # past Python's limit on digits converted from text
+            return _FAILED
     value = _loads_json(text)
     if isinstance(value, bool):
         return _FAILED
@@ -167,6 +178,9 @@ def _to_number(text: str) -> Any:
     value = _loads_json(text)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
+    if _LOOSE_NUMBER.fullmatch(text):
+        number = float(text)
+        return number if math.isfinite(number) else _FAILED
     return _FAILED
 
 

@@ -118,8 +118,10 @@ class ChatOutputParser:
     """Parses one choice's output text, incrementally.
 
     `thinking=True` means the prompt ended with `<think>`, so the output starts inside the
-    reasoning; it has no effect without a reasoning parser. Call `feed` with each new piece of
-    text, `finish` once at the end of the stream, then `message()` for the final message.
+    reasoning; it has no effect without a reasoning parser. `allow_tool_calls=False` (a request
+    without tools, or `tool_choice: "none"`) still consumes tool-call markup, so none leaks into
+    the content, but releases no call. Call `feed` with each new piece of text, `finish` once at
+    the end of the stream, then `message()` for the final message.
     """
 
     def __init__(
@@ -129,7 +131,9 @@ class ChatOutputParser:
         tools: Sequence[Mapping[str, Any]] | None = None,
         thinking: bool = False,
         make_call_id: Callable[[], str] = new_call_id,
+        allow_tool_calls: bool = True,
     ) -> None:
+        self._allow_tool_calls = allow_tool_calls
         self._tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
         reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
         self._actions = _marker_table(reasoning, self._tool_format)
@@ -252,7 +256,7 @@ class ChatOutputParser:
         assert self._tool_format is not None  # IN_CALL is only reachable with a tool format
         parsed = self._tool_format.parse_call("".join(self._call_parts))
         self._call_parts = []
-        if parsed is None:
+        if parsed is None or not self._allow_tool_calls:
             return
         arguments = json.dumps(
             self._schemas.type_arguments(parsed.name, parsed.arguments), ensure_ascii=False
@@ -274,9 +278,12 @@ def parse_output(
     tools: Sequence[Mapping[str, Any]] | None = None,
     thinking: bool = False,
     make_call_id: Callable[[], str] = new_call_id,
+    allow_tool_calls: bool = True,
 ) -> AssistantMessage:
     """The final message for a complete (non-streamed) output."""
-    parser = ChatOutputParser(tool_call_parser, reasoning_parser, tools, thinking, make_call_id)
+    parser = ChatOutputParser(
+        tool_call_parser, reasoning_parser, tools, thinking, make_call_id, allow_tool_calls
+    )
     parser.feed(text)
     parser.finish()
     return parser.message()
