@@ -1,0 +1,225 @@
+"""Kernel benchmarks on a CUDA card, compiled as an sm80 (or sm86/sm89) card would run them.
+
+    python bench/kernels.py --gpu-arch sm80 [--out bench-kernels.json] [--quick]
+
+Prints one table: each kernel's median time (triton.testing.do_bench, L2 flushed before
+every run, launch overhead included), the bytes it must move (each input read once,
+each output written once) over that time, that rate as a share of the copy bandwidth
+measured at the start of the same run, and for the decode its tensor-core rate.
+
+Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
+sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
+per sequence, the indexer's C4A ratio; each token's top-k rows are distinct), 16 and
+64 query heads (16 = DeepSeek-V4-Flash's 64 heads at TP4, the Ampere deployment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SWA_WINDOW = 128
+COMPRESS_RATIO = 4
+BLOCK_SIZE = 64
+COPY_BYTES = 2 << 30  # 2 GiB copied: far past the 60 MB L2
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate, bytes read + bytes written per second."""
+    src = torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * COPY_BYTES / (ms * 1e-3)
+
+
+def filled_cache(num_rows: int) -> torch.Tensor:
+    from services.engine.backport.kernels import ds_mla_cache as layout
+    from services.engine.backport.kernels.k_cache_insert import quantize_and_insert_k_cache
+
+    num_blocks = -(-num_rows // BLOCK_SIZE)
+    cache = layout.allocate_cache(num_blocks, BLOCK_SIZE, "cuda")
+    chunk = 1 << 20
+    for start in range(0, num_blocks * BLOCK_SIZE, chunk):
+        count = min(chunk, num_blocks * BLOCK_SIZE - start)
+        k = torch.randn(count, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        quantize_and_insert_k_cache(k, cache, torch.arange(start, start + count, device="cuda"))
+    return cache
+
+
+def decode_case(batch: int, topk: int, context: int, heads: int, cache: torch.Tensor,
+                swa_cache: torch.Tensor, bandwidth: float, **config: int) -> dict[str, object]:
+    from services.engine.backport.kernels import ds_mla_cache as layout
+    from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
+
+    rows_per_seq = context // COMPRESS_RATIO
+    # Sequence b owns compressed rows [b * rows_per_seq, (b + 1) * rows_per_seq).
+    picks = torch.stack([torch.randperm(rows_per_seq, device="cuda")[:topk] for _ in range(batch)])
+    indices = (picks + torch.arange(batch, device="cuda").unsqueeze(1) * rows_per_seq).to(torch.int32)
+    lengths = torch.full((batch,), topk, dtype=torch.int32, device="cuda")
+    swa_start = torch.arange(batch, device="cuda").unsqueeze(1) * SWA_WINDOW
+    swa_indices = (swa_start + torch.arange(SWA_WINDOW, device="cuda")).to(torch.int32)
+    swa_lengths = torch.full((batch,), SWA_WINDOW, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(heads, device="cuda")
+    out = torch.empty_like(q)
+
+    def run() -> object:
+        return sparse_mla_decode(q, swa_cache, swa_indices, layout.HEAD_DIM**-0.5, swa_lengths, sink,
+                                 cache, indices, lengths, out=out, **config)
+
+    ms = bench_ms(run)
+    rows = batch * (topk + SWA_WINDOW)
+    moved = rows * (layout.BYTES_PER_TOKEN + 4) + 2 * q.numel() * 2
+    flops = 4 * batch * heads * (topk + SWA_WINDOW) * layout.HEAD_DIM
+    return {"kernel": "sparse_mla_decode", "shape": f"B={batch} H={heads} topk={topk}+{SWA_WINDOW} ctx={context // 1024}k",
+            "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
+            "ms": ms, "GB/s": moved / ms * 1e-6, "of copy": moved / (ms * 1e-3) / bandwidth,
+            "TFLOP/s": flops / ms * 1e-9}
+
+
+def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
+    from services.engine.backport.kernels import ds_mla_cache as layout
+    from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
+    from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
+    from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
+    from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
+    from services.engine.backport.kernels.k_cache_insert import quantize_and_insert_k_cache
+
+    tokens = 4096 if quick else 16384
+    results = []
+
+    def record(name: str, shape: str, fn: Callable[[], object], moved: int) -> None:
+        ms = bench_ms(fn)
+        results.append({"kernel": name, "shape": shape, "config": "default", "ms": ms,
+                        "GB/s": moved / ms * 1e-6, "of copy": moved / (ms * 1e-3) / bandwidth, "TFLOP/s": None})
+
+    k = torch.randn(tokens, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cache = layout.allocate_cache(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, "cuda")
+    slots = torch.randperm(tokens, device="cuda")
+    record("quantize_and_insert_k_cache", f"T={tokens}", lambda: quantize_and_insert_k_cache(k, cache, slots),
+           tokens * (1024 + layout.BYTES_PER_TOKEN + 8))
+
+    requests, seq_len = 4, tokens // 4
+    out = torch.empty(requests, seq_len, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((requests,), seq_len, dtype=torch.int32, device="cuda")
+    table = torch.randperm(cache.shape[0], device="cuda").view(requests, -1).to(torch.int32)
+    record("dequantize_and_gather_k_cache", f"R={requests} len={seq_len}",
+           lambda: dequantize_and_gather_k_cache(out, cache, seq_lens, None, table, BLOCK_SIZE, 0),
+           tokens * (layout.BYTES_PER_TOKEN + 1024))
+
+    positions = torch.randint(0, 65536, (tokens,), device="cuda")
+    cos_sin = torch.randn(65536, 64, device="cuda")
+    index_q = torch.randn(tokens, 64, 128, device="cuda", dtype=torch.bfloat16)
+    weights = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    record("fused_indexer_q_rope_quant", f"T={tokens} H=64 D=128",
+           lambda: fused_indexer_q_rope_quant(positions, index_q, cos_sin, weights, 0.1, 0.125),
+           tokens * 64 * (256 + 128 + 2 + 4) + tokens * 256)
+
+    o_tokens = tokens // 4
+    o = torch.randn(o_tokens, 64, 512, device="cuda", dtype=torch.bfloat16)
+    record("fused_inv_rope_fp8_quant", f"T={o_tokens} H=64 G=8",
+           lambda: fused_inv_rope_fp8_quant(o, positions[:o_tokens], cos_sin, 8, 8),
+           o_tokens * 64 * (1024 + 512 + 16) + o_tokens * 256)
+
+    state_block, overlap_width = 4, 2 * 128
+    state = torch.randn(tokens // state_block + 1, state_block, 2 * overlap_width, device="cuda")
+    state_table = torch.arange(state.shape[0], device="cuda", dtype=torch.int32).view(1, -1)
+    seq_positions = torch.arange(tokens, device="cuda")
+    kv_slots = torch.where((seq_positions + 1) % 4 == 0, seq_positions // 4, -1)
+    index_cache = torch.zeros(tokens // 4 // 64 + 1, 64 * 132 + 576, dtype=torch.uint8, device="cuda")
+    index_cache = index_cache.as_strided((index_cache.shape[0], 64, 132), (index_cache.stride(0), 132, 1))
+    norm_weight = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    record("indexer_k_compress_insert", f"T={tokens} ratio=4",
+           lambda: indexer_k_compress_insert(state, torch.zeros(tokens, dtype=torch.int32, device="cuda"), seq_positions,
+                                             seq_positions, state_table, cos_sin, index_cache, kv_slots, norm_weight,
+                                             1e-6, 4),
+           tokens * 2 * overlap_width * 4 + tokens // 4 * 132)
+    return results
+
+
+def markdown(rows: list[dict[str, object]]) -> str:
+    header = ["kernel", "shape", "config", "ms", "GB/s", "of copy", "TFLOP/s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = []
+        for key in header:
+            value = row[key]
+            if key == "of copy":
+                cells.append(f"{value:.0%}")
+            elif isinstance(value, float):
+                cells.append(f"{value:.4g}")
+            else:
+                cells.append("-" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu-arch", choices=["sm80", "sm86", "sm89", "native"], default="sm80")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA card")
+    if args.gpu_arch != "native":
+        from services.engine.backport.kernels.arch_fidelity import enable_arch_emulation
+
+        enable_arch_emulation(args.gpu_arch, tempfile.mkdtemp(prefix="triton-bench-"))
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}, "
+          f"kernels compiled for {args.gpu_arch}", flush=True)
+    rows: list[dict[str, object]] = []
+    contexts = [8192, 131072] if args.quick else [8192, 32768, 131072]
+    max_batch = 64
+    cache = filled_cache(max_batch * max(contexts) // COMPRESS_RATIO)
+    swa_cache = filled_cache(max_batch * SWA_WINDOW)
+    for heads in (16, 64):
+        for batch in (1, 8, 64):
+            for topk in (512, 2048):
+                for context in contexts:
+                    rows.append(decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth))
+                    print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    for config in ({"heads_per_program": 16, "block_n": 64, "num_warps": 4},
+                   {"heads_per_program": 32, "block_n": 64, "num_warps": 8},
+                   {"heads_per_program": 64, "block_n": 32, "num_warps": 8}):
+        try:
+            rows.append(decode_case(64, 2048, 32768, 64, cache, swa_cache, bandwidth, **config))
+        except Exception as error:  # noqa: BLE001 - a config over the card's limits is a result too
+            print(f"config {config} failed: {type(error).__name__}: {error}", flush=True)
+    rows.extend(quantizer_cases(bandwidth, args.quick))
+
+    from services.engine.backport.kernels import (
+        indexer_k_compress, indexer_q_quant, inv_rope_fp8_quant, k_cache_gather, k_cache_insert,
+        sparse_mla_combine, sparse_mla_decode,
+    )
+    from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
+
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; kernels compiled for {args.gpu_arch}\n")
+    print(markdown(rows))
+    modules = [sparse_mla_decode, sparse_mla_combine, k_cache_insert, k_cache_gather, indexer_q_quant,
+               inv_rope_fp8_quant, indexer_k_compress]
+    print("\ncompiled variants (shared B, registers, spills):")
+    for report in compiled_kernel_reports(modules):
+        print(f"  {report.name}: {report.shared_bytes} B, {report.registers} regs, {report.spills} spills")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"copy_bytes_per_s": bandwidth, "arch": args.gpu_arch, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
