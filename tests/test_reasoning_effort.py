@@ -20,6 +20,7 @@ from services.gateway.reasoning_effort import (
     InMemorySessionEffortStore,
     RedisSessionEffortStore,
     SessionEffortStore,
+    passthrough_template_kwargs,
     requested_effort,
     resolve_session_effort,
     session_key,
@@ -73,6 +74,14 @@ def test_template_kwargs_keep_other_keys_and_set_both_thinking_switches() -> Non
         "custom": 1, "thinking": True, "enable_thinking": True, "reasoning_effort": "max"}
     assert CHAT.template_kwargs(None) == {"thinking": False, "enable_thinking": False, "reasoning_effort": "none"}
     assert DEFAULT_EFFORT == HIGH
+
+
+def test_template_models_get_the_request_effort_untouched() -> None:
+    assert passthrough_template_kwargs(None, None) == {}
+    assert passthrough_template_kwargs("medium", {"x": 1}) == {"x": 1, "reasoning_effort": "medium",
+                                                               "enable_thinking": True}
+    assert passthrough_template_kwargs("none", None) == {"reasoning_effort": "none", "enable_thinking": False}
+    assert passthrough_template_kwargs("low", {"enable_thinking": False})["enable_thinking"] is False
 
 
 def test_session_key_prefers_header_then_prompt_cache_key_then_user() -> None:

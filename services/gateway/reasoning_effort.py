@@ -120,6 +120,21 @@ def requested_effort(
     return Effort(is_thinking=True, level=effort_level(effort)) if is_thinking else CHAT
 
 
+def passthrough_template_kwargs(reasoning_effort: str | None,
+                                chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Template kwargs for models rendered by their own jinja template (GLM, Qwen, ...).
+
+    The DeepSeek mapping does not apply there; the request's effort goes through untouched, as
+    vLLM passes it: `reasoning_effort` as given, and `enable_thinking` = effort != "none" unless
+    the kwargs already set it.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    if reasoning_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
+        kwargs.setdefault("enable_thinking", reasoning_effort != "none")
+    return kwargs
+
+
 def _thinking_flag(thinking: bool | Mapping[str, Any]) -> bool:
     if isinstance(thinking, bool):
         return thinking

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from services.gateway.reasoning_effort import passthrough_template_kwargs
 from services.tokenizer.chat_formats import JinjaTemplateRenderer
 from services.tokenizer.chat_formats.jinja_content_format import content_format
 from tests.chat_formats.deepseek_v4_corpus import CONVERSATIONS
@@ -63,9 +64,9 @@ def _tokenizer(chat_template: str) -> Any:
 
 
 def vllm_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                chat_template_kwargs: dict[str, Any]) -> str:
+                chat_template_kwargs: dict[str, Any], reasoning_effort: str | None = None) -> str:
     request = ChatCompletionRequest(model="m", messages=copy.deepcopy(messages), tools=copy.deepcopy(tools),
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort)
     kwargs = request.build_chat_params(None, "auto").get_apply_chat_template_kwargs()
     shape = _detect_content_format(tokenizer.chat_template, default="string")
     conversation, _, _ = parse_chat_messages(request.messages, _TEXT_ONLY_MODEL_CONFIG, shape)
@@ -92,3 +93,13 @@ def test_prompt_matches_vllm(template: str, conversation: str, kwargs_name: str)
     rendered = JinjaTemplateRenderer(tokenizer).render(copy.deepcopy(messages), copy.deepcopy(tools),
                                                        KWARGS[kwargs_name])
     assert rendered == expected
+
+
+@pytest.mark.parametrize("effort", [None, "none", "minimal", "medium", "high", "max"])
+@pytest.mark.parametrize("chat_template_kwargs", [{}, {"enable_thinking": False}, {"reasoning_effort": "low"}])
+def test_gateway_passthrough_effort_renders_like_vllm(chat_template_kwargs: dict[str, Any], effort: str | None) -> None:
+    tokenizer = _tokenizer(TEMPLATES["string"])
+    messages, tools = CONVERSATIONS["multi_turn_reasoning_history"]
+    expected = vllm_prompt(tokenizer, messages, tools, dict(chat_template_kwargs), reasoning_effort=effort)
+    template_kwargs = passthrough_template_kwargs(effort, chat_template_kwargs)
+    assert JinjaTemplateRenderer(tokenizer).render(copy.deepcopy(messages), tools, template_kwargs) == expected
