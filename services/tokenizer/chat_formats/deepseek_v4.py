@@ -114,14 +114,20 @@ def normalized_effort(effort: object) -> ReasoningEffort:
     return "high"
 
 
+@dataclass(frozen=True, slots=True)
+class _ToolResult:
+    call_id: str
+    content: str
+
+
 @dataclass(slots=True)
 class _Turn:
     """One encoded turn; runs of user and tool messages become a single user turn."""
 
     role: Literal["system", "developer", "user", "assistant"]
     text: str = ""
-    # User turns: ("text", text) and ("tool_result", call id, content), in prompt order.
-    blocks: list[tuple[str, ...]] = field(default_factory=list)
+    # User turns: user texts and tool results, in prompt order.
+    blocks: list[str | _ToolResult] = field(default_factory=list)
     message: ChatMessage | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
 
@@ -194,10 +200,10 @@ def _merge_user_and_tool_messages(messages: list[ChatMessage]) -> list[_Turn]:
             if not turns or turns[-1].role != "user":
                 turns.append(_Turn(role="user"))
             if message.role == "user":
-                turns[-1].blocks.append(("text", "\n\n".join(message.text_parts)))
+                turns[-1].blocks.append("\n\n".join(message.text_parts))
             else:
                 # vLLM joins a tool message's text parts with one newline, user parts with two.
-                turns[-1].blocks.append(("tool_result", message.tool_call_id or "", "\n".join(message.text_parts)))
+                turns[-1].blocks.append(_ToolResult(message.tool_call_id or "", "\n".join(message.text_parts)))
         else:
             turns.append(_Turn(role=message.role, text="\n\n".join(message.text_parts), message=message))
     return turns
@@ -221,11 +227,11 @@ def _order_tool_results_by_call(turns: list[_Turn]) -> None:
         if turn.role == "assistant" and turn.message is not None and turn.message.tool_calls:
             call_order = {call.call_id: i for i, call in enumerate(turn.message.tool_calls) if call.call_id}
         elif turn.role == "user" and call_order:
-            results = [block for block in turn.blocks if block[0] == "tool_result"]
+            results = [block for block in turn.blocks if isinstance(block, _ToolResult)]
             if len(results) < 2:
                 continue
-            ordered = iter(sorted(results, key=lambda block: call_order.get(block[1], 0)))
-            turn.blocks = [next(ordered) if block[0] == "tool_result" else block for block in turn.blocks]
+            ordered = iter(sorted(results, key=lambda result: call_order.get(result.call_id, 0)))
+            turn.blocks = [next(ordered) if isinstance(block, _ToolResult) else block for block in turn.blocks]
 
 
 def _without_earlier_developer_turns(turns: list[_Turn]) -> list[_Turn]:
@@ -243,7 +249,8 @@ def _encode_turn(turn: _Turn, keeps_reasoning: bool, is_continued: bool) -> str:
         return USER + turn.text
     if turn.role == "user":
         return USER + "\n\n".join(
-            block[1] if block[0] == "text" else f"<tool_result>{block[2]}</tool_result>" for block in turn.blocks)
+            f"<tool_result>{block.content}</tool_result>" if isinstance(block, _ToolResult) else block
+            for block in turn.blocks)
     assert turn.message is not None  # assistant turns always keep their message
     message = turn.message
     pieces = []
