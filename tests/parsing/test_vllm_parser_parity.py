@@ -1,0 +1,118 @@
+"""Our parsers against vLLM's own (where vllm is installed): same calls, same typed arguments.
+
+vLLM's parser classes take a tokenizer only to look special tokens up in its vocabulary (a
+shortcut when token ids are given); these tests give them a tokenizer with an empty vocabulary,
+so vLLM parses from the text alone, as ours does. Text fields are compared without their outer
+whitespace, which ours trims by design. Importing vLLM takes tens of seconds on 2 cores, so the
+corpus is parsed in one test per family.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from services.gateway.parsing import AssistantMessage, parse_output
+from tests.parsing import test_deepseek_v4_parsing as deepseek_cases
+from tests.parsing import test_glm47_parsing as glm_cases
+from tests.parsing import test_qwen3_xml_parsing as qwen_cases
+from tests.parsing.model_outputs import ExpectedCall, ExpectedMessage, render_output, tools_for
+
+vllm_parsers = {
+    "deepseek_v4": pytest.importorskip("vllm.parser.deepseek_v4").DeepSeekV4Parser,
+    "glm47": pytest.importorskip("vllm.parser.glm47_moe").Glm47MoeParser,
+    "qwen3_xml": pytest.importorskip("vllm.parser.qwen3").Qwen3Parser,
+}
+ChatCompletionRequest = pytest.importorskip(
+    "vllm.entrypoints.openai.chat_completion.protocol"
+).ChatCompletionRequest
+
+REASONING_PARSER_OF = {"deepseek_v4": "deepseek_v4", "glm47": "glm45", "qwen3_xml": "qwen3"}
+THINKING_KWARGS = {
+    "deepseek_v4": "thinking",
+    "glm47": "enable_thinking",
+    "qwen3_xml": "enable_thinking",
+}
+
+
+class EmptyVocabularyTokenizer:
+    """Stands in for the model tokenizer, which vLLM's parsers only ask for its vocabulary."""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+
+Comparable = tuple[str, str, list[tuple[str, Any]]]
+
+
+def _vllm_parse(family: str, text: str, tools: list[dict[str, Any]]) -> Comparable:
+    kwargs = {THINKING_KWARGS[family]: True}
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        tools=tools or None,
+        chat_template_kwargs=kwargs,
+    )
+    parser = vllm_parsers[family](
+        EmptyVocabularyTokenizer(), tools=request.tools, chat_template_kwargs=kwargs
+    )
+    reasoning, content, calls = parser.parse(text, request, enable_auto_tools=True)
+    return (
+        (reasoning or "").strip(),
+        (content or "").strip(),
+        [(call.name, json.loads(call.arguments)) for call in calls or []],
+    )
+
+
+def _comparable(message: AssistantMessage) -> Comparable:
+    return (
+        (message.reasoning_content or "").strip(),
+        (message.content or "").strip(),
+        [(call.name, json.loads(call.arguments)) for call in message.tool_calls],
+    )
+
+
+def _ours(family: str, text: str, tools: list[dict[str, Any]]) -> AssistantMessage:
+    return parse_output(
+        text,
+        tool_call_parser=family,
+        reasoning_parser=REASONING_PARSER_OF[family],
+        tools=tools,
+        thinking=True,
+    )
+
+
+def _corpus(family: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The realistic outputs of the per-family tests plus generated ones (thinking mode)."""
+    realistic = {
+        "deepseek_v4": (deepseek_cases.REALISTIC_OUTPUT, deepseek_cases.TOOLS),
+        "glm47": (glm_cases.REALISTIC_OUTPUT.removeprefix("<think>"), glm_cases.TOOLS),
+        "qwen3_xml": (qwen_cases.REALISTIC_OUTPUT, qwen_cases.TOOLS),
+    }[family]
+    generated = []
+    for index, arguments in enumerate(GENERATED_ARGUMENTS):
+        message = ExpectedMessage(
+            reasoning=f'Step {index}: check <input> and "quotes".',
+            content=f"Calling tool {index}." if index % 2 else None,
+            calls=(ExpectedCall(f"tool_{index}", arguments), ExpectedCall("ping", {})),
+        )
+        generated.append(
+            (render_output(family, message, think_style="prompt_opened"), tools_for(message.calls))
+        )
+    return [realistic, *generated]
+
+
+GENERATED_ARGUMENTS: list[dict[str, Any]] = [
+    {"path": "a/b.txt", "text": 'line 1\nline "2" <x/>\n', "count": 2, "ratio": 0.75},
+    {"flag": False, "nothing": None, "items": [1, "two", {"three": 3}], "id": "007"},
+    {"nested": {"a": {"b": [True, None, -1.5e-3]}}, "empty_list": [], "empty_text": ""},
+    {"code": "if (a < b && c > d) { return '<ok>'; }", "n": -42},
+]
+
+
+@pytest.mark.parametrize("family", sorted(vllm_parsers))
+def test_same_message_as_vllm_parser(family: str) -> None:
+    for text, tools in _corpus(family):
+        assert _comparable(_ours(family, text, tools)) == _vllm_parse(family, text, tools), text
