@@ -51,13 +51,13 @@ def start_service(table: Path, shm_name: str) -> tuple[subprocess.Popen[bytes], 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:2]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path[:2], os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
         [sys.executable, "-m", "services.ple_offload", "--table-path", str(table), "--address",
          address, "--shm-name", shm_name, "--no-show-progress"], cwd=REPO_ROOT, env=env)
-    if not wait_until_serving(address, 600):
-        process.kill()
-        raise SystemExit("PLE service did not start")
+    while not wait_until_serving(address, 5):
+        if process.poll() is not None:
+            raise SystemExit(f"PLE service exited with {process.returncode}")
     return process, address
 
 
