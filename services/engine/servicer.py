@@ -1,0 +1,100 @@
+"""gRPC transport for `VllmEngine`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from backport.v1 import common_pb2, engine_pb2_grpc
+from backport.v1 import engine_pb2 as pb
+from services.engine.vllm_engine import ChoiceUpdate, InvalidRequestError, SamplingRequest, VllmEngine
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if not self.engine.is_healthy:
+            yield _error(common_pb2.ERROR_CODE_UNAVAILABLE, "the engine is not serving")
+            return
+        sampling = sampling_request_from_proto(request.sampling)
+        updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling)
+        try:
+            # Closing this generator (the client cancelled) closes `updates`, which aborts in vLLM.
+            async for update in updates:
+                yield _chunk(update)
+                if update.finish_reason is not None:
+                    yield _complete(update)
+        except InvalidRequestError as error:
+            yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error))
+        except Exception:
+            logger.exception("request %s failed", request.request_id)
+            yield _error(common_pb2.ERROR_CODE_INTERNAL, "internal engine error")
+        finally:
+            await updates.aclose()
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        await self.engine.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        info = self.engine.info
+        assert info is not None
+        return pb.ModelInfo(served_model_name=info.served_model_name, max_model_len=info.max_model_len,
+                            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+                            tokenizer=info.tokenizer, architecture=info.architecture)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.Loads:
+        loads = self.engine.loads()
+        return pb.Loads(num_running=loads.num_running, num_waiting=loads.num_waiting,
+                        kv_cache_usage=loads.kv_cache_usage)
+
+
+def sampling_request_from_proto(p: pb.SamplingParams) -> SamplingRequest:
+    def opt(name: str):  # proto3 `optional`: unset is None, never zero
+        return getattr(p, name) if p.HasField(name) else None
+
+    return SamplingRequest(
+        n=p.n or 1, temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
+        min_p=opt("min_p"), seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=opt("logprobs"),
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=opt("repetition_penalty"), logit_bias=dict(p.logit_bias))
+
+
+def _chunk(update: ChoiceUpdate) -> pb.GenerateResponse:
+    return pb.GenerateResponse(chunk=pb.GenerateChunk(
+        index=update.index, token_ids=update.token_ids,
+        logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                  top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                  for lp in update.logprobs],
+        prompt_tokens=update.prompt_tokens, completion_tokens=update.completion_tokens,
+        cached_prompt_tokens=update.cached_prompt_tokens))
+
+
+def _complete(update: ChoiceUpdate) -> pb.GenerateResponse:
+    complete = pb.GenerateComplete(
+        index=update.index, finish_reason=FINISH_REASONS.get(update.finish_reason or "",
+                                                             common_pb2.FINISH_REASON_UNSPECIFIED),
+        prompt_tokens=update.prompt_tokens, completion_tokens=update.completion_tokens,
+        cached_prompt_tokens=update.cached_prompt_tokens)
+    if update.stop_token_id is not None:
+        complete.stop_token_id = update.stop_token_id
+    return pb.GenerateResponse(complete=complete)
+
+
+def _error(code: int, message: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(error=pb.GenerateError(code=code, message=message))

@@ -1,0 +1,22 @@
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.mesh.settings import ServiceSettings
+
+
+class EngineSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="BACKPORT_ENGINE_", extra="forbid")
+
+    model: str = Field(description="local HF model folder")
+    served_model_name: str | None = Field(None, description="name clients use (default: folder name)")
+    host: str = Field("127.0.0.1", description="address to listen on (loopback unless told otherwise)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    max_model_len: int | None = Field(None, gt=0, description="context length (default: the model's)")
+    max_num_seqs: int | None = Field(None, gt=0, description="most sequences scheduled at once")
+    dtype: str = Field("auto", description="weight and activation dtype")
+    enforce_eager: bool = Field(False, description="skip torch.compile and graph capture (faster start)")
+    enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching")
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per engine")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction for vLLM")
+    trust_remote_code: bool = Field(False, description="allow the checkpoint's own model code")
+    drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long in-flight requests may finish")

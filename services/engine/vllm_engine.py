@@ -1,0 +1,244 @@
+"""vLLM's AsyncLLM behind a token-ids-only interface, with no transport code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput
+
+from services.engine.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message is safe to show the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """The engine-independent sampling controls; None means the model's default."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """New tokens of one choice. Counts are running totals; `finish_reason` is set once, last."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer: str
+    architecture: str
+
+
+@dataclass(slots=True)
+class Loads:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class VllmEngine:
+    """One AsyncLLM; `generate` yields `ChoiceUpdate`s and aborts the request when closed early."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self._llm: AsyncLLM | None = None
+        self._scheduler_loads = Loads()
+        self._num_in_flight = 0
+        self._defaults: dict[str, Any] = {}
+        self.info: ModelInfo | None = None
+
+    @property
+    def llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        return self._llm
+
+    def start(self) -> None:
+        s = self.settings
+        args = AsyncEngineArgs(
+            model=s.model, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs, dtype=s.dtype, enforce_eager=s.enforce_eager,
+            enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
+        model_config = self._llm.model_config
+        self._defaults = model_config.get_diff_sampling_param()
+        tokenizer = self._llm.get_tokenizer()
+        eos_ids = {tokenizer.eos_token_id}
+        for source in (model_config.hf_config.eos_token_id,
+                       model_config.try_get_generation_config().get("eos_token_id")):
+            eos_ids |= set(source) if isinstance(source, list) else {source}
+        self.info = ModelInfo(
+            served_model_name=s.served_model_name or Path(s.model).name,
+            max_model_len=model_config.max_model_len,
+            vocab_size=model_config.get_vocab_size(),
+            eos_token_ids=sorted(i for i in eos_ids if i is not None),
+            tokenizer=str(model_config.tokenizer),
+            architecture=(model_config.architectures or ["unknown"])[0])
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    def loads(self) -> Loads:
+        # Scheduler stats arrive only while the engine steps; once the last request is gone
+        # they are stale, and the count of open streams is the truth.
+        if self._num_in_flight == 0:
+            return Loads(kv_cache_usage=self._scheduler_loads.kv_cache_usage)
+        return Loads(num_running=min(self._scheduler_loads.num_running, self._num_in_flight),
+                     num_waiting=min(self._scheduler_loads.num_waiting, self._num_in_flight),
+                     kv_cache_usage=self._scheduler_loads.kv_cache_usage)
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingRequest) -> AsyncIterator[ChoiceUpdate]:
+        assert self.info is not None
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_token_ids) >= self.info.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, more than the model's context "
+                f"of {self.info.max_model_len} tokens allows")
+        params = self._sampling_params(sampling, len(prompt_token_ids))
+        self._num_in_flight += 1
+        completion_tokens: dict[int, int] = {}
+        try:
+            stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                       params, request_id)
+            async for output in stream:
+                for completion in output.outputs:
+                    done = completion_tokens.get(completion.index, 0) + len(completion.token_ids)
+                    completion_tokens[completion.index] = done
+                    yield _choice_update(completion, len(prompt_token_ids), done,
+                                         output.num_cached_tokens or 0, sampling.logprobs or 0)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from error
+        finally:
+            self._num_in_flight -= 1
+
+    def _sampling_params(self, s: SamplingRequest, prompt_len: int) -> SamplingParams:
+        assert self.info is not None
+        room = self.info.max_model_len - prompt_len
+        if s.max_tokens is not None and s.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens is {s.max_tokens}, but the prompt has {prompt_len} tokens and the "
+                f"model's context is {self.info.max_model_len} tokens")
+        chosen = {name: value for name, value in (
+            ("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k),
+            ("min_p", s.min_p), ("repetition_penalty", s.repetition_penalty)) if value is not None}
+        defaults = {k: v for k, v in self._defaults.items()
+                    if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        try:
+            return SamplingParams(
+                **(defaults | chosen), n=s.n, seed=s.seed,
+                max_tokens=s.max_tokens if s.max_tokens is not None else room,
+                min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
+                ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                logit_bias=dict(s.logit_bias) or None,
+                # Detokenization and stop strings belong to the tokenizer service and gateway.
+                detokenize=False, output_kind=RequestOutputKind.DELTA)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from error
+
+    def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> StatLoggerBase:
+        return _LoadRecorder(self._scheduler_loads)
+
+
+def _choice_update(completion: CompletionOutput, prompt_tokens: int, completion_tokens: int,
+                   cached_prompt_tokens: int, num_top_logprobs: int) -> ChoiceUpdate:
+    token_ids = list(completion.token_ids)
+    logprobs = [_token_logprob(token_id, candidates, num_top_logprobs)
+                for token_id, candidates in zip(token_ids, completion.logprobs or [])]
+    stop_token_id = None
+    stopped_by_token = completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
+    if stopped_by_token and token_ids:
+        # The EOS or stop token ends the choice but is not part of its text; it still counts
+        # as a completion token, as in vLLM's own server.
+        stop_token_id = completion.stop_reason
+        token_ids, logprobs = token_ids[:-1], logprobs[:len(token_ids) - 1]
+    return ChoiceUpdate(index=completion.index, token_ids=token_ids, logprobs=logprobs,
+                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        cached_prompt_tokens=cached_prompt_tokens,
+                        finish_reason=completion.finish_reason, stop_token_id=stop_token_id)
+
+
+def _token_logprob(token_id: int, candidates: dict[int, Logprob], num_top: int) -> TokenLogprob:
+    # vLLM returns the top `num_top` candidates plus the sampled token when it ranks lower.
+    ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
+    top = [(candidate_id, lp.logprob) for candidate_id, lp in ranked[:num_top]]
+    return TokenLogprob(token_id=token_id, logprob=candidates[token_id].logprob, top=top)
+
+
+class _LoadRecorder(StatLoggerBase):
+    """Keeps the scheduler's latest counts where `VllmEngine.loads` reads them."""
+
+    def __init__(self, loads: Loads) -> None:
+        self._loads = loads
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: Any,
+               mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self._loads.num_running = scheduler_stats.num_running_reqs
+            self._loads.num_waiting = scheduler_stats.num_waiting_reqs
+            self._loads.kv_cache_usage = scheduler_stats.kv_cache_usage
+
+    def log_engine_initialized(self) -> None:
+        pass

@@ -1,0 +1,75 @@
+"""The gateway's error types and their OpenAI-shaped HTTP responses, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequestError(GatewayError):
+    status, type = 400, "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class UnauthorizedError(GatewayError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class ModelNotFoundError(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class ServiceUnavailableError(GatewayError):
+    status, type = 503, "service_unavailable"
+
+
+class EngineFailedError(GatewayError):
+    """The engine failed a request it had accepted."""
+
+    status, type = 502, "engine_error"
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        # Union types add the tried type's name to the location; the field is what matters.
+        param = ".".join(part for part in location if not part[:1].isupper() and "[" not in part)
+        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(message, "invalid_request_error", param or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"),
+                            status_code=error.status_code)

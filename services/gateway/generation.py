@@ -1,0 +1,166 @@
+"""One engine request seen as detokenized, stop-checked text deltas per choice."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from backport.v1 import common_pb2
+from backport.v1 import engine_pb2 as pb
+from services.engine.client import EngineClient
+from services.gateway.errors import EngineFailedError, InvalidRequestError, ServiceUnavailableError
+from services.gateway.stop_strings import StopStringMatcher
+from services.tokenizer.client import StreamDetokenizer, TokenizerClient
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Set on the choice's last delta: "stop", "length" or "abort".
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class UsageCounts:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens_by_choice: dict[Any, int] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.completion_tokens_by_choice.values())
+
+
+class Generation:
+    """Runs one `Generate` call; iterating `deltas()` drives it and closing it aborts it."""
+
+    def __init__(self, engine: EngineClient, tokenizer: TokenizerClient, request: pb.GenerateRequest,
+                 *, stop_strings: list[str], skip_special_tokens: bool) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.request = request
+        self.num_choices = max(1, request.sampling.n)
+        self.usage = UsageCounts(prompt_tokens=len(request.prompt_token_ids))
+        self._stop_strings = stop_strings
+        self._skip_special_tokens = skip_special_tokens
+        self._detokenizers: dict[int, StreamDetokenizer] = {}
+        self._matchers: dict[int, StopStringMatcher] = {}
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._first: pb.GenerateResponse | None = None
+
+    async def start(self) -> None:
+        """Sends the request and waits for its first response, so that a request the engine
+        refuses fails before any HTTP response has begun."""
+        self._call = self.engine.generate(self.request)
+        try:
+            self._first = await self._read()
+        except BaseException:
+            self._call.cancel()
+            raise
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        if self._call is None:
+            await self.start()
+        assert self._call is not None
+        finished: set[int] = set()
+        response = self._first
+        try:
+            while response is not None:
+                if response.WhichOneof("response") == "chunk":
+                    delta = await self._on_chunk(response.chunk, finished)
+                else:
+                    delta = self._on_complete(response.complete, finished)
+                if delta is not None:
+                    if delta.finish_reason is not None:
+                        finished.add(delta.index)
+                    yield delta
+                    if len(finished) == self.num_choices:
+                        break
+                response = await self._read()
+        finally:
+            # Cancelling the call is how an early stop (stop string, client gone) aborts in vLLM.
+            self._call.cancel()
+            for detokenizer in self._detokenizers.values():
+                await detokenizer.close()
+
+    async def _read(self) -> pb.GenerateResponse | None:
+        assert self._call is not None
+        try:
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            raise ServiceUnavailableError(
+                f"engine {self.engine.address} failed: {error.code().name}") from error
+        if response is grpc.aio.EOF:
+            return None
+        if response.WhichOneof("response") == "error":
+            raise _request_error(response.error)
+        return response
+
+    async def _on_chunk(self, chunk: pb.GenerateChunk, finished: set[int]) -> ChoiceDelta | None:
+        if chunk.index in finished:
+            return None
+        self._count(chunk.index, chunk.completion_tokens, chunk.cached_prompt_tokens)
+        text = await self._detokenizer(chunk.index).step(list(chunk.token_ids)) if chunk.token_ids else ""
+        check = self._matcher(chunk.index).feed(text)
+        logprobs = await self._logprobs(chunk.logprobs) if chunk.logprobs else []
+        if check.stopped:
+            return ChoiceDelta(chunk.index, check.text, logprobs, finish_reason="stop")
+        if check.text or logprobs:
+            return ChoiceDelta(chunk.index, check.text, logprobs)
+        return None
+
+    def _on_complete(self, complete: pb.GenerateComplete, finished: set[int]) -> ChoiceDelta | None:
+        if complete.index in finished:
+            return None
+        self._count(complete.index, complete.completion_tokens, complete.cached_prompt_tokens)
+        tail = self._matcher(complete.index).flush()
+        return ChoiceDelta(complete.index, tail,
+                           finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"))
+
+    def _count(self, index: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.usage.completion_tokens_by_choice[index] = completion_tokens
+        self.usage.cached_tokens = cached_tokens
+
+    def _detokenizer(self, index: int) -> StreamDetokenizer:
+        if index not in self._detokenizers:
+            self._detokenizers[index] = self.tokenizer.detokenizer(
+                skip_special_tokens=self._skip_special_tokens)
+        return self._detokenizers[index]
+
+    def _matcher(self, index: int) -> StopStringMatcher:
+        return self._matchers.setdefault(index, StopStringMatcher(self._stop_strings))
+
+    async def _logprobs(self, entries: list[pb.TokenLogprob]) -> list[TokenLogprob]:
+        ids = [e.token_id for e in entries] + [t.token_id for e in entries for t in e.top]
+        texts = dict(zip(ids, await self.tokenizer.token_texts(ids)))
+        return [TokenLogprob(texts[e.token_id], e.logprob, [(texts[t.token_id], t.logprob) for t in e.top])
+                for e in entries]
+
+
+def _request_error(error: pb.GenerateError) -> Exception:
+    if error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT:
+        return InvalidRequestError(error.message)
+    if error.code == common_pb2.ERROR_CODE_UNAVAILABLE:
+        return ServiceUnavailableError(error.message)
+    return EngineFailedError(error.message)

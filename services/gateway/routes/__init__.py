@@ -1,0 +1,1 @@
+"""HTTP routes; each module declares one router."""

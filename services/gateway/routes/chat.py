@@ -1,0 +1,172 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.backend import GatewayBackend, ServedModel
+from services.gateway.errors import InvalidRequestError
+from services.gateway.generation import ChoiceDelta, Generation, TokenLogprob
+from services.gateway.parsing import ChatOutputParser, MessageDelta
+from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
+                                                requested_effort, resolve_session_effort, session_key)
+from services.gateway.requests import backend_of, check_context, check_model, generate_request
+from services.gateway.schemas import ChatCompletionRequest, new_id, now
+from services.gateway.sse import sse_event, sse_stream, usage_dict
+
+router = APIRouter(prefix="/v1", tags=["chat"])
+
+
+@router.post("/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest,
+                                 request: Request) -> JSONResponse | StreamingResponse:
+    backend = backend_of(request)
+    model = check_model(backend, body.model)
+    template_kwargs, is_thinking = await _template_kwargs(backend, model, body, request)
+    try:
+        rendered = await backend.tokenizer.render_chat(
+            body.messages, body.tools, template_kwargs,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message)
+    except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidRequestError(error.details() or "invalid messages", param="messages") from error
+        raise
+    prompt_ids = list(rendered.token_ids)
+    check_context(model, len(prompt_ids), body.token_limit, prompt_param="messages",
+                  limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
+    generation = Generation(
+        backend.pick_engine(), backend.tokenizer,
+        generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs),
+        stop_strings=body.stop_strings,
+        # Parsers read markup that tokenizers often mark special.
+        skip_special_tokens=body.skip_special_tokens and not has_parser)
+    parsers = [_output_parser(backend, body, is_thinking) for _ in range(body.n)]
+    completion = _ChatCompletion(model.name, generation, parsers)
+    await generation.start()
+    if body.stream:
+        return StreamingResponse(sse_stream(completion.chunks(body.include_usage)),
+                                 media_type="text/event-stream")
+    return JSONResponse(await completion.response())
+
+
+async def _template_kwargs(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
+                           request: Request) -> tuple[dict[str, Any], bool]:
+    """The template kwargs to render with, and whether the prompt opens a reasoning block."""
+    try:
+        if model.chat_format == "deepseek_v4":
+            requested = requested_effort(reasoning_effort=body.reasoning_effort, thinking=body.thinking,
+                                         chat_template_kwargs=body.chat_template_kwargs)
+            key = session_key(session_id=request.headers.get("x-session-id"),
+                              prompt_cache_key=body.prompt_cache_key, user=body.user)
+            effort = await resolve_session_effort(requested, key, backend.effort_store)
+            return effort.template_kwargs(body.chat_template_kwargs), effort.is_thinking
+        kwargs = passthrough_template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
+    except EffortRequestError as error:
+        raise InvalidRequestError(str(error), param=error.field) from error
+    return kwargs, bool(kwargs.get("enable_thinking", kwargs.get("thinking", True)))
+
+
+def _output_parser(backend: GatewayBackend, body: ChatCompletionRequest,
+                   is_thinking: bool) -> ChatOutputParser | None:
+    settings = backend.settings
+    if not (settings.tool_call_parser or settings.reasoning_parser):
+        return None
+    return ChatOutputParser(tool_call_parser=settings.tool_call_parser,
+                            reasoning_parser=settings.reasoning_parser, tools=body.tools,
+                            thinking=is_thinking,
+                            allow_tool_calls=bool(body.tools) and body.tool_choice != "none")
+
+
+class _ChatCompletion:
+    """Shapes one generation's deltas as chat.completion(.chunk) objects."""
+
+    def __init__(self, model_name: str, generation: Generation,
+                 parsers: list[ChatOutputParser | None]) -> None:
+        self.id = new_id("chatcmpl")
+        self.created = now()
+        self.model_name = model_name
+        self.generation = generation
+        self.parsers = parsers
+
+    def _parse(self, delta: ChoiceDelta) -> MessageDelta:
+        parser = self.parsers[delta.index]
+        if parser is None:
+            return MessageDelta(content=delta.text or None)
+        message = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            tail = parser.finish()
+            message = MessageDelta(
+                reasoning_content=_join(message.reasoning_content, tail.reasoning_content),
+                content=_join(message.content, tail.content),
+                tool_calls=message.tool_calls + tail.tool_calls)
+        return message
+
+    def _finish_reason(self, delta: ChoiceDelta) -> str | None:
+        parser = self.parsers[delta.index]
+        if delta.finish_reason == "stop" and parser is not None and parser.has_tool_calls:
+            return "tool_calls"
+        return delta.finish_reason
+
+    async def chunks(self, include_usage: bool) -> AsyncIterator[str]:
+        for index in range(len(self.parsers)):
+            yield sse_event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]))
+        async for delta in self.generation.deltas():
+            message = self._parse(delta)
+            if message.is_empty and not delta.logprobs and delta.finish_reason is None:
+                continue
+            yield sse_event(self._chunk([{
+                "index": delta.index, "delta": message.to_dict(),
+                "logprobs": _chat_logprobs(delta.logprobs) if delta.logprobs else None,
+                "finish_reason": self._finish_reason(delta)}]))
+        if include_usage:
+            yield sse_event(self._chunk([]) | {"usage": usage_dict(self.generation.usage)})
+
+    async def response(self) -> dict[str, Any]:
+        finish_reasons: dict[int, str | None] = {}
+        texts: dict[int, list[str]] = {i: [] for i in range(len(self.parsers))}
+        logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(len(self.parsers))}
+        async for delta in self.generation.deltas():
+            texts[delta.index].append(delta.text)
+            logprobs[delta.index] += delta.logprobs
+            if delta.finish_reason is not None:
+                finish_reasons[delta.index] = delta.finish_reason
+        choices = []
+        for index, parser in enumerate(self.parsers):
+            text = "".join(texts[index])
+            if parser is None:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+            else:
+                parser.feed(text)
+                parser.finish()
+                message = parser.message().to_dict()
+            finish = finish_reasons.get(index)
+            if finish == "stop" and parser is not None and parser.has_tool_calls:
+                finish = "tool_calls"
+            choices.append({"index": index, "message": message, "finish_reason": finish,
+                            "logprobs": _chat_logprobs(logprobs[index]) if logprobs[index] else None})
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model_name, "choices": choices,
+                "usage": usage_dict(self.generation.usage)}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model_name, "choices": choices}
+
+
+def _join(first: str | None, second: str | None) -> str | None:
+    return None if first is None and second is None else (first or "") + (second or "")
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [{
+        "token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top],
+    } for e in entries]}

@@ -1,0 +1,127 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.backend import GatewayBackend, ServedModel
+from services.gateway.errors import InvalidRequestError
+from services.gateway.generation import Generation, TokenLogprob, UsageCounts
+from services.gateway.requests import backend_of, check_context, check_model, generate_request
+from services.gateway.schemas import CompletionRequest, new_id, now
+from services.gateway.sse import sse_event, sse_stream, usage_dict
+
+router = APIRouter(prefix="/v1", tags=["completions"])
+
+
+@router.post("/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    backend = backend_of(request)
+    model = check_model(backend, body.model)
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    prompts = await _prompt_token_ids(backend, body.prompt)
+    generations = []
+    for prompt_ids in prompts:
+        check_context(model, len(prompt_ids), body.token_limit, prompt_param="prompt",
+                      limit_param="max_tokens")
+        generations.append(Generation(
+            backend.pick_engine(), backend.tokenizer,
+            generate_request(body, prompt_ids, token_limit=body.token_limit,
+                             num_logprobs=body.num_logprobs),
+            stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens))
+    for generation in generations:
+        await generation.start()
+    echoes = ([await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+              if body.echo else None)
+    completion = _Completion(model, body.n, generations, echoes)
+    if body.stream:
+        return StreamingResponse(sse_stream(completion.chunks(body.include_usage)),
+                                 media_type="text/event-stream")
+    return JSONResponse(await completion.response())
+
+
+async def _prompt_token_ids(backend: GatewayBackend,
+                            prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [await backend.tokenizer.encode(prompt, add_special_tokens=True)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [await backend.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in prompt]  # type: ignore[union-attr]
+
+
+class _Completion:
+    """Shapes the deltas of one generation per prompt as text_completion objects.
+
+    Choice `i` of prompt `p` is index `p * n + i`, as in OpenAI's batched completions.
+    """
+
+    def __init__(self, model: ServedModel, n: int, generations: list[Generation],
+                 echoes: list[str] | None) -> None:
+        self.id = new_id("cmpl")
+        self.created = now()
+        self.model = model
+        self.n = n
+        self.generations = generations
+        self.echoes = echoes
+
+    def _usage(self) -> dict[str, Any]:
+        total = UsageCounts(
+            prompt_tokens=sum(g.usage.prompt_tokens for g in self.generations),
+            cached_tokens=sum(g.usage.cached_tokens for g in self.generations),
+            completion_tokens_by_choice={(p, i): c for p, g in enumerate(self.generations)
+                                         for i, c in g.usage.completion_tokens_by_choice.items()})
+        return usage_dict(total)
+
+    async def chunks(self, include_usage: bool) -> AsyncIterator[str]:
+        for p, generation in enumerate(self.generations):
+            echoed: set[int] = set()
+            async for delta in generation.deltas():
+                text = delta.text
+                if self.echoes is not None and delta.index not in echoed:
+                    echoed.add(delta.index)
+                    text = self.echoes[p] + text
+                yield sse_event(self._object([{
+                    "index": p * self.n + delta.index, "text": text,
+                    "logprobs": _logprobs(delta.logprobs) if delta.logprobs else None,
+                    "finish_reason": delta.finish_reason}]))
+        if include_usage:
+            yield sse_event(self._object([]) | {"usage": self._usage()})
+
+    async def response(self) -> dict[str, Any]:
+        choices = []
+        for p, generation in enumerate(self.generations):
+            texts: dict[int, list[str]] = {i: [self.echoes[p]] if self.echoes else [] for i in range(self.n)}
+            logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(self.n)}
+            finish: dict[int, str | None] = {}
+            async for delta in generation.deltas():
+                texts[delta.index].append(delta.text)
+                logprobs[delta.index] += delta.logprobs
+                if delta.finish_reason is not None:
+                    finish[delta.index] = delta.finish_reason
+            choices += [{"index": p * self.n + i, "text": "".join(texts[i]),
+                         "logprobs": _logprobs(logprobs[i]) if logprobs[i] else None,
+                         "finish_reason": finish.get(i)} for i in range(self.n)]
+        return self._object(choices) | {"usage": self._usage()}
+
+    def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model.name, "choices": choices}
+
+
+def _logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": _offsets(entries)}
+
+
+def _offsets(entries: list[TokenLogprob]) -> list[int]:
+    offsets, position = [], 0
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry.token)
+    return offsets

@@ -1,0 +1,28 @@
+"""GET /v1/models and GET /health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from services.gateway.requests import backend_of
+
+router = APIRouter(tags=["models"])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    model = backend_of(request).served_model()
+    return {"object": "list", "data": [{
+        "id": model.name, "object": "model", "created": 0, "owned_by": "vllm-backport",
+        "max_model_len": model.max_model_len}]}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    backend = backend_of(request)
+    if backend.model is None or request.app.state.draining:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})

@@ -1,0 +1,163 @@
+"""`backport up`: the mesh as separate processes, started in order and stopped without orphans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.mesh.channels import wait_until_serving
+from services.mesh.settings import ServiceSettings
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0
+POLL_S = 0.25
+
+
+class UpSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="BACKPORT_UP_", extra="forbid")
+
+    model: str = Field(description="local HF model folder (default: the embedded SmolLM2-135M)")
+    served_model_name: str | None = Field(None, description="model name for clients")
+    host: str = Field("127.0.0.1", description="gateway HTTP address")
+    port: int = Field(8000, description="gateway HTTP port")
+    tokenizer_port: int = Field(50052, description="tokenizer gRPC port")
+    engine_port: int = Field(50051, description="first engine's gRPC port; more engines count up")
+    max_model_len: int | None = Field(None, gt=0, description="context length")
+    enforce_eager: bool = Field(False, description="engines skip torch.compile (faster start)")
+    tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
+    reasoning_parser: str | None = Field(None, description="deepseek_v4 | glm45 | qwen3")
+    startup_timeout_s: float = Field(900.0, gt=0, description="how long each service may take to start")
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, deadline: float) -> None:
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time; killing it", self.name)
+        # Each service leads its own process group: this also ends anything it spawned
+        # (vLLM's engine-core and worker processes) that outlived it.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+class Mesh:
+    def __init__(self, settings: UpSettings) -> None:
+        self.settings = settings
+        self.services: list[ServiceProcess] = []
+        self._stop_requested = False
+
+    def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
+        command = [sys.executable, "-m", "services.cli", *args]
+        logger.info("starting %s", name)
+        service = ServiceProcess(name, subprocess.Popen(command, start_new_session=True))
+        self.services.append(service)
+        return service
+
+    def start(self) -> None:
+        s = self.settings
+        tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
+        engine_address = f"127.0.0.1:{s.engine_port}"
+        self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
+        engine_args = ["engine", "--model", s.model, "--port", str(s.engine_port)]
+        if s.served_model_name:
+            engine_args += ["--served-model-name", s.served_model_name]
+        if s.max_model_len:
+            engine_args += ["--max-model-len", str(s.max_model_len)]
+        if s.enforce_eager:
+            engine_args.append("--enforce-eager")
+        self._spawn("engine", engine_args)
+        for address, name in ((tokenizer_address, "tokenizer"), (engine_address, "engine")):
+            self._wait_grpc(name, address)
+        gateway_args = ["gateway", "--host", s.host, "--port", str(s.port),
+                        "--tokenizer", tokenizer_address, "--engine", engine_address]
+        for flag, value in (("--tool-call-parser", s.tool_call_parser),
+                            ("--reasoning-parser", s.reasoning_parser)):
+            if value:
+                gateway_args += [flag, value]
+        self._spawn("gateway", gateway_args)
+        self._wait_http("gateway", f"http://{s.host}:{s.port}/health")
+        logger.info("mesh ready: http://%s:%d/v1", s.host, s.port)
+
+    def _wait_grpc(self, name: str, address: str) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if wait_until_serving(address, timeout_s=2.0):
+                logger.info("%s ready at %s", name, address)
+                return
+        raise TimeoutError(f"{name} did not become healthy within {self.settings.startup_timeout_s} s")
+
+    def _wait_http(self, name: str, url: str) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(POLL_S)
+        raise TimeoutError(f"{name} did not become healthy within {self.settings.startup_timeout_s} s")
+
+    def _check_alive(self) -> None:
+        if self._stop_requested:
+            raise InterruptedError("stop requested")
+        for service in self.services:
+            if service.process.poll() is not None:
+                raise RuntimeError(f"{service.name} exited with status {service.process.returncode}")
+
+    def request_stop(self, *_: object) -> None:
+        self._stop_requested = True
+
+    def wait(self) -> None:
+        while not self._stop_requested:
+            self._check_alive()
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """Gateway first so no new work arrives, then the services behind it."""
+        for service in reversed(self.services):
+            service.stop()
+            service.wait_stopped(time.monotonic() + STOP_TIMEOUT_S)
+        logger.info("mesh stopped")
+
+
+def run_mesh(settings: UpSettings) -> int:
+    mesh = Mesh(settings)
+    signal.signal(signal.SIGTERM, mesh.request_stop)
+    signal.signal(signal.SIGINT, mesh.request_stop)
+    try:
+        mesh.start()
+        mesh.wait()
+        return 0
+    except InterruptedError:
+        return 0
+    except (RuntimeError, TimeoutError) as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        mesh.stop()

@@ -1,0 +1,76 @@
+"""Tokenization with no transport: loading, chat rendering, encode/decode, streaming decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.tokenizer.chat_formats import ChatRenderer, chat_renderer_for
+
+
+class TokenizerCore:
+    """One model's tokenizer and chat format."""
+
+    def __init__(self, model_path: str, *, trust_remote_code: bool = False) -> None:
+        self.model_path = model_path
+        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code)
+        if not self.hf.is_fast:
+            raise ValueError(f"{model_path}: only fast (tokenizers-backed) tokenizers are supported")
+        self.fast: Tokenizer = self.hf.backend_tokenizer
+        self.renderer: ChatRenderer = chat_renderer_for(model_path, self.hf)
+        self.eos_token_ids = _eos_token_ids(model_path, self.hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    template_kwargs: dict[str, Any], *, add_generation_prompt: bool,
+                    continue_final_message: bool) -> tuple[str, list[int]]:
+        prompt = self.renderer.render(messages, tools, template_kwargs,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message)
+        # The rendered prompt already carries BOS and every special token it needs.
+        return prompt, self.encode(prompt, add_special_tokens=False)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str:
+        return self.fast.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_each(self, token_ids: list[int]) -> list[str]:
+        return [self.fast.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+
+    def detokenizer(self, *, skip_special_tokens: bool) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self.fast, skip_special_tokens=skip_special_tokens)
+
+
+class StreamingDetokenizer:
+    """Turns token ids arriving in pieces into text deltas that never split a character."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_ids: list[int]) -> str:
+        pieces = (self._stream.step(self._tokenizer, token_id) for token_id in token_ids)
+        return "".join(piece for piece in pieces if piece)
+
+
+def _eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and the tokenizer."""
+    ids: list[int] = []
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids += value if isinstance(value, list) else [value] if value is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))

@@ -1,0 +1,68 @@
+"""gRPC transport for `TokenizerCore`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from backport.v1 import tokenizer_pb2 as pb
+from backport.v1 import tokenizer_pb2_grpc
+from services.tokenizer.chat_formats import ChatRenderError
+from services.tokenizer.core import TokenizerCore
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, core: TokenizerCore) -> None:
+        self.core = core
+
+    async def RenderChat(self, request: pb.RenderChatRequest,
+                         context: grpc.aio.ServicerContext) -> pb.RenderChatResponse:
+        messages = [MessageToDict(m) for m in request.messages]
+        tools = [MessageToDict(t) for t in request.tools] or None
+        template_kwargs = MessageToDict(request.template_kwargs)
+        try:
+            # Rendering and tokenizing a long prompt must not stall other streams.
+            prompt, token_ids = await asyncio.to_thread(
+                self.core.render_chat, messages, tools, template_kwargs,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message)
+        except ChatRenderError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.RenderChatResponse(token_ids=token_ids, prompt=prompt)
+
+    async def Encode(self, request: pb.EncodeRequest,
+                     context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        token_ids = await asyncio.to_thread(self.core.encode, request.text,
+                                            add_special_tokens=request.add_special_tokens)
+        return pb.EncodeResponse(token_ids=token_ids)
+
+    async def Decode(self, request: pb.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
+        text = self.core.decode(list(request.token_ids),
+                                skip_special_tokens=request.skip_special_tokens)
+        return pb.DecodeResponse(text=text)
+
+    async def DecodeTokens(self, request: pb.DecodeTokensRequest,
+                           context: grpc.aio.ServicerContext) -> pb.DecodeTokensResponse:
+        texts = self.core.decode_each(list(request.token_ids))
+        return pb.DecodeTokensResponse(texts=texts, utf8=[t.encode() for t in texts])
+
+    async def Detokenize(self, request_iterator: AsyncIterator[pb.DetokenizeRequest],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
+        detokenizer = None
+        async for request in request_iterator:
+            if detokenizer is None:
+                detokenizer = self.core.detokenizer(skip_special_tokens=request.skip_special_tokens)
+            yield pb.DetokenizeResponse(text=detokenizer.step(list(request.token_ids)))
+
+    async def GetTokenizerInfo(self, request: pb.GetTokenizerInfoRequest,
+                               context: grpc.aio.ServicerContext) -> pb.TokenizerInfo:
+        info = pb.TokenizerInfo(tokenizer=self.core.model_path, vocab_size=self.core.vocab_size,
+                                eos_token_ids=self.core.eos_token_ids,
+                                chat_format=self.core.renderer.name)
+        if self.core.hf.bos_token_id is not None:
+            info.bos_token_id = self.core.hf.bos_token_id
+        return info
