@@ -19,12 +19,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "protos")]
+
+from backport.v1 import ple_pb2, ple_pb2_grpc  # noqa: E402
 
 from services.mesh.channels import wait_until_serving  # noqa: E402
 from services.ple_offload.client import PleTableClient  # noqa: E402
@@ -61,7 +65,7 @@ def start_service(table: Path, shm_name: str) -> tuple[subprocess.Popen[bytes], 
     return process, address
 
 
-def best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -70,7 +74,7 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def percentiles_ms(fn, calls: int) -> tuple[float, float]:
+def percentiles_ms(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     for _ in range(max(50, calls // 10)):
         fn()
     samples = np.empty(calls)
@@ -81,54 +85,89 @@ def percentiles_ms(fn, calls: int) -> tuple[float, float]:
     return float(np.percentile(samples, 50) * 1e3), float(np.percentile(samples, 99) * 1e3)
 
 
-def measure(address: str, shm_name: str, args: argparse.Namespace) -> None:
-    reader = SharedTableReader(shm_name)
-    rows = reader.table_rows()
-    num_rows, row_bytes = rows.shape
-    rng = np.random.default_rng(0)
-
-    # memcpy: one large contiguous copy out of the same shared table.
-    copy_rows = min(num_rows, (512 * 2**20) // row_bytes)
-    src = rows[:copy_rows]
+def memcpy_gb_s(rows: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> float:
+    """One large contiguous copy out of the shared table, split over `threads`."""
+    src = rows[:min(rows.shape[0], (1 << 30) // rows.shape[1])]
     dst = np.empty_like(src)
-    np.copyto(dst, src)
-    memcpy_gbs = src.nbytes / best_seconds(lambda: np.copyto(dst, src), 5) / 1e9
+    bounds = np.linspace(0, src.shape[0], threads + 1, dtype=np.int64)
+    parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    results = {"table_gib": num_rows * row_bytes / 2**30, "row_bytes": row_bytes,
-               "memcpy_gb_s": memcpy_gbs}
-    for label, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
-        batches = [rng.integers(0, num_rows, (tokens, HEADS)) for _ in range(16)]
-        out = np.empty((tokens, HEADS, row_bytes), np.uint8)
-        batch_iter = iter(range(10**9))
+    def copy() -> None:
+        if pool is None:
+            np.copyto(dst, src)
+        else:
+            for done in [pool.submit(np.copyto, dst[p], src[p]) for p in parts]:
+                done.result()
 
-        def gather() -> None:
-            reader.gather(batches[next(batch_iter) % len(batches)], out=out)
+    copy()
+    return src.nbytes / best_seconds(copy, 5) / 1e9
 
-        seconds = best_seconds(lambda: [gather() for _ in range(16)], 5) / 16
-        gbs = out.nbytes / seconds / 1e9
-        results[f"shm_gather_{label}_gb_s"] = gbs
-        results[f"shm_gather_{label}_vs_memcpy"] = gbs / memcpy_gbs
-    decode_ids = rng.integers(0, num_rows, (args.decode_tokens, HEADS))
-    out = np.empty((args.decode_tokens, HEADS, row_bytes), np.uint8)
-    p50, p99 = percentiles_ms(lambda: reader.gather(decode_ids, out=out), args.calls)
-    results |= {"shm_decode_step_p50_ms": p50, "shm_decode_step_p99_ms": p99}
-    client = PleTableClient(address, allow_shared_memory=False)
-    p50, p99 = percentiles_ms(lambda: client.gather(decode_ids), args.calls)
-    results |= {"grpc_decode_step_p50_ms": p50, "grpc_decode_step_p99_ms": p99}
-    client.close()
-    del rows, src
+
+def gather_gb_s(reader: SharedTableReader, num_rows: int, tokens: int) -> float:
+    """Random rows, a fresh batch per call, so repeated ids never come from cache."""
+    rng = np.random.default_rng(tokens)
+    num_batches = max(4, (64 << 20) // (tokens * HEADS * 160))
+    batches = [rng.integers(0, num_rows, (tokens, HEADS)) for _ in range(num_batches)]
+    out = np.empty((tokens, HEADS, reader.header.row_bytes), np.uint8)
+
+    def run() -> None:
+        for batch in batches:
+            reader.gather(batch, out=out)
+
+    run()
+    return num_batches * out.nbytes / best_seconds(run, 3) / 1e9
+
+
+def measure(address: str, shm_name: str, args: argparse.Namespace) -> dict[str, float]:
+    threads = args.threads
+    results: dict[str, float] = {"threads": threads}
+    for count in (1, threads):
+        reader = SharedTableReader(shm_name, gather_threads=count)
+        rows = reader.table_rows()
+        num_rows = rows.shape[0]
+        with ThreadPoolExecutor(count) as pool:
+            memcpy = memcpy_gb_s(rows, pool if count > 1 else None, count)
+        results[f"memcpy_{count}t_gb_s"] = memcpy
+        for label, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
+            gbs = gather_gb_s(reader, num_rows, tokens)
+            results[f"gather_{label}_{count}t_gb_s"] = gbs
+            results[f"gather_{label}_{count}t_vs_memcpy_{count}t"] = gbs / memcpy
+            results[f"gather_{label}_{count}t_vs_memcpy_1t"] = gbs / results["memcpy_1t_gb_s"]
+        del rows
+        reader.close()
+
+    decode_ids = np.random.default_rng(1).integers(0, num_rows, (args.decode_tokens, HEADS))
+    reader = SharedTableReader(shm_name)
+    results["shm_step_p50_ms"], results["shm_step_p99_ms"] = percentiles_ms(
+        lambda: reader.gather(decode_ids), args.calls)
     reader.close()
+    client = PleTableClient(address, allow_shared_memory=False)
+    results["grpc_step_p50_ms"], results["grpc_step_p99_ms"] = percentiles_ms(
+        lambda: client.gather(decode_ids), args.calls)
+    stub = ple_pb2_grpc.PleOffloadStub(client._channel)
+    results["grpc_describe_p50_ms"], results["grpc_describe_p99_ms"] = percentiles_ms(
+        lambda: stub.Describe(ple_pb2.DescribeRequest()), args.calls)
+    client.close()
+    return results
 
-    print(f"table {results['table_gib']:.2f} GiB, {row_bytes} B rows, {HEADS} rows/token")
-    print(f"memcpy bandwidth (same table, 512 MiB copy): {memcpy_gbs:.2f} GB/s")
-    for label, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
-        print(f"shm gather, {label} {tokens}x{HEADS} random rows: "
-              f"{results[f'shm_gather_{label}_gb_s']:.2f} GB/s = "
-              f"{results[f'shm_gather_{label}_vs_memcpy']:.2f} x memcpy")
-    print(f"shm  lookup {args.decode_tokens}x{HEADS}: p50 {results['shm_decode_step_p50_ms']:.3f} ms, "
-          f"p99 {results['shm_decode_step_p99_ms']:.3f} ms")
-    print(f"gRPC lookup {args.decode_tokens}x{HEADS}: p50 {results['grpc_decode_step_p50_ms']:.3f} ms, "
-          f"p99 {results['grpc_decode_step_p99_ms']:.3f} ms (loopback, {args.calls} calls)")
+
+def report(results: dict[str, float], args: argparse.Namespace, table_gib: float) -> None:
+    threads = args.threads
+    print(f"table {table_gib:.2f} GiB of {args.row_bytes} B rows, {HEADS} rows per token")
+    for count in sorted({1, threads}):
+        print(f"{count} thread(s): memcpy {results[f'memcpy_{count}t_gb_s']:.2f} GB/s")
+        for label, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
+            print(f"  shm gather {label:7s} {tokens:5d}x{HEADS}: "
+                  f"{results[f'gather_{label}_{count}t_gb_s']:.2f} GB/s = "
+                  f"{results[f'gather_{label}_{count}t_vs_memcpy_{count}t']:.2f} x memcpy "
+                  f"({count} t), {results[f'gather_{label}_{count}t_vs_memcpy_1t']:.2f} x memcpy (1 t)")
+    step = f"{args.decode_tokens}x{HEADS}"
+    print(f"shm  lookup {step}: p50 {results['shm_step_p50_ms']:.3f} ms, "
+          f"p99 {results['shm_step_p99_ms']:.3f} ms")
+    print(f"gRPC lookup {step}: p50 {results['grpc_step_p50_ms']:.3f} ms, "
+          f"p99 {results['grpc_step_p99_ms']:.3f} ms (loopback, {args.calls} calls; empty "
+          f"Describe RPC: p50 {results['grpc_describe_p50_ms']:.3f} ms, "
+          f"p99 {results['grpc_describe_p99_ms']:.3f} ms)")
     print(json.dumps(results))
 
 
@@ -139,6 +178,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
+                        help="threads for the parallel gather and memcpy")
     args = parser.parse_args()
     num_rows = int(args.table_gib * 2**30) // args.row_bytes
     shm_name = f"backport-ple-bench-{os.getpid()}"
@@ -147,7 +188,7 @@ def main() -> None:
         write_table(table, num_rows, args.row_bytes)
         process, address = start_service(table, shm_name)
         try:
-            measure(address, shm_name, args)
+            report(measure(address, shm_name, args), args, num_rows * args.row_bytes / 2**30)
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(60)

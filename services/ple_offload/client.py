@@ -31,12 +31,14 @@ class PleTableClient:
 
     def __init__(self, address: str, *, allow_shared_memory: bool = True,
                  reattach_timeout_s: float = 60.0, rpc_timeout_s: float = 5.0,
-                 connect_timeout_s: float = 0.0) -> None:
-        """`connect_timeout_s` waits for a service that is still starting or loading."""
+                 connect_timeout_s: float = 0.0, gather_threads: int = 1) -> None:
+        """`connect_timeout_s` waits for a service that is still starting or loading;
+        `gather_threads` split large shared-memory gathers."""
         self.address = address
         self.allow_shared_memory = allow_shared_memory
         self.reattach_timeout_s = reattach_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.gather_threads = gather_threads
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = ple_pb2_grpc.PleOffloadStub(self._channel)
         self._lock = threading.Lock()
@@ -147,7 +149,7 @@ class PleTableClient:
         if not self.allow_shared_memory:
             return
         try:
-            reader = SharedTableReader(self.info.shm_name)
+            reader = SharedTableReader(self.info.shm_name, gather_threads=self.gather_threads)
         except PleError:
             return  # not on this machine (or not yet visible): use gRPC
         if (reader.generation != self.info.generation

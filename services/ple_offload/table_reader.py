@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -18,12 +19,21 @@ from services.ple_offload.segment_layout import (
 )
 
 
+# Below this many rows one thread gathers: waking a pool costs more than it saves.
+_PARALLEL_GATHER_MIN_ROWS = 16_384
+
+
 class SharedTableReader:
     """A read-only view of one table generation. Every process maps the same pages, so
-    any number of readers add no copy of the table."""
+    any number of readers add no copy of the table.
 
-    def __init__(self, shm_name: str) -> None:
+    Random row gathers are bound by memory latency, not bandwidth, so large gathers are
+    split over `gather_threads` threads (numpy releases the GIL while it copies)."""
+
+    def __init__(self, shm_name: str, *, gather_threads: int = 1) -> None:
         self.shm_name = shm_name
+        self._gather_threads = gather_threads
+        self._pool = ThreadPoolExecutor(gather_threads, "ple-gather") if gather_threads > 1 else None
         path = segment_path(shm_name)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -71,7 +81,14 @@ class SharedTableReader:
         check_row_ids(flat, self.header.num_rows)
         if out is None:
             out = np.empty((flat.size, self.header.row_bytes), np.uint8)
-        np.take(rows, flat, axis=0, out=out.reshape(flat.size, self.header.row_bytes))
+        out_rows = out.reshape(flat.size, self.header.row_bytes)
+        if self._pool is None or flat.size < _PARALLEL_GATHER_MIN_ROWS:
+            np.take(rows, flat, axis=0, out=out_rows)
+        else:
+            bounds = np.linspace(0, flat.size, self._gather_threads + 1, dtype=np.int64)
+            parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+            for done in [self._pool.submit(np.take, rows, flat[p], 0, out_rows[p]) for p in parts]:
+                done.result()
         return out.reshape(*np.shape(row_ids), self.header.row_bytes)
 
     def table_rows(self) -> np.ndarray:
@@ -83,6 +100,8 @@ class SharedTableReader:
         if self._rows is None:
             return
         self._rows = None
+        if self._pool is not None:
+            self._pool.shutdown()
         try:
             self._mmap.close()
         except BufferError:

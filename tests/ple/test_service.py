@@ -17,7 +17,7 @@ from tests.ple.service_process import ServiceProcess
 from tests.ple.table_files import TableFile
 
 HEADS = 16
-BATCH_TOKENS = (1, 64, 512)
+BATCH_TOKENS = (1, 64, 2048)  # 2048 x 16 rows takes the multi-threaded gather
 NUM_CALLERS = 4
 
 
@@ -43,7 +43,7 @@ def _caller(client: PleTableClient, rows: np.ndarray, seed: int) -> int:
 def test_rows_equal_the_file_under_concurrent_callers(
         served_table: tuple[TableFile, ServiceProcess]) -> None:
     table, service = served_table
-    local = PleTableClient(service.address)
+    local = PleTableClient(service.address, gather_threads=2)
     remote = PleTableClient(service.address, allow_shared_memory=False)
     try:
         assert local.is_local and not remote.is_local

@@ -22,6 +22,8 @@ SHARED_MEMORY_ENV = "BACKPORT_PLE_SHARED_MEMORY"
 REATTACH_TIMEOUT_ENV = "BACKPORT_PLE_REATTACH_TIMEOUT_S"
 # How long an engine waits at start for a service that is still loading its table.
 CONNECT_TIMEOUT_ENV = "BACKPORT_PLE_CONNECT_TIMEOUT_S"
+# Threads that split a large (prefill) shared-memory gather.
+GATHER_THREADS_ENV = "BACKPORT_PLE_GATHER_THREADS"
 
 # Modules that pick the PLE embedding class by these names when a layer is built.
 _EMBEDDING_CHOOSERS = (

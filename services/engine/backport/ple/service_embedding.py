@@ -18,6 +18,7 @@ import torch
 from services.engine.backport.ple.activation import (
     ADDRESS_ENV,
     CONNECT_TIMEOUT_ENV,
+    GATHER_THREADS_ENV,
     REATTACH_TIMEOUT_ENV,
     SHARED_MEMORY_ENV,
 )
@@ -187,6 +188,7 @@ def _shared_client() -> PleTableClient:
                 allow_shared_memory=allow_shared_memory,
                 reattach_timeout_s=float(os.environ.get(REATTACH_TIMEOUT_ENV, "60")),
                 connect_timeout_s=float(os.environ.get(CONNECT_TIMEOUT_ENV, "900")),
+                gather_threads=int(os.environ.get(GATHER_THREADS_ENV, "4")),
             )
         return _clients[key]
 
