@@ -56,7 +56,7 @@ def filled_cache(num_rows: int) -> torch.Tensor:
     for start in range(0, num_blocks * BLOCK_SIZE, chunk):
         count = min(chunk, num_blocks * BLOCK_SIZE - start)
         k = torch.randn(count, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        quantize_and_insert_k_cache(k, cache, torch.arange(start, start + count, device="cuda"))
+        quantize_and_insert_k_cache(k, cache, torch.arange(start, start + count, device="cuda"), BLOCK_SIZE)
     return cache
 
 
@@ -79,7 +79,8 @@ def decode_case(batch: int, topk: int, context: int, heads: int, cache: torch.Te
 
     def run() -> object:
         return sparse_mla_decode(q, swa_cache, swa_indices, layout.HEAD_DIM**-0.5, swa_lengths, sink,
-                                 cache, indices, lengths, out=out, **config)
+                                 cache, indices, lengths, block_size=BLOCK_SIZE, extra_block_size=BLOCK_SIZE,
+                                 out=out, **config)
 
     from services.engine.backport.kernels import sparse_mla_combine, sparse_mla_decode as decode_module
     from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
@@ -116,7 +117,7 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     k = torch.randn(tokens, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     cache = layout.allocate_cache(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, "cuda")
     slots = torch.randperm(tokens, device="cuda")
-    record("quantize_and_insert_k_cache", f"T={tokens}", lambda: quantize_and_insert_k_cache(k, cache, slots),
+    record("quantize_and_insert_k_cache", f"T={tokens}", lambda: quantize_and_insert_k_cache(k, cache, slots, BLOCK_SIZE),
            tokens * (1024 + layout.BYTES_PER_TOKEN + 8))
 
     requests, seq_len = 4, tokens // 4
@@ -202,8 +203,9 @@ def main() -> None:
                     rows.append(decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth))
                     print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     for config in ({"heads_per_program": 16, "block_n": 64, "num_warps": 4},
-                   {"heads_per_program": 32, "block_n": 64, "num_warps": 8},
-                   {"heads_per_program": 64, "block_n": 32, "num_warps": 8}):
+                   {"heads_per_program": 16, "block_n": 32, "num_warps": 8},
+                   {"heads_per_program": 32, "block_n": 32, "num_warps": 8},
+                   {"heads_per_program": 32, "block_n": 16, "num_warps": 8}):
         try:
             rows.append(decode_case(64, 2048, 32768, 64, cache, swa_cache, bandwidth, **config))
         except Exception as error:  # noqa: BLE001 - a config over the card's limits is a result too

@@ -41,12 +41,9 @@ from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sin
 
 TILES_PER_ROW = 8  # a 512-dim row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE tile
 DEFAULT_BLOCK_N = 32  # keys per step: [32, 512] bf16 = 32 KiB of K in shared memory
-MAX_HEADS_PER_PROGRAM = 32  # [32, 512] fp32 accumulator = 64 registers/thread at 8 warps
-MIN_HEADS_PER_PROGRAM = 16  # tl.dot needs M >= 16
-# 32 heads a program keep q and K tiles of 32 KiB each in shared memory, with room on
-# sm80 (163 KiB a block) but not always on sm86/sm89 (99 KiB): those get 16.
-SHARED_BYTES_FOR_32_HEADS = 160 * 1024
-SHARED_MEMORY_LIMIT_BYTES = {"sm80": 166_912, "sm86": 101_376, "sm89": 101_376}
+# 16 heads a program (tl.dot needs M >= 16): 80 KiB of shared memory and no spills in
+# sm80/sm86 mode (H200, Triton 3.6); 32 heads at 8 warps spilled 104 registers in sm80 mode.
+DEFAULT_HEADS_PER_PROGRAM = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an A100/H100-class part
 
 
@@ -186,17 +183,6 @@ def _as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     return x
 
 
-def target_shared_memory_bytes(device: torch.device) -> int:
-    """Per-block shared memory of the card the kernels are compiled for: the emulated
-    arch's when Triton lowers for another arch, else the present card's."""
-    override = triton.knobs.runtime.override_arch
-    if override in SHARED_MEMORY_LIMIT_BYTES:
-        return SHARED_MEMORY_LIMIT_BYTES[override]
-    if device.type != "cuda":
-        return SHARED_MEMORY_LIMIT_BYTES["sm86"]
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-
-
 def choose_num_splits(num_tokens: int, num_head_blocks: int, longest_list: int, block_n: int) -> int:
     """Enough splits to give the GPU about TARGET_PROGRAMS programs, each >= one block."""
     programs = num_tokens * num_head_blocks
@@ -242,10 +228,9 @@ def sparse_mla_decode(
     extra_geometry = layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
 
     if heads_per_program is None:
-        most = MAX_HEADS_PER_PROGRAM if target_shared_memory_bytes(q.device) >= SHARED_BYTES_FOR_32_HEADS else MIN_HEADS_PER_PROGRAM
-        heads_per_program = min(most, max(MIN_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads)))
+        heads_per_program = DEFAULT_HEADS_PER_PROGRAM
     if num_warps is None:
-        num_warps = 8 if heads_per_program >= 32 else 4
+        num_warps = 4
     num_head_blocks = triton.cdiv(num_heads, heads_per_program)
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
