@@ -28,8 +28,6 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "protos")]
 
-from backport.v1 import ple_pb2, ple_pb2_grpc  # noqa: E402
-
 from services.mesh.channels import wait_until_serving  # noqa: E402
 from services.ple_offload.client import PleTableClient  # noqa: E402
 from services.ple_offload.table_reader import SharedTableReader  # noqa: E402
@@ -144,9 +142,8 @@ def measure(address: str, shm_name: str, args: argparse.Namespace) -> dict[str, 
     client = PleTableClient(address, allow_shared_memory=False)
     results["grpc_step_p50_ms"], results["grpc_step_p99_ms"] = percentiles_ms(
         lambda: client.gather(decode_ids), args.calls)
-    stub = ple_pb2_grpc.PleOffloadStub(client._channel)
     results["grpc_describe_p50_ms"], results["grpc_describe_p99_ms"] = percentiles_ms(
-        lambda: stub.Describe(ple_pb2.DescribeRequest()), args.calls)
+        client.describe, args.calls)
     client.close()
     return results
 

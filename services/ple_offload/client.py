@@ -109,7 +109,7 @@ class PleTableClient:
             deadline = time.monotonic() + self.reattach_timeout_s
             while True:
                 try:
-                    info = self._describe()
+                    info = self.describe()
                     # A failed RPC to a service that is still up (same generation) needs
                     # only a retry; a closed segment means waiting for the next generation.
                     if (info.generation != lost_generation
@@ -132,13 +132,14 @@ class PleTableClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self._describe()
+                return self.describe()
             except TableUnavailableError:
                 if time.monotonic() >= deadline:
                     raise
             time.sleep(_REATTACH_POLL_S)
 
-    def _describe(self) -> ple_pb2.TableInfo:
+    def describe(self) -> ple_pb2.TableInfo:
+        """The served table's description (one unary RPC)."""
         try:
             return self._stub.Describe(ple_pb2.DescribeRequest(), timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
