@@ -18,5 +18,8 @@ class EngineSettings(ServiceSettings):
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching")
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs per engine")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction for vLLM")
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV cache size in GiB instead of a memory fraction "
+                                "(default on CPU: 2 GiB)")
     trust_remote_code: bool = Field(False, description="allow the checkpoint's own model code")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long in-flight requests may finish")

