@@ -55,6 +55,7 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
     from services.engine.settings import EngineSettings
     from services.gateway.settings import GatewaySettings
     from services.launcher import UpSettings
+    from services.ple_offload.settings import PleSettings
     from services.tokenizer.settings import TokenizerSettings
 
     def run_engine(settings: ServiceSettings) -> None:
@@ -69,6 +70,10 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
         from services.gateway.server import serve
         serve(settings)
 
+    def run_ple(settings: ServiceSettings) -> None:
+        from services.ple_offload.server import serve
+        asyncio.run(serve(settings))
+
     def run_up(settings: ServiceSettings) -> int:
         from services.launcher import run_mesh
         return run_mesh(settings)
@@ -78,6 +83,8 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
         "gateway": (GatewaySettings, "the OpenAI-compatible HTTP gateway", run_gateway),
         "engine": (EngineSettings, "a gRPC engine over vLLM", run_engine),
         "tokenizer": (TokenizerSettings, "the gRPC tokenizer service", run_tokenizer),
+        "ple": (PleSettings, "the PLE offload service: one shared-memory copy of an n-gram "
+                             "embedding table per machine", run_ple),
     }
 
 
