@@ -22,4 +22,6 @@ class EngineSettings(ServiceSettings):
         None, gt=0, description="KV cache size in GiB instead of a memory fraction "
                                 "(default on CPU: 2 GiB)")
     trust_remote_code: bool = Field(False, description="allow the checkpoint's own model code")
+    logits_processors: list[str] = Field(default_factory=list,
+                                         description="vLLM logits processor classes, module:Class")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long in-flight requests may finish")

@@ -119,7 +119,8 @@ class VllmEngine:
             max_num_seqs=s.max_num_seqs, dtype=s.dtype, enforce_eager=s.enforce_eager,
             enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
-            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None)
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
+            logits_processors=list(s.logits_processors) or None)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
         model_config = self._llm.model_config
         self._defaults = model_config.get_diff_sampling_param()
