@@ -47,43 +47,43 @@ def _combine_kernel(
     stride_pl_split,
     stride_out_token,
     stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    DIM_BLOCK: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    # Program ids: a block of heads of one token; all splits are read here.
-    head_block = tl.program_id(0)
-    token = tl.program_id(1)
-    heads = head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-    head_mask = heads < num_heads
+    # Program ids: one head of one token, DIM_BLOCK of its output dims; every split of
+    # that slice is one [MAX_SPLITS, DIM_BLOCK] load, so no program walks the splits.
+    head = tl.program_id(0)
+    token = tl.program_id(1).to(tl.int64)
+    dim_block = tl.program_id(2)
     splits = tl.arange(0, MAX_SPLITS)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = dim_block * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
+    in_splits = splits < num_splits
 
-    # Split weights from the partial log-sum-exps [heads, splits].
-    lse_ptrs = partial_lse_ptr + token * stride_pl_token + splits[None, :] * stride_pl_split + heads[:, None]
-    split_lse = tl.load(lse_ptrs, mask=head_mask[:, None] & (splits[None, :] < num_splits), other=float("-inf"))
-    lse_max = tl.max(split_lse, axis=1)
+    # Split weights from the partial log-sum-exps (base 2).
+    split_lse = tl.load(partial_lse_ptr + token * stride_pl_token + splits * stride_pl_split + head,
+                        mask=in_splits, other=float("-inf"))
+    lse_max = tl.max(split_lse, axis=0)
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(split_lse - lse_max_safe[:, None])
-    weight_sum = tl.sum(weights, axis=1)
-    lse2 = tl.where(weight_sum > 0, lse_max_safe + tl.log2(tl.where(weight_sum > 0, weight_sum, 1.0)), float("-inf"))
-    weights = weights / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+    weights = tl.exp2(split_lse - lse_max_safe)
+    weight_sum = tl.sum(weights, axis=0)
+    has_keys = weight_sum > 0
+    lse2 = tl.where(has_keys, lse_max_safe + tl.log2(tl.where(has_keys, weight_sum, 1.0)), float("-inf"))
+    weights = weights / tl.where(has_keys, weight_sum, 1.0)
 
-    # Weighted sum of the partial outputs, one split at a time.
-    acc = tl.zeros((HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
-    base = partial_out_ptr + token * stride_po_token + heads[:, None] * stride_po_head + dims[None, :]
-    for split in range(num_splits):
-        weight = tl.sum(tl.where(splits[None, :] == split, weights, 0.0), axis=1)
-        part = tl.load(base + split * stride_po_split, mask=head_mask[:, None] & (weight[:, None] > 0), other=0.0)
-        acc += weight[:, None] * part
+    # Weighted sum of the partial outputs.
+    part_ptrs = (partial_out_ptr + token * stride_po_token + splits[:, None] * stride_po_split
+                 + head * stride_po_head + dims[None, :])
+    parts = tl.load(part_ptrs, mask=(weights > 0)[:, None], other=0.0)
+    acc = tl.sum(parts * weights[:, None], axis=0)
 
-    # Write-back: sink, bf16 output, natural-log lse.
+    # Write-back: sink, output in out's dtype, natural-log lse.
     if HAS_SINK:
-        acc = apply_sink(acc, lse2, sink_ptr, heads, head_mask)
-    out_ptrs = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    tl.store(lse_ptr + token * num_heads + heads, lse2 * 0.6931471805599453, mask=head_mask)
+        sink = tl.load(sink_ptr + head).to(tl.float32)
+        acc = acc / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims, acc.to(out_ptr.dtype.element_ty))
+    if dim_block == 0:
+        tl.store(lse_ptr + token * num_heads + head, lse2 * 0.6931471805599453)
 
 
 def combine_splits(
@@ -95,8 +95,10 @@ def combine_splits(
 ) -> None:
     """partial_out [T, S, H, D] fp32, partial_lse [T, S, H] base-2 -> out [T, H, D], lse [T, H]."""
     num_tokens, num_splits, num_heads, head_dim = partial_out.shape
-    heads_per_program = min(16, triton.next_power_of_2(num_heads))
-    grid = (triton.cdiv(num_heads, heads_per_program), num_tokens)
+    max_splits = triton.next_power_of_2(num_splits)
+    # Keep the [splits, dims] tile at 4096 fp32 values (32 registers a thread at 4 warps).
+    dim_block = max(16, min(head_dim, 4096 // max_splits))
+    grid = (num_heads, num_tokens, triton.cdiv(head_dim, dim_block))
     _combine_kernel[grid](
         partial_out,
         partial_lse,
@@ -112,9 +114,8 @@ def combine_splits(
         partial_lse.stride(1),
         out.stride(0),
         out.stride(1),
-        HEAD_DIM=head_dim,
-        HEADS_PER_PROGRAM=heads_per_program,
-        MAX_SPLITS=triton.next_power_of_2(num_splits),
+        MAX_SPLITS=max_splits,
+        DIM_BLOCK=dim_block,
         HAS_SINK=attn_sink is not None,
         num_warps=4,
     )

@@ -40,37 +40,62 @@ from services.engine.backport.kernels.fp8_e4m3 import e4m3_decode_div256
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
 TILES_PER_ROW = 8  # a 512-dim row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE tile
-DEFAULT_BLOCK_N = 32  # keys per step: [32, 512] bf16 = 32 KiB of K in shared memory
+# Keys per step: [32, 512] bf16 = 32 KiB of K. In sm80 mode on the H200 (B=64, H=64,
+# top-k 2048) 32 ran 0.29 ms with 10 spilled registers, 16 ran 0.39 ms with none.
+DEFAULT_BLOCK_N = 32
 # 16 heads a program (tl.dot needs M >= 16): 80 KiB of shared memory and no spills in
 # sm80/sm86 mode (H200, Triton 3.6); 32 heads at 8 warps spilled 104 registers in sm80 mode.
 DEFAULT_HEADS_PER_PROGRAM = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an A100/H100-class part
+MIN_ROWS_PER_SPLIT = 128  # a split's partial output (32 KiB) should stay small next to its rows
+MAX_SPLITS = 64  # the combine step loads all splits of a slice at once
+
+
+@triton.jit
+def load_slots(slot_row_ptr, positions, list_width, list_length, stop):
+    """Slots at list `positions` and whether each is a valid key (in range, not -1)."""
+    in_list = (positions < list_width) & (positions < list_length) & (positions < stop)
+    slots = tl.load(slot_row_ptr + positions, mask=in_list, other=-1)
+    return slots, in_list & (slots >= 0)
+
+
+@triton.jit
+def load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constexpr):
+    """Raw bytes of the rows at `slots`: fp8 [N, 8, 64] (tile 7 is RoPE bytes, unused),
+    UE8M0 scales [N, 8] and RoPE values [N, 64] bf16."""
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    page = (slot // BLOCK_SIZE) * block_stride
+    position = slot % BLOCK_SIZE
+    data = page + position * 576
+    scale_at = page + BLOCK_SIZE * 576 + position * 8
+    tile = tl.arange(0, 8)
+    dim = tl.arange(0, 64)
+    # 512 contiguous bytes per row; no mask along the row keeps the loads 16 B wide.
+    raw = tl.load(cache_ptr + data[:, None, None] + (tile[None, :, None] * 64 + dim[None, None, :]),
+                  mask=valid[:, None, None], other=0)
+    scale_byte = tl.load(cache_ptr + scale_at[:, None] + tile[None, :], mask=valid[:, None], other=0)
+    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptr[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
+    return raw, scale_byte, rope
+
+
+@triton.jit
+def decode_rows(raw, scale_byte, rope, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Row bytes -> [BLOCK_N, 512] K tile: 7 dequantized fp8 tiles, then the RoPE tile."""
+    tile = tl.arange(0, 8)
+    # 2**(byte - 127) * 256 built from bits: the 256 undoes e4m3_decode_div256's 1/256.
+    scale = ((scale_byte.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
+    nope = e4m3_decode_div256(raw) * scale[:, :, None]
+    k = tl.where(tile[None, :, None] == 7, rope[:, None, :].to(tl.float32), nope)
+    return tl.reshape(k, (BLOCK_N, 512)).to(DOT_DTYPE)
 
 
 @triton.jit
 def load_k_block(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  DOT_DTYPE: tl.constexpr):
     """Dequantize BLOCK_N cache rows at `slots` into a [BLOCK_N, 512] tile of DOT_DTYPE."""
-    slot = tl.where(valid, slots, 0).to(tl.int64)
-    page = (slot // BLOCK_SIZE) * block_stride
-    position = slot % BLOCK_SIZE
-    data = page + position * 576
-    scale_at = page + BLOCK_SIZE * 576 + position * 8
-
-    tile = tl.arange(0, 8)
-    dim = tl.arange(0, 64)
-    # 512 contiguous bytes per row: tiles 0-6 are fp8, "tile 7" reads the first half of
-    # the RoPE bytes and is replaced below; no mask along the row keeps loads 16 B wide.
-    raw = tl.load(cache_ptr + data[:, None, None] + (tile[None, :, None] * 64 + dim[None, None, :]),
-                  mask=valid[:, None, None], other=0)
-    scale_byte = tl.load(cache_ptr + scale_at[:, None] + tile[None, :], mask=valid[:, None], other=0)
-    # 2**(byte - 127) * 256 built from bits: the 256 undoes e4m3_decode_div256's 1/256.
-    scale = ((scale_byte.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
-    nope = e4m3_decode_div256(raw) * scale[:, :, None]
-    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptr[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
-    k = tl.where(tile[None, :, None] == 7, rope[:, None, :].to(tl.float32), nope)
-    return tl.reshape(k, (BLOCK_N, 512)).to(DOT_DTYPE)
+    raw, scale_byte, rope = load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE)
+    return decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE)
 
 
 @triton.jit
@@ -80,13 +105,22 @@ def attend_slot_range(
     block_stride, qk_scale_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """Online softmax (base 2) over list positions [start, stop) of one slot list."""
+    """Online softmax (base 2) over list positions [start, stop) of one slot list.
+
+    Software-pipelined by hand: while block i is decoded and multiplied, the row bytes
+    of block i + 1 and the slots of block i + 2 are already in flight, so the two
+    dependent loads (slot, then row) overlap the math instead of stalling it.
+    """
+    offsets = tl.arange(0, BLOCK_N)
+    slots, valid = load_slots(slot_row_ptr, start + offsets, list_width, list_length, stop)
+    raw, scale_byte, rope = load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE)
+    next_slots, next_valid = load_slots(slot_row_ptr, start + BLOCK_N + offsets, list_width, list_length, stop)
     for block_start in range(start, stop, BLOCK_N):
-        positions = block_start + tl.arange(0, BLOCK_N)
-        in_list = (positions < list_width) & (positions < list_length) & (positions < stop)
-        slots = tl.load(slot_row_ptr + positions, mask=in_list, other=-1)
-        valid = in_list & (slots >= 0)
-        k = load_k_block(cache_ptr, slots, valid, block_stride, BLOCK_SIZE, BLOCK_N, DOT_DTYPE)
+        after_slots, after_valid = load_slots(slot_row_ptr, block_start + 2 * BLOCK_N + offsets,
+                                              list_width, list_length, stop)
+        next_raw, next_scale_byte, next_rope = load_row_bytes(cache_ptr, next_slots, next_valid,
+                                                              block_stride, BLOCK_SIZE)
+        k = decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE)
 
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -98,6 +132,9 @@ def attend_slot_range(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k)
         m_i = m_new
+
+        raw, scale_byte, rope, valid = next_raw, next_scale_byte, next_rope, next_valid
+        next_slots, next_valid = after_slots, after_valid
     return m_i, l_i, acc
 
 
@@ -183,11 +220,12 @@ def _as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     return x
 
 
-def choose_num_splits(num_tokens: int, num_head_blocks: int, longest_list: int, block_n: int) -> int:
-    """Enough splits to give the GPU about TARGET_PROGRAMS programs, each >= one block."""
+def choose_num_splits(num_tokens: int, num_head_blocks: int, longest_list: int) -> int:
+    """Enough splits to give the GPU about TARGET_PROGRAMS programs, each with at least
+    MIN_ROWS_PER_SPLIT rows of the longer list."""
     programs = num_tokens * num_head_blocks
     wanted = triton.cdiv(TARGET_PROGRAMS, programs)
-    return max(1, min(wanted, triton.cdiv(longest_list, block_n)))
+    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(longest_list, MIN_ROWS_PER_SPLIT)))
 
 
 def sparse_mla_decode(
@@ -235,7 +273,9 @@ def sparse_mla_decode(
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_head_blocks, max(list_width, extra_list_width), block_n)
+        num_splits = choose_num_splits(num_tokens, num_head_blocks, max(list_width, extra_list_width))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     split_len = triton.cdiv(triton.cdiv(list_width, num_splits), block_n) * block_n
     extra_split_len = triton.cdiv(triton.cdiv(extra_list_width, num_splits), block_n) * block_n
 
