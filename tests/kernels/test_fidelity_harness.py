@@ -1,0 +1,57 @@
+"""The harness itself: fp8 hardware paths fail in sm80/sm86 mode, work (and agree with the
+software encoder) where the arch has them, and fp8 torch matmuls are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.backport.kernels.arch_fidelity import Fp8MatmulGuard
+from services.engine.backport.kernels.fp8_e4m3 import encode_e4m3
+
+HARDWARE_FP8_BLOCK = 1024
+
+
+@triton.jit
+def _hardware_fp8_cast_kernel(x_ptr, out_ptr, num_elements, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_elements
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+
+
+def _hardware_encode(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    grid = (triton.cdiv(x.numel(), HARDWARE_FP8_BLOCK),)
+    _hardware_fp8_cast_kernel[grid](x, out, x.numel(), BLOCK=HARDWARE_FP8_BLOCK)
+    return out
+
+
+def test_hardware_fp8_matches_arch(kernel_device: str, is_interpreter: bool, gpu_arch: str | None) -> None:
+    if is_interpreter:
+        pytest.skip("compiles for a GPU arch")
+    every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = every_bf16.float().to(kernel_device)
+    if gpu_arch in ("sm80", "sm86"):
+        # Lowered as Ampere lowers it: the fp8 cast must not compile.
+        with pytest.raises(Exception, match="(?i)fp8|not supported"):
+            _hardware_encode(values)
+        return
+    hardware = _hardware_encode(values).cpu()
+    software = encode_e4m3(values).cpu()
+    is_nan = torch.isnan(every_bf16.float())
+    assert torch.equal(hardware[~is_nan], software[~is_nan])
+    assert torch.equal(hardware[is_nan] & 0x7F, software[is_nan] & 0x7F)
+
+
+def test_fp8_matmul_guard_refuses_fp8_operands() -> None:
+    a = torch.ones(4, 4).to(torch.float8_e4m3fn)
+    with Fp8MatmulGuard():
+        with pytest.raises(RuntimeError, match="fp8 torch matmul"):
+            torch.matmul(a, a)
+        with pytest.raises(RuntimeError, match="fp8 torch matmul"):
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()))
+        plain = torch.ones(4, 4)
+        assert torch.equal(torch.matmul(plain, plain), torch.full((4, 4), 4.0))
