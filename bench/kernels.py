@@ -3,9 +3,11 @@
     python bench/kernels.py --gpu-arch sm80 [--out bench-kernels.json] [--quick]
 
 Prints one table: each kernel's median time (triton.testing.do_bench, L2 flushed before
-every run, launch overhead included), the bytes it must move (each input read once,
-each output written once) over that time, that rate as a share of the copy bandwidth
-measured at the start of the same run, and for the decode its tensor-core rate.
+every run, launch overhead included; for the decode also the median CUDA-graph replay,
+which its rates use), the bytes it must move (each input read once, each output
+written once) over that time, that rate as a share of the copy bandwidth measured at
+the start of the same run, and for the decode its tensor-core rate.
+`--profile-decode` only launches one large decode, for Nsight Compute.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
 sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
@@ -107,6 +109,24 @@ def decode_case(batch: int, topk: int, context: int, heads: int, cache: torch.Te
             "new variants": "; ".join(f"{r.name} {r.shared_bytes} B {r.registers} regs {r.spills} spills" for r in compiled)}
 
 
+def profile_decode() -> None:
+    """Three launches of one large decode, nothing else, so a profiler sees only it."""
+    from services.engine.backport.kernels import ds_mla_cache as layout
+    from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
+
+    batch, heads, topk, rows_per_seq = 64, 64, 2048, 32768 // COMPRESS_RATIO
+    cache = filled_cache(batch * rows_per_seq)
+    swa_cache = filled_cache(batch * SWA_WINDOW)
+    picks = torch.stack([torch.randperm(rows_per_seq, device="cuda")[:topk] for _ in range(batch)])
+    indices = (picks + torch.arange(batch, device="cuda").unsqueeze(1) * rows_per_seq).to(torch.int32)
+    swa = (torch.arange(batch, device="cuda").unsqueeze(1) * SWA_WINDOW + torch.arange(SWA_WINDOW, device="cuda"))
+    q = torch.randn(batch, heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        sparse_mla_decode(q, swa_cache, swa.to(torch.int32), layout.HEAD_DIM**-0.5, None, torch.zeros(heads, device="cuda"),
+                          cache, indices, None, block_size=BLOCK_SIZE, extra_block_size=BLOCK_SIZE)
+    torch.cuda.synchronize()
+
+
 def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
@@ -189,6 +209,8 @@ def main() -> None:
     parser.add_argument("--gpu-arch", choices=["sm80", "sm86", "sm89", "native"], default="sm80")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--profile-decode", action="store_true",
+                        help="only launch the B=64 H=64 top-k 2048 decode a few times (for ncu)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA card")
@@ -197,6 +219,9 @@ def main() -> None:
 
         enable_arch_emulation(args.gpu_arch, tempfile.mkdtemp(prefix="triton-bench-"))
 
+    if args.profile_decode:
+        profile_decode()
+        return
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}, "
           f"kernels compiled for {args.gpu_arch}", flush=True)

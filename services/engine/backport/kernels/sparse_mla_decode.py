@@ -18,13 +18,16 @@ Semantics, the reference being `sparse_mla_decode_reference`:
 Tiling:
 - a program owns HEADS_PER_PROGRAM heads of one token, so one pass over a K row
   serves all those heads (the row is read once per head block, not once per head);
-- keys go BLOCK_N at a time: one [BLOCK_N, 512] bf16 tile (fp32 under the interpreter) feeds both dots
-  (q . k^T for scores, p . k for the output), exact because UE8M0 scales are powers
-  of two and fp8 values have 3 mantissa bits;
+- keys go BLOCK_N at a time: one [BLOCK_N, 512] bf16 tile (fp32 under the
+  interpreter) feeds both dots (q . k^T for scores, p . k for the output), exact
+  because UE8M0 scales are powers of two and fp8 values have 3 mantissa bits;
+- the loop prefetches by hand: row bytes one block ahead, slots two blocks ahead;
 - split-K: the two slot lists are each cut into `num_splits` equal pieces, one per
   program along grid axis 1, so a long list at batch 1 still fills the GPU; when
   num_splits > 1 the programs write normalized partials and `combine_splits` merges
   them; with one split the program finalizes and writes the output itself.
+Measured (docs/kernels.md): correct in sm80/86/89 mode, but far from bandwidth-bound:
+255 registers a thread limit it to 2 blocks per SM; see the notes there.
 Grid = (head blocks, splits, tokens): head blocks of one (split, token) run side by
 side, so the K rows they share come from L2.
 """
@@ -43,8 +46,8 @@ TILES_PER_ROW = 8  # a 512-dim row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE
 # Keys per step: [32, 512] bf16 = 32 KiB of K. In sm80 mode on the H200 (B=64, H=64,
 # top-k 2048) 32 ran 0.29 ms with 10 spilled registers, 16 ran 0.39 ms with none.
 DEFAULT_BLOCK_N = 32
-# 16 heads a program (tl.dot needs M >= 16): 80 KiB of shared memory and no spills in
-# sm80/sm86 mode (H200, Triton 3.6); 32 heads at 8 warps spilled 104 registers in sm80 mode.
+# 16 heads a program (tl.dot needs M >= 16): 49 KiB of shared memory, fits sm86/89's
+# 99 KiB (H200, Triton 3.6); 32 heads at 8 warps spilled over 100 registers in sm80 mode.
 DEFAULT_HEADS_PER_PROGRAM = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an A100/H100-class part
 MIN_ROWS_PER_SPLIT = 128  # a split's partial output (32 KiB) should stay small next to its rows
