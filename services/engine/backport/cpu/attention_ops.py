@@ -104,10 +104,22 @@ def _attend(
     attn_sink: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """Attention of a chunk of tokens over their own key subsets.
+
+    Consecutive tokens share most keys (overlapping windows, common top-k), so
+    the chunk scores the union of its keys with two dense GEMMs and masks per
+    token, instead of gathering a private key copy per token.
+    """
+    num_tokens, num_heads, head_dim = q.shape
     valid = index >= 0
-    gathered = keys[index.clamp(min=0)]  # [T, K, 512]
-    scores = torch.einsum("thd,tkd->thk", q, gathered) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    # Invalid entries stay -1: a distinct union member that no token is allowed.
+    union, local = _union_in_logical_order(index)
+    chunk_keys = keys[union.clamp(min=0)]  # [U, 512]
+    allowed = torch.zeros((num_tokens, union.shape[0]), dtype=torch.bool)
+    token = torch.arange(num_tokens).unsqueeze(-1).expand_as(local)
+    allowed[token[valid], local[valid]] = True
+    scores = (q.reshape(-1, head_dim) @ chunk_keys.T).view(num_tokens, num_heads, -1) * scale
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     has_key = torch.isfinite(row_max)
     weights = torch.exp(scores - torch.where(has_key, row_max, 0.0))
@@ -115,8 +127,26 @@ def _attend(
     lse = torch.where(has_key, row_max + torch.log(denom), float("inf"))
     # The sink is a zero-valued virtual key: it only shrinks the attended mass.
     sink_share = 1.0 / (1.0 + torch.exp(attn_sink.view(1, -1, 1) - lse))
-    out = torch.einsum("thk,tkd->thd", weights, gathered) / denom.clamp(min=1e-30)
+    out = (weights.view(-1, union.shape[0]) @ chunk_keys).view(num_tokens, num_heads, head_dim)
+    out = out / denom.clamp(min=1e-30)
     return torch.where(has_key, out * sink_share, 0.0)
+
+
+def _union_in_logical_order(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct values of `index` ordered by first appearance, and each entry's rank.
+
+    Slot lists arrive in logical (position or score) order; keeping that order,
+    not the physical slot order, makes the GEMM reduction order, and so the
+    bits of the result, independent of where the cache blocks were allocated.
+    """
+    distinct, inverse = torch.unique(index, return_inverse=True)
+    flat = inverse.flatten()
+    first_seen = torch.full((distinct.shape[0],), flat.numel(), dtype=torch.int64)
+    first_seen.scatter_reduce_(0, flat, torch.arange(flat.numel()), reduce="amin")
+    order = torch.argsort(first_seen)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0])
+    return distinct[order], rank[inverse]
 
 
 def inverse_gptj_rope_o_proj(

@@ -9,8 +9,8 @@ from services.engine.backport.cpu import fp8_ds_mla as layout
 from services.engine.backport.cpu.rope import rotate_gptj
 
 TOPK = 512
-# Query rows scored per step: bounds the gathered keys (rows x seq x 128 fp32).
-_ROWS_PER_CHUNK = 64
+# Query rows scored per GEMM: bounds the logits working set (rows x heads x seq).
+_ROWS_PER_CHUNK = 256
 
 
 def fused_indexer_q_rope_quant(
@@ -54,35 +54,35 @@ def fp8_paged_mqa_logits(
 ) -> torch.Tensor:
     """logits[b, s] = k_scale * sum_h relu(q[b, h] . k[s]) * weight[b, h], for s < seq_len[b].
 
-    Positions at or past a row's length are -inf (never selected).
+    Positions at or past a row's length are -inf (never selected). Rows that
+    share a page table (one request's prefill tokens) share one key read.
     """
     batch = q_fp8.shape[0]
     logits = torch.full((batch, max_seq_len), float("-inf"), dtype=torch.float32)
     if batch == 0 or max_seq_len == 0:
         return logits
     q = q_fp8.to(torch.float32)
-    token = torch.arange(max_seq_len)
-    for start in range(0, batch, _ROWS_PER_CHUNK):
-        stop = min(start + _ROWS_PER_CHUNK, batch)
-        lens = seq_lens[start:stop].to(torch.int64)
-        width = int(lens.max().item())
+    lens = seq_lens.to(torch.int64)
+    tables, table_of_row = torch.unique(page_table.to(torch.int64), dim=0, return_inverse=True)
+    for table_id in range(tables.shape[0]):
+        rows = torch.nonzero(table_of_row == table_id).squeeze(-1)
+        width = int(lens[rows].max().item())
         if width == 0:
             continue
-        pos = token[:width]
-        logical_page = torch.div(pos, block_size, rounding_mode="floor")
-        in_range = pos.unsqueeze(0) < lens.unsqueeze(-1)
-        pages = torch.gather(
-            page_table[start:stop].to(torch.int64),
-            1,
-            logical_page.expand(stop - start, -1).clamp(max=page_table.shape[1] - 1),
+        position = torch.arange(width)
+        logical_page = torch.clamp(
+            torch.div(position, block_size, rounding_mode="floor"), max=tables.shape[1] - 1
         )
-        pages = torch.where(in_range, pages, 0)
         keys = layout.read_indexer_records(
-            kvcache_fp8, pages, (pos % block_size).expand_as(pages), block_size
+            kvcache_fp8, tables[table_id, logical_page], position % block_size, block_size
         )
-        dots = torch.einsum("bhd,bsd->bhs", q[start:stop], keys).clamp(min=0.0)
-        scores = (dots * weight[start:stop].unsqueeze(-1)).sum(dim=1)
-        logits[start:stop, :width] = scores.masked_fill(~in_range, float("-inf"))
+        for start in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+            chunk = rows[start : start + _ROWS_PER_CHUNK]
+            heads = q.shape[1]
+            dots = (q[chunk].reshape(-1, q.shape[-1]) @ keys.T).clamp(min=0.0)
+            scores = (dots.view(chunk.shape[0], heads, width) * weight[chunk].unsqueeze(-1)).sum(1)
+            in_range = position.unsqueeze(0) < lens[chunk].unsqueeze(-1)
+            logits[chunk, :width] = scores.masked_fill(~in_range, float("-inf"))
     return logits
 
 
