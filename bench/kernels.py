@@ -66,19 +66,31 @@ def filled_cache(num_rows: int) -> torch.Tensor:
     for start in range(0, num_blocks * BLOCK_SIZE, chunk):
         count = min(chunk, num_blocks * BLOCK_SIZE - start)
         k = torch.randn(count, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        quantize_and_insert_k_cache(k, cache, torch.arange(start, start + count, device="cuda"), BLOCK_SIZE)
+        quantize_and_insert_k_cache(
+            k, cache, torch.arange(start, start + count, device="cuda"), BLOCK_SIZE
+        )
     return cache
 
 
-def decode_case(batch: int, topk: int, context: int, heads: int, cache: torch.Tensor,
-                swa_cache: torch.Tensor, bandwidth: float, **config: int) -> dict[str, object]:
+def decode_case(
+    batch: int,
+    topk: int,
+    context: int,
+    heads: int,
+    cache: torch.Tensor,
+    swa_cache: torch.Tensor,
+    bandwidth: float,
+    **config: int,
+) -> dict[str, object]:
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 
     rows_per_seq = context // COMPRESS_RATIO
     # Sequence b owns compressed rows [b * rows_per_seq, (b + 1) * rows_per_seq).
     picks = torch.stack([torch.randperm(rows_per_seq, device="cuda")[:topk] for _ in range(batch)])
-    indices = (picks + torch.arange(batch, device="cuda").unsqueeze(1) * rows_per_seq).to(torch.int32)
+    indices = (picks + torch.arange(batch, device="cuda").unsqueeze(1) * rows_per_seq).to(
+        torch.int32
+    )
     lengths = torch.full((batch,), topk, dtype=torch.int32, device="cuda")
     swa_start = torch.arange(batch, device="cuda").unsqueeze(1) * SWA_WINDOW
     swa_indices = (swa_start + torch.arange(SWA_WINDOW, device="cuda")).to(torch.int32)
@@ -88,25 +100,52 @@ def decode_case(batch: int, topk: int, context: int, heads: int, cache: torch.Te
     out = torch.empty_like(q)
 
     def run() -> object:
-        return sparse_mla_decode(q, swa_cache, swa_indices, layout.HEAD_DIM**-0.5, swa_lengths, sink,
-                                 cache, indices, lengths, block_size=BLOCK_SIZE, extra_block_size=BLOCK_SIZE,
-                                 out=out, **config)
+        return sparse_mla_decode(
+            q,
+            swa_cache,
+            swa_indices,
+            layout.HEAD_DIM**-0.5,
+            swa_lengths,
+            sink,
+            cache,
+            indices,
+            lengths,
+            block_size=BLOCK_SIZE,
+            extra_block_size=BLOCK_SIZE,
+            out=out,
+            **config,
+        )
 
-    from services.engine.backport.kernels import sparse_mla_combine, sparse_mla_decode as decode_module
+    from services.engine.backport.kernels import (
+        sparse_mla_combine,
+    )
+    from services.engine.backport.kernels import (
+        sparse_mla_decode as decode_module,
+    )
     from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
 
     before = set(compiled_kernel_reports([decode_module, sparse_mla_combine]))
     ms = bench_ms(run)
     graph_ms = bench_graph_ms(run)
-    compiled = [r for r in compiled_kernel_reports([decode_module, sparse_mla_combine]) if r not in before]
+    compiled = [
+        r for r in compiled_kernel_reports([decode_module, sparse_mla_combine]) if r not in before
+    ]
     rows = batch * (topk + SWA_WINDOW)
     moved = rows * (layout.BYTES_PER_TOKEN + 4) + 2 * q.numel() * 2
     flops = 4 * batch * heads * (topk + SWA_WINDOW) * layout.HEAD_DIM
-    return {"kernel": "sparse_mla_decode", "shape": f"B={batch} H={heads} topk={topk}+{SWA_WINDOW} ctx={context // 1024}k",
-            "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
-            "ms": ms, "graph ms": graph_ms, "GB/s": moved / graph_ms * 1e-6,
-            "of copy": moved / (graph_ms * 1e-3) / bandwidth, "TFLOP/s": flops / graph_ms * 1e-9,
-            "new variants": "; ".join(f"{r.name} {r.shared_bytes} B {r.registers} regs {r.spills} spills" for r in compiled)}
+    return {
+        "kernel": "sparse_mla_decode",
+        "shape": f"B={batch} H={heads} topk={topk}+{SWA_WINDOW} ctx={context // 1024}k",
+        "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
+        "ms": ms,
+        "graph ms": graph_ms,
+        "GB/s": moved / graph_ms * 1e-6,
+        "of copy": moved / (graph_ms * 1e-3) / bandwidth,
+        "TFLOP/s": flops / graph_ms * 1e-9,
+        "new variants": "; ".join(
+            f"{r.name} {r.shared_bytes} B {r.registers} regs {r.spills} spills" for r in compiled
+        ),
+    }
 
 
 def profile_decode() -> None:
@@ -118,12 +157,27 @@ def profile_decode() -> None:
     cache = filled_cache(batch * rows_per_seq)
     swa_cache = filled_cache(batch * SWA_WINDOW)
     picks = torch.stack([torch.randperm(rows_per_seq, device="cuda")[:topk] for _ in range(batch)])
-    indices = (picks + torch.arange(batch, device="cuda").unsqueeze(1) * rows_per_seq).to(torch.int32)
-    swa = (torch.arange(batch, device="cuda").unsqueeze(1) * SWA_WINDOW + torch.arange(SWA_WINDOW, device="cuda"))
+    indices = (picks + torch.arange(batch, device="cuda").unsqueeze(1) * rows_per_seq).to(
+        torch.int32
+    )
+    swa = torch.arange(batch, device="cuda").unsqueeze(1) * SWA_WINDOW + torch.arange(
+        SWA_WINDOW, device="cuda"
+    )
     q = torch.randn(batch, heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        sparse_mla_decode(q, swa_cache, swa.to(torch.int32), layout.HEAD_DIM**-0.5, None, torch.zeros(heads, device="cuda"),
-                          cache, indices, None, block_size=BLOCK_SIZE, extra_block_size=BLOCK_SIZE)
+        sparse_mla_decode(
+            q,
+            swa_cache,
+            swa.to(torch.int32),
+            layout.HEAD_DIM**-0.5,
+            None,
+            torch.zeros(heads, device="cuda"),
+            cache,
+            indices,
+            None,
+            block_size=BLOCK_SIZE,
+            extra_block_size=BLOCK_SIZE,
+        )
     torch.cuda.synchronize()
 
 
@@ -140,55 +194,104 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
 
     def record(name: str, shape: str, fn: Callable[[], object], moved: int) -> None:
         ms = bench_ms(fn)
-        results.append({"kernel": name, "shape": shape, "config": "default", "ms": ms,
-                        "GB/s": moved / ms * 1e-6, "of copy": moved / (ms * 1e-3) / bandwidth, "TFLOP/s": None})
+        results.append(
+            {
+                "kernel": name,
+                "shape": shape,
+                "config": "default",
+                "ms": ms,
+                "GB/s": moved / ms * 1e-6,
+                "of copy": moved / (ms * 1e-3) / bandwidth,
+                "TFLOP/s": None,
+            }
+        )
 
     k = torch.randn(tokens, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     cache = layout.allocate_cache(-(-tokens // BLOCK_SIZE), BLOCK_SIZE, "cuda")
     slots = torch.randperm(tokens, device="cuda")
-    record("quantize_and_insert_k_cache", f"T={tokens}", lambda: quantize_and_insert_k_cache(k, cache, slots, BLOCK_SIZE),
-           tokens * (1024 + layout.BYTES_PER_TOKEN + 8))
+    record(
+        "quantize_and_insert_k_cache",
+        f"T={tokens}",
+        lambda: quantize_and_insert_k_cache(k, cache, slots, BLOCK_SIZE),
+        tokens * (1024 + layout.BYTES_PER_TOKEN + 8),
+    )
 
     requests, seq_len = 4, tokens // 4
     out = torch.empty(requests, seq_len, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((requests,), seq_len, dtype=torch.int32, device="cuda")
     table = torch.randperm(cache.shape[0], device="cuda").view(requests, -1).to(torch.int32)
-    record("dequantize_and_gather_k_cache", f"R={requests} len={seq_len}",
-           lambda: dequantize_and_gather_k_cache(out, cache, seq_lens, None, table, BLOCK_SIZE, 0),
-           tokens * (layout.BYTES_PER_TOKEN + 1024))
+    record(
+        "dequantize_and_gather_k_cache",
+        f"R={requests} len={seq_len}",
+        lambda: dequantize_and_gather_k_cache(out, cache, seq_lens, None, table, BLOCK_SIZE, 0),
+        tokens * (layout.BYTES_PER_TOKEN + 1024),
+    )
 
     positions = torch.randint(0, 65536, (tokens,), device="cuda")
     cos_sin = torch.randn(65536, 64, device="cuda")
     index_q = torch.randn(tokens, 64, 128, device="cuda", dtype=torch.bfloat16)
     weights = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
-    record("fused_indexer_q_rope_quant", f"T={tokens} H=64 D=128",
-           lambda: fused_indexer_q_rope_quant(positions, index_q, cos_sin, weights, 0.1, 0.125),
-           tokens * 64 * (256 + 128 + 2 + 4) + tokens * 256)
+    record(
+        "fused_indexer_q_rope_quant",
+        f"T={tokens} H=64 D=128",
+        lambda: fused_indexer_q_rope_quant(positions, index_q, cos_sin, weights, 0.1, 0.125),
+        tokens * 64 * (256 + 128 + 2 + 4) + tokens * 256,
+    )
 
     o_tokens = tokens // 4
     o = torch.randn(o_tokens, 64, 512, device="cuda", dtype=torch.bfloat16)
-    record("fused_inv_rope_fp8_quant", f"T={o_tokens} H=64 G=8",
-           lambda: fused_inv_rope_fp8_quant(o, positions[:o_tokens], cos_sin, 8, 8),
-           o_tokens * 64 * (1024 + 512 + 16) + o_tokens * 256)
+    record(
+        "fused_inv_rope_fp8_quant",
+        f"T={o_tokens} H=64 G=8",
+        lambda: fused_inv_rope_fp8_quant(o, positions[:o_tokens], cos_sin, 8, 8),
+        o_tokens * 64 * (1024 + 512 + 16) + o_tokens * 256,
+    )
 
     state_block, overlap_width = 4, 2 * 128
     state = torch.randn(tokens // state_block + 1, state_block, 2 * overlap_width, device="cuda")
     state_table = torch.arange(state.shape[0], device="cuda", dtype=torch.int32).view(1, -1)
     seq_positions = torch.arange(tokens, device="cuda")
     kv_slots = torch.where((seq_positions + 1) % 4 == 0, seq_positions // 4, -1)
-    index_cache = torch.zeros(tokens // 4 // 64 + 1, 64 * 132 + 576, dtype=torch.uint8, device="cuda")
-    index_cache = index_cache.as_strided((index_cache.shape[0], 64, 132), (index_cache.stride(0), 132, 1))
+    index_cache = torch.zeros(
+        tokens // 4 // 64 + 1, 64 * 132 + 576, dtype=torch.uint8, device="cuda"
+    )
+    index_cache = index_cache.as_strided(
+        (index_cache.shape[0], 64, 132), (index_cache.stride(0), 132, 1)
+    )
     norm_weight = torch.ones(128, device="cuda", dtype=torch.bfloat16)
-    record("indexer_k_compress_insert", f"T={tokens} ratio=4",
-           lambda: indexer_k_compress_insert(state, torch.zeros(tokens, dtype=torch.int32, device="cuda"), seq_positions,
-                                             seq_positions, state_table, cos_sin, index_cache, kv_slots, norm_weight,
-                                             1e-6, 4),
-           tokens * 2 * overlap_width * 4 + tokens // 4 * 132)
+    record(
+        "indexer_k_compress_insert",
+        f"T={tokens} ratio=4",
+        lambda: indexer_k_compress_insert(
+            state,
+            torch.zeros(tokens, dtype=torch.int32, device="cuda"),
+            seq_positions,
+            seq_positions,
+            state_table,
+            cos_sin,
+            index_cache,
+            kv_slots,
+            norm_weight,
+            1e-6,
+            4,
+        ),
+        tokens * 2 * overlap_width * 4 + tokens // 4 * 132,
+    )
     return results
 
 
 def markdown(rows: list[dict[str, object]]) -> str:
-    header = ["kernel", "shape", "config", "ms", "graph ms", "GB/s", "of copy", "TFLOP/s", "new variants"]
+    header = [
+        "kernel",
+        "shape",
+        "config",
+        "ms",
+        "graph ms",
+        "GB/s",
+        "of copy",
+        "TFLOP/s",
+        "new variants",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = []
@@ -205,12 +308,17 @@ def markdown(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gpu-arch", choices=["sm80", "sm86", "sm89", "native"], default="sm80")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--profile-decode", action="store_true",
-                        help="only launch the B=64 H=64 top-k 2048 decode a few times (for ncu)")
+    parser.add_argument(
+        "--profile-decode",
+        action="store_true",
+        help="only launch the B=64 H=64 top-k 2048 decode a few times (for ncu)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA card")
@@ -223,8 +331,12 @@ def main() -> None:
         profile_decode()
         return
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}, "
-          f"kernels compiled for {args.gpu_arch}", flush=True)
+    print(
+        f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s"
+        f" on {torch.cuda.get_device_name()}, "
+        f"kernels compiled for {args.gpu_arch}",
+        flush=True,
+    )
     rows: list[dict[str, object]] = []
     contexts = [8192, 131072] if args.quick else [8192, 32768, 131072]
     max_batch = 64
@@ -234,11 +346,15 @@ def main() -> None:
         for batch in (1, 8, 64):
             for topk in (512, 2048):
                 for context in contexts:
-                    rows.append(decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth))
+                    rows.append(
+                        decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth)
+                    )
                     print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-    for config in ({"heads_per_program": 16, "block_n": 16, "num_warps": 4},
-                   {"heads_per_program": 16, "block_n": 32, "num_warps": 8},
-                   {"heads_per_program": 16, "block_n": 64, "num_warps": 8}):
+    for config in (
+        {"heads_per_program": 16, "block_n": 16, "num_warps": 4},
+        {"heads_per_program": 16, "block_n": 32, "num_warps": 8},
+        {"heads_per_program": 16, "block_n": 64, "num_warps": 8},
+    ):
         try:
             rows.append(decode_case(64, 2048, 32768, 64, cache, swa_cache, bandwidth, **config))
         except Exception as error:  # noqa: BLE001 - a config over the card's limits is a result too
@@ -246,20 +362,39 @@ def main() -> None:
     rows.extend(quantizer_cases(bandwidth, args.quick))
 
     from services.engine.backport.kernels import (
-        indexer_k_compress, indexer_q_quant, inv_rope_fp8_quant, k_cache_gather, k_cache_insert,
-        sparse_mla_combine, sparse_mla_decode,
+        indexer_k_compress,
+        indexer_q_quant,
+        inv_rope_fp8_quant,
+        k_cache_gather,
+        k_cache_insert,
+        sparse_mla_combine,
+        sparse_mla_decode,
     )
     from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
 
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; kernels compiled for {args.gpu_arch}\n")
     print(markdown(rows))
-    modules = [sparse_mla_decode, sparse_mla_combine, k_cache_insert, k_cache_gather, indexer_q_quant,
-               inv_rope_fp8_quant, indexer_k_compress]
+    modules = [
+        sparse_mla_decode,
+        sparse_mla_combine,
+        k_cache_insert,
+        k_cache_gather,
+        indexer_q_quant,
+        inv_rope_fp8_quant,
+        indexer_k_compress,
+    ]
     print("\ncompiled variants (shared B, registers, spills):")
     for report in compiled_kernel_reports(modules):
-        print(f"  {report.name}: {report.shared_bytes} B, {report.registers} regs, {report.spills} spills")
+        print(
+            f"  {report.name}: {report.shared_bytes} B, {report.registers} regs,"
+            f" {report.spills} spills"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"copy_bytes_per_s": bandwidth, "arch": args.gpu_arch, "rows": rows}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {"copy_bytes_per_s": bandwidth, "arch": args.gpu_arch, "rows": rows}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

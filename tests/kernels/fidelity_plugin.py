@@ -49,10 +49,18 @@ _state = _HarnessState()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kernel fidelity")
-    group.addoption("--gpu-arch", choices=GPU_ARCHS, default=None,
-                    help="compile Triton kernels with this arch's instruction set and limits")
-    group.addoption("--fidelity-report", default=None, metavar="PATH",
-                    help="also write the kernel fidelity table as markdown to PATH")
+    group.addoption(
+        "--gpu-arch",
+        choices=GPU_ARCHS,
+        default=None,
+        help="compile Triton kernels with this arch's instruction set and limits",
+    )
+    group.addoption(
+        "--fidelity-report",
+        default=None,
+        metavar="PATH",
+        help="also write the kernel fidelity table as markdown to PATH",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -89,13 +97,15 @@ def _prepare_backend() -> None:
 
 def _kernel_modules() -> list[Any]:
     package = importlib.import_module(KERNEL_PACKAGE)
-    return [importlib.import_module(f"{KERNEL_PACKAGE}.{info.name}")
-            for info in pkgutil.iter_modules(package.__path__)]
+    return [
+        importlib.import_module(f"{KERNEL_PACKAGE}.{info.name}")
+        for info in pkgutil.iter_modules(package.__path__)
+    ]
 
 
 @pytest.fixture(scope="session")
 def kernel_device() -> str:
-    """"cuda" when kernels compile for a GPU, "cpu" under the interpreter."""
+    """ "cuda" when kernels compile for a GPU, "cpu" under the interpreter."""
     _prepare_backend()
     return _state.device
 
@@ -141,8 +151,11 @@ def _kernel_fidelity_checks(request: pytest.FixtureRequest) -> Iterator[None]:
     if _state.arch is None:
         return
     limit = SHARED_MEMORY_LIMIT_BYTES[_state.arch]
-    offenders = {r.name: r.shared_bytes for r in compiled_kernel_reports(_kernel_modules())
-                 if r.shared_bytes > limit and r.name not in _state.over_limit}
+    offenders = {
+        r.name: r.shared_bytes
+        for r in compiled_kernel_reports(_kernel_modules())
+        if r.shared_bytes > limit and r.name not in _state.over_limit
+    }
     _state.over_limit.update(offenders)
     if offenders:
         pytest.fail(f"shared memory over the {_state.arch} limit of {limit} B: {offenders}")
@@ -155,7 +168,9 @@ def fidelity_table() -> list[dict[str, str]]:
         from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
 
         for report in compiled_kernel_reports(_kernel_modules()):
-            row = rows.setdefault(report.name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0})
+            row = rows.setdefault(
+                report.name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0}
+            )
             row["variants"] += 1
             row["shared"] = max(row["shared"], report.shared_bytes)
             row["registers"] = max(row["registers"], report.registers)
@@ -175,15 +190,19 @@ def fidelity_table() -> list[dict[str, str]]:
     for name in sorted(rows):
         row = rows[name]
         error = _state.max_errors.get(name)
-        table.append({
-            "kernel": name,
-            "arch": arch_label,
-            "max error vs reference": "-" if error is None else f"{error:.3g}",
-            "shared B": str(row["shared"]) + (f" / {limit}" if limit else "") if "shared" in row else "-",
-            "registers": str(row.get("registers", "-")),
-            "spills": str(row.get("spills", "-")),
-            "variants": str(row.get("variants", "-")),
-        })
+        table.append(
+            {
+                "kernel": name,
+                "arch": arch_label,
+                "max error vs reference": "-" if error is None else f"{error:.3g}",
+                "shared B": str(row["shared"]) + (f" / {limit}" if limit else "")
+                if "shared" in row
+                else "-",
+                "registers": str(row.get("registers", "-")),
+                "spills": str(row.get("spills", "-")),
+                "variants": str(row.get("variants", "-")),
+            }
+        )
     return table
 
 

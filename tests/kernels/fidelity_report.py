@@ -21,14 +21,23 @@ import pytest
 GPU_ARCHS = ("sm80", "sm86", "sm89")
 
 
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gpu-arch", choices=GPU_ARCHS, required=True)
     parser.add_argument("--report-file", default=None, help="also write the table as markdown here")
     args, pytest_args = parser.parse_known_args()
-    command = [str(Path(__file__).resolve().parent), "-p", "tests.kernels.fidelity_plugin",
-               "--gpu-arch", args.gpu_arch, "-q", "-rs", *pytest_args]
+    command = [
+        str(Path(__file__).resolve().parent),
+        "-p",
+        "tests.kernels.fidelity_plugin",
+        "--gpu-arch",
+        args.gpu_arch,
+        "-q",
+        "-rs",
+        *pytest_args,
+    ]
     if args.report_file:
         command += ["--fidelity-report", args.report_file]
     return int(pytest.main(command))

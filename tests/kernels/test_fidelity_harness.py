@@ -29,7 +29,9 @@ def _hardware_encode(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_hardware_fp8_matches_arch(kernel_device: str, is_interpreter: bool, gpu_arch: str | None) -> None:
+def test_hardware_fp8_matches_arch(
+    kernel_device: str, is_interpreter: bool, gpu_arch: str | None
+) -> None:
     if is_interpreter:
         pytest.skip("compiles for a GPU arch")
     every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)

@@ -42,11 +42,17 @@ def _fp32_from_bits(bits: list[int]) -> torch.Tensor:
 def test_encode_edges(kernel_device: str) -> None:
     # Rounding ties, the subnormal/normal boundary, the +-448 boundary and beyond.
     subnormal_step = 2.0**-9
-    ties = [subnormal_step * (m + 0.5) for m in range(8)] + [2.0**-10, 2.0**-6, 2.0**-6 * (1 - 2**-5)]
+    ties = [subnormal_step * (m + 0.5) for m in range(8)] + [
+        2.0**-10,
+        2.0**-6,
+        2.0**-6 * (1 - 2**-5),
+    ]
     boundary = [447.9, 448.0, 448.0001, 463.9, 464.0, 464.1, 479.9, 480.0, 1e6, 3.0e38]
     edges = torch.tensor(ties + boundary + [0.0, 1.0, 1.0625, 1.1875, 240.0, 256.0])
     edges = torch.cat([edges, -edges])
-    nearly_tiny = _fp32_from_bits([0x3A800001, 0x3A7FFFFF, 0x00000001, 0x007FFFFF, 0x3C7FFFFF, 0x3C800001])
+    nearly_tiny = _fp32_from_bits(
+        [0x3A800001, 0x3A7FFFFF, 0x00000001, 0x007FFFFF, 0x3C7FFFFF, 0x3C800001]
+    )
     values = torch.cat([edges, nearly_tiny, -nearly_tiny]).to(kernel_device)
     assert _mismatches(encode_e4m3(values), encode_e4m3_reference(values)) == 0
 

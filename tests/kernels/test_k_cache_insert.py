@@ -20,7 +20,9 @@ def _k_rows(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block_size", [2, 16, 64])
-def test_insert_bytes_match_reference(kernel_device: str, block_size: int, record_max_error) -> None:
+def test_insert_bytes_match_reference(
+    kernel_device: str, block_size: int, record_max_error
+) -> None:
     generator = torch.Generator().manual_seed(block_size)
     num_blocks = 5
     num_tokens = min(40 if kernel_device == "cuda" else 10, num_blocks * block_size - 1)
@@ -46,7 +48,10 @@ def test_insert_accepts_flashmla_shaped_view(kernel_device: str) -> None:
     generator = torch.Generator().manual_seed(7)
     block_size, num_blocks = 64, 3
     cache = layout.allocate_cache(num_blocks, block_size, kernel_device)
-    view = cache.as_strided((num_blocks, block_size, 1, layout.BYTES_PER_TOKEN), (cache.stride(0), layout.BYTES_PER_TOKEN, layout.BYTES_PER_TOKEN, 1))
+    view = cache.as_strided(
+        (num_blocks, block_size, 1, layout.BYTES_PER_TOKEN),
+        (cache.stride(0), layout.BYTES_PER_TOKEN, layout.BYTES_PER_TOKEN, 1),
+    )
     k = _k_rows(8, generator).to(kernel_device)
     slots = torch.tensor([0, 63, 64, 100, 191, -1, 5, 6], device=kernel_device)
     quantize_and_insert_k_cache(k, view, slots)

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.sparse_mla_combine import combine_splits, combine_splits_reference
-from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+from services.engine.backport.kernels.sparse_mla_combine import (
+    combine_splits,
+    combine_splits_reference,
+)
+from services.engine.backport.kernels.sparse_mla_decode import (
+    sparse_mla_decode,
+    sparse_mla_decode_reference,
+)
 
 SOFTMAX_SCALE = layout.HEAD_DIM**-0.5
 WINDOW = 128  # DeepSeek-V4's sliding window: the SWA list is always this wide
@@ -44,15 +50,21 @@ INTERPRETER_CASES = [
 ]
 
 
-def _filled_cache(num_rows: int, block_size: int, device: str, generator: torch.Generator) -> torch.Tensor:
+def _filled_cache(
+    num_rows: int, block_size: int, device: str, generator: torch.Generator
+) -> torch.Tensor:
     num_blocks = -(-num_rows // block_size) + 1
     cache = layout.allocate_cache(num_blocks, block_size, "cpu")
-    rows = torch.randn(num_blocks * block_size, layout.HEAD_DIM, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(num_blocks * block_size, layout.HEAD_DIM, generator=generator).to(
+        torch.bfloat16
+    )
     layout.insert_rows_reference(rows, cache, torch.arange(num_blocks * block_size), block_size)
     return cache.to(device)
 
 
-def _slot_lists(num_tokens: int, width: int, num_slots: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _slot_lists(
+    num_tokens: int, width: int, num_slots: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random slots with -1 holes, a few all-padding rows and lengths shorter than the width."""
     slots = torch.randint(0, num_slots, (num_tokens, width), generator=generator, dtype=torch.int32)
     holes = torch.rand(num_tokens, width, generator=generator) < 0.15
@@ -64,23 +76,45 @@ def _slot_lists(num_tokens: int, width: int, num_slots: int, generator: torch.Ge
     return slots, lengths
 
 
-def _run_case(case: DecodeCase, device: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _run_case(
+    case: DecodeCase, device: str, seed: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     window_cache = _filled_cache(4 * case.window, 64, device, generator)
-    window_slots, window_lengths = _slot_lists(case.num_tokens, case.window, 4 * case.window, generator)
+    window_slots, window_lengths = _slot_lists(
+        case.num_tokens, case.window, 4 * case.window, generator
+    )
     kwargs = {}
     if case.with_extra:
         num_compressed = max(4 * case.topk, 64)
         extra_block_size = 4 if device == "cpu" else 64
         extra_cache = _filled_cache(num_compressed, extra_block_size, device, generator)
-        extra_slots, extra_lengths = _slot_lists(case.num_tokens, case.topk, num_compressed, generator)
-        kwargs = dict(extra_k_cache=extra_cache, extra_indices=extra_slots.to(device),
-                      extra_topk_length=extra_lengths.to(device), extra_block_size=extra_block_size)
+        extra_slots, extra_lengths = _slot_lists(
+            case.num_tokens, case.topk, num_compressed, generator
+        )
+        kwargs = dict(
+            extra_k_cache=extra_cache,
+            extra_indices=extra_slots.to(device),
+            extra_topk_length=extra_lengths.to(device),
+            extra_block_size=extra_block_size,
+        )
     q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator)
     q = (q * 2).to(torch.bfloat16).to(device)
-    sink = (torch.randn(case.num_heads, generator=generator) * 3).to(device) if case.with_sink else None
-    common = dict(q=q, k_cache=window_cache, indices=window_slots.to(device), softmax_scale=SOFTMAX_SCALE,
-                  topk_length=window_lengths.to(device), attn_sink=sink, block_size=64, **kwargs)
+    sink = (
+        (torch.randn(case.num_heads, generator=generator) * 3).to(device)
+        if case.with_sink
+        else None
+    )
+    common = dict(
+        q=q,
+        k_cache=window_cache,
+        indices=window_slots.to(device),
+        softmax_scale=SOFTMAX_SCALE,
+        topk_length=window_lengths.to(device),
+        attn_sink=sink,
+        block_size=64,
+        **kwargs,
+    )
     got = sparse_mla_decode(**common, num_splits=case.num_splits)
     want = sparse_mla_decode_reference(**common)
     return got, want
@@ -120,12 +154,18 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
     generator = torch.Generator().manual_seed(3)
     cache = _filled_cache(64, 16, kernel_device, generator)
     slots, lengths = _slot_lists(case.num_tokens, 32, 64, generator)
-    q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator).to(torch.bfloat16)
+    q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator).to(
+        torch.bfloat16
+    )
     q, slots, lengths = q.to(kernel_device), slots.to(kernel_device), lengths.to(kernel_device)
     flat_out, flat_lse = sparse_mla_decode(q, cache, slots, SOFTMAX_SCALE, lengths, block_size=16)
-    shaped_view = cache.as_strided((cache.shape[0], 16, 1, layout.BYTES_PER_TOKEN),
-                                   (cache.stride(0), layout.BYTES_PER_TOKEN, layout.BYTES_PER_TOKEN, 1))
-    out, lse = sparse_mla_decode(q.unsqueeze(1), shaped_view, slots.unsqueeze(1), SOFTMAX_SCALE, lengths)
+    shaped_view = cache.as_strided(
+        (cache.shape[0], 16, 1, layout.BYTES_PER_TOKEN),
+        (cache.stride(0), layout.BYTES_PER_TOKEN, layout.BYTES_PER_TOKEN, 1),
+    )
+    out, lse = sparse_mla_decode(
+        q.unsqueeze(1), shaped_view, slots.unsqueeze(1), SOFTMAX_SCALE, lengths
+    )
     assert torch.equal(out.cpu(), flat_out.cpu())
     assert torch.equal(lse.cpu(), flat_lse.cpu())
 
@@ -133,15 +173,25 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
 def test_combine_matches_reference(kernel_device: str, record_max_error) -> None:
     generator = torch.Generator().manual_seed(11)
     num_tokens, num_splits, num_heads = 3, 5, 24
-    partial_out = torch.randn(num_tokens, num_splits, num_heads, layout.HEAD_DIM, generator=generator)
+    partial_out = torch.randn(
+        num_tokens, num_splits, num_heads, layout.HEAD_DIM, generator=generator
+    )
     partial_lse = torch.randn(num_tokens, num_splits, num_heads, generator=generator) * 4
     partial_lse[0, 1:] = float("-inf")  # one split only
     partial_lse[1] = float("-inf")  # nothing valid at all
     partial_out[partial_lse.isinf()] = 0.0
     sink = torch.randn(num_heads, generator=generator)
-    out = torch.empty(num_tokens, num_heads, layout.HEAD_DIM, dtype=torch.bfloat16, device=kernel_device)
+    out = torch.empty(
+        num_tokens, num_heads, layout.HEAD_DIM, dtype=torch.bfloat16, device=kernel_device
+    )
     lse = torch.empty(num_tokens, num_heads, device=kernel_device)
-    combine_splits(partial_out.to(kernel_device), partial_lse.to(kernel_device), sink.to(kernel_device), out, lse)
+    combine_splits(
+        partial_out.to(kernel_device),
+        partial_lse.to(kernel_device),
+        sink.to(kernel_device),
+        out,
+        lse,
+    )
     want_out, want_lse = combine_splits_reference(partial_out, partial_lse, sink)
     error = (out.float().cpu() - want_out).abs().max().item()
     record_max_error("_combine_kernel", error)

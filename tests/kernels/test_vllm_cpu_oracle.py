@@ -28,24 +28,44 @@ def test_sparse_decode_matches_vllm_cpu(kernel_device: str) -> None:
     swa_cache = layout.allocate_cache(8, swa_block, "cpu")
     compressed_cache = layout.allocate_cache(32, compressed_block, "cpu")
     for cache, size in ((swa_cache, swa_block), (compressed_cache, compressed_block)):
-        rows = torch.randn(cache.shape[0] * size, layout.HEAD_DIM, generator=generator).to(torch.bfloat16)
+        rows = torch.randn(cache.shape[0] * size, layout.HEAD_DIM, generator=generator).to(
+            torch.bfloat16
+        )
         layout.insert_rows_reference(rows, cache, torch.arange(cache.shape[0] * size), size)
     window_slots = torch.randint(0, 8 * swa_block, (num_tokens, window), generator=generator)
     window_slots[0, 20:] = -1
-    compressed_slots = torch.randint(0, 32 * compressed_block, (num_tokens, topk), generator=generator)
+    compressed_slots = torch.randint(
+        0, 32 * compressed_block, (num_tokens, topk), generator=generator
+    )
     compressed_slots[1, :] = -1
     q = torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=generator).to(torch.bfloat16)
     sink = torch.randn(num_heads, generator=generator)
     scale = layout.HEAD_DIM**-0.5
 
     want = torch.empty_like(q)
-    torch.ops._C.flash_mla_with_kvcache_cpu(want, q, swa_cache, window_slots, swa_block, compressed_cache,
-                                           compressed_slots, compressed_block, sink, scale)
-    got, _ = sparse_mla_decode(q.to(kernel_device), swa_cache.to(kernel_device),
-                               window_slots.to(kernel_device), scale, attn_sink=sink.to(kernel_device),
-                               extra_k_cache=compressed_cache.to(kernel_device),
-                               extra_indices=compressed_slots.to(kernel_device),
-                               block_size=swa_block, extra_block_size=compressed_block)
+    torch.ops._C.flash_mla_with_kvcache_cpu(
+        want,
+        q,
+        swa_cache,
+        window_slots,
+        swa_block,
+        compressed_cache,
+        compressed_slots,
+        compressed_block,
+        sink,
+        scale,
+    )
+    got, _ = sparse_mla_decode(
+        q.to(kernel_device),
+        swa_cache.to(kernel_device),
+        window_slots.to(kernel_device),
+        scale,
+        attn_sink=sink.to(kernel_device),
+        extra_k_cache=compressed_cache.to(kernel_device),
+        extra_indices=compressed_slots.to(kernel_device),
+        block_size=swa_block,
+        extra_block_size=compressed_block,
+    )
     error = (got.float().cpu() - want.float()).abs().max().item()
     assert error <= 2e-2 * want.float().abs().max().item()
 
@@ -59,10 +79,19 @@ def test_indexer_q_matches_vllm_cpu(kernel_device: str) -> None:
     weights = torch.randn(num_tokens, num_heads, generator=generator)
     want_q = torch.empty(num_tokens, num_heads, 128, dtype=torch.float8_e4m3fn)
     want_weights = torch.empty(num_tokens, num_heads)
-    torch.ops._C.fused_indexer_q_rope_quant_cpu(positions, index_q.float(), cos_sin, want_q, weights, 0.1, 0.25,
-                                                want_weights)
-    got_q, got_weights = fused_indexer_q_rope_quant(positions.to(kernel_device), index_q.to(kernel_device),
-                                                    cos_sin.to(kernel_device), weights.to(kernel_device), 0.1, 0.25)
+    torch.ops._C.fused_indexer_q_rope_quant_cpu(
+        positions, index_q.float(), cos_sin, want_q, weights, 0.1, 0.25, want_weights
+    )
+    got_q, got_weights = fused_indexer_q_rope_quant(
+        positions.to(kernel_device),
+        index_q.to(kernel_device),
+        cos_sin.to(kernel_device),
+        weights.to(kernel_device),
+        0.1,
+        0.25,
+    )
     assert torch.allclose(got_weights.cpu(), want_weights, rtol=1e-6)
     differing = (got_q.cpu().view(torch.uint8) != want_q.view(torch.uint8)).float().mean().item()
-    assert differing < 0.01  # rounding of fused vs unfused RoPE products may move a byte by one step
+    assert (
+        differing < 0.01
+    )  # rounding of fused vs unfused RoPE products may move a byte by one step

@@ -27,7 +27,18 @@ from torch.overrides import TorchFunctionMode
 SHARED_MEMORY_LIMIT_BYTES = {"sm80": 166_912, "sm86": 101_376, "sm89": 101_376}
 ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
 _MATMUL_FUNCTIONS = frozenset(
-    {"matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "linear", "_scaled_mm", "__matmul__", "__rmatmul__"}
+    {
+        "matmul",
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "einsum",
+        "linear",
+        "_scaled_mm",
+        "__matmul__",
+        "__rmatmul__",
+    }
 )
 
 
@@ -37,7 +48,9 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     import triton
 
     if arch not in SHARED_MEMORY_LIMIT_BYTES:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(SHARED_MEMORY_LIMIT_BYTES)}")
+        raise ValueError(
+            f"unknown arch {arch!r}; expected one of {sorted(SHARED_MEMORY_LIMIT_BYTES)}"
+        )
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     triton.knobs.cache.dir = cache_dir
     major, minor = torch.cuda.get_device_capability()
@@ -45,13 +58,20 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     pipeline_key = f"backport-lower-{arch}-cubin-sm{real_capability}"
     pipeline_hash = hashlib.sha256(pipeline_key.encode()).hexdigest()
 
-    def inspect_stages(backend: Any = None, stages: Any = None, options: Any = None,
-                       language: Any = None, capability: Any = None) -> tuple[str, str] | None:
+    def inspect_stages(
+        backend: Any = None,
+        stages: Any = None,
+        options: Any = None,
+        language: Any = None,
+        capability: Any = None,
+    ) -> tuple[str, str] | None:
         # Called with no arguments, Triton asks for a key that keeps these compiles
         # apart in its caches; called with the pipeline, we swap the last stage.
         if backend is None:
             return pipeline_key, pipeline_hash
-        stages["cubin"] = lambda src, metadata: backend.make_cubin(src, metadata, options, real_capability)
+        stages["cubin"] = lambda src, metadata: backend.make_cubin(
+            src, metadata, options, real_capability
+        )
         return None
 
     triton.knobs.runtime.override_arch = arch
@@ -74,7 +94,11 @@ def _has_fp8_tensor(args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
         if isinstance(value, (list, tuple)):
             if _has_fp8_tensor(value, {}):
                 return True
-        elif isinstance(value, torch.Tensor) and value.dtype.itemsize == 1 and value.dtype.is_floating_point:
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.dtype.itemsize == 1
+            and value.dtype.is_floating_point
+        ):
             return True
     return False
 

@@ -105,12 +105,16 @@ def dequantize_rows_reference(data: torch.Tensor, scales: torch.Tensor) -> torch
     num_rows = data.shape[0]
     fp8 = data[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
     exponent = scales[:, :NUM_NOPE_TILES].to(torch.int32) - UE8M0_BIAS
-    nope = fp8.view(num_rows, NUM_NOPE_TILES, QUANT_TILE) * torch.exp2(exponent.float()).unsqueeze(-1)
+    nope = fp8.view(num_rows, NUM_NOPE_TILES, QUANT_TILE) * torch.exp2(exponent.float()).unsqueeze(
+        -1
+    )
     rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope.view(num_rows, NOPE_DIM), rope], dim=1)
 
 
-def _row_byte_offsets(geometry: CacheGeometry, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_byte_offsets(
+    geometry: CacheGeometry, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     slots = slots.to(torch.int64)
     block = slots // geometry.block_size
     position = slots % geometry.block_size
@@ -120,7 +124,9 @@ def _row_byte_offsets(geometry: CacheGeometry, slots: torch.Tensor) -> tuple[tor
     return data_offset, scale_offset
 
 
-def insert_rows_reference(k: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, block_size: int | None = None) -> None:
+def insert_rows_reference(
+    k: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, block_size: int | None = None
+) -> None:
     """Quantize K rows and write them at `slots` (-1 skipped), in place."""
     geometry = cache_geometry(k_cache, block_size)
     keep = slots >= 0
@@ -131,14 +137,20 @@ def insert_rows_reference(k: torch.Tensor, k_cache: torch.Tensor, slots: torch.T
     flat[scale_offset.unsqueeze(1) + torch.arange(SCALE_BYTES_PER_TOKEN, device=k.device)] = scales
 
 
-def read_rows_reference(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+def read_rows_reference(
+    k_cache: torch.Tensor, slots: torch.Tensor, block_size: int | None = None
+) -> torch.Tensor:
     """Dequantized fp32 rows [*slots.shape, 512] at `slots`; rows for -1 are zero."""
     geometry = cache_geometry(k_cache, block_size)
     flat_slots = slots.reshape(-1).to(torch.int64)
     valid = flat_slots >= 0
     data_offset, scale_offset = _row_byte_offsets(geometry, flat_slots.clamp(min=0))
     flat = k_cache.as_strided((k_cache.shape[0] * geometry.block_stride,), (1,))
-    data = flat[data_offset.unsqueeze(1) + torch.arange(DATA_BYTES_PER_TOKEN, device=k_cache.device)]
-    scales = flat[scale_offset.unsqueeze(1) + torch.arange(SCALE_BYTES_PER_TOKEN, device=k_cache.device)]
+    data = flat[
+        data_offset.unsqueeze(1) + torch.arange(DATA_BYTES_PER_TOKEN, device=k_cache.device)
+    ]
+    scales = flat[
+        scale_offset.unsqueeze(1) + torch.arange(SCALE_BYTES_PER_TOKEN, device=k_cache.device)
+    ]
     rows = torch.where(valid.unsqueeze(1), dequantize_rows_reference(data, scales), 0.0)
     return rows.view(*slots.shape, HEAD_DIM)

@@ -42,11 +42,27 @@ SCALE_BYTES = 4  # one fp32 scale per cached row
 
 @triton.jit
 def _indexer_k_compress_kernel(
-    state_ptr, token_to_req_ptr, positions_ptr, state_slots_ptr, block_table_ptr,
-    norm_weight_ptr, cos_sin_ptr, cache_ptr, cache_slots_ptr,
-    norm_eps, state_block_size, stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
-    cache_block_size, cache_block_stride,
-    HEAD_DIM: tl.constexpr, STATE_WIDTH: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
+    state_ptr,
+    token_to_req_ptr,
+    positions_ptr,
+    state_slots_ptr,
+    block_table_ptr,
+    norm_weight_ptr,
+    cos_sin_ptr,
+    cache_ptr,
+    cache_slots_ptr,
+    norm_eps,
+    state_block_size,
+    stride_state_block,
+    stride_state_row,
+    stride_table_req,
+    stride_cos_sin,
+    cache_block_size,
+    cache_block_stride,
+    HEAD_DIM: tl.constexpr,
+    STATE_WIDTH: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAP: tl.constexpr,
     HALF_ROPE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -67,11 +83,18 @@ def _indexer_k_compress_kernel(
     row_position = position - WINDOW + 1 + rows
     in_sequence = row_position >= 0
     safe_position = tl.where(in_sequence, row_position, 0)
-    block = tl.load(block_table_ptr + request * stride_table_req + safe_position // state_block_size,
-                    mask=in_sequence, other=0).to(tl.int64)
+    block = tl.load(
+        block_table_ptr + request * stride_table_req + safe_position // state_block_size,
+        mask=in_sequence,
+        other=0,
+    ).to(tl.int64)
     dim_set = (rows >= RATIO).to(tl.int32) * HEAD_DIM  # older window: set 0, this window: set 1
-    row_ptrs = (state_ptr + block * stride_state_block + (safe_position % state_block_size) * stride_state_row
-                + dim_set)[:, None] + dims[None, :]
+    row_ptrs = (
+        state_ptr
+        + block * stride_state_block
+        + (safe_position % state_block_size) * stride_state_row
+        + dim_set
+    )[:, None] + dims[None, :]
     kv = tl.load(row_ptrs, mask=in_sequence[:, None], other=0.0)
     score = tl.load(row_ptrs + STATE_WIDTH, mask=in_sequence[:, None], other=float("-inf"))
 
@@ -124,19 +147,38 @@ def indexer_k_compress_insert(
     overlap = compress_ratio == 4
     state_width = head_dim * (1 + overlap)
     if state_cache.shape[-1] != 2 * state_width:
-        raise ValueError(f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}")
+        raise ValueError(
+            f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}"
+        )
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() < 2:
         raise ValueError("kv_cache must be uint8 [num_blocks, block_size, ...]")
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
     _indexer_k_compress_kernel[(num_tokens,)](
-        state_cache, token_to_req_indices, positions, slot_mapping, block_table,
-        rms_norm_weight, cos_sin_cache, kv_cache, kv_slot_mapping,
-        rms_norm_eps, state_cache.shape[1], state_cache.stride(0), state_cache.stride(1),
-        block_table.stride(0), cos_sin_cache.stride(0), kv_cache.shape[1], kv_cache.stride(0),
-        HEAD_DIM=head_dim, STATE_WIDTH=state_width, RATIO=compress_ratio, OVERLAP=int(overlap),
-        HALF_ROPE=rope_head_dim // 2, num_warps=4,
+        state_cache,
+        token_to_req_indices,
+        positions,
+        slot_mapping,
+        block_table,
+        rms_norm_weight,
+        cos_sin_cache,
+        kv_cache,
+        kv_slot_mapping,
+        rms_norm_eps,
+        state_cache.shape[1],
+        state_cache.stride(0),
+        state_cache.stride(1),
+        block_table.stride(0),
+        cos_sin_cache.stride(0),
+        kv_cache.shape[1],
+        kv_cache.stride(0),
+        HEAD_DIM=head_dim,
+        STATE_WIDTH=state_width,
+        RATIO=compress_ratio,
+        OVERLAP=int(overlap),
+        HALF_ROPE=rope_head_dim // 2,
+        num_warps=4,
     )
 
 
@@ -165,7 +207,11 @@ def indexer_k_compress_insert_reference(
     half = rope_head_dim // 2
     for token in range(positions.shape[0]):
         position = int(positions[token])
-        if int(slot_mapping[token]) < 0 or (position + 1) % compress_ratio or int(kv_slot_mapping[token]) < 0:
+        if (
+            int(slot_mapping[token]) < 0
+            or (position + 1) % compress_ratio
+            or int(kv_slot_mapping[token]) < 0
+        ):
             continue
         request = int(token_to_req_indices[token])
         kv_rows, score_rows = [], []
@@ -188,7 +234,12 @@ def indexer_k_compress_insert_reference(
         row_values = torch.cat([normed[:-rope_head_dim], rotated]).to(torch.bfloat16).float()
         amax = row_values.abs().max().double().clamp(min=1e-4)
         scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))).float()
-        fp8 = (row_values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        fp8 = (
+            (row_values / scale)
+            .clamp(-E4M3_MAX, E4M3_MAX)
+            .to(torch.float8_e4m3fn)
+            .view(torch.uint8)
+        )
         slot = int(kv_slot_mapping[token])
         page = (slot // cache_block_size) * kv_cache.stride(0)
         in_page = slot % cache_block_size

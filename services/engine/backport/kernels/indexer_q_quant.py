@@ -36,10 +36,24 @@ AMAX_FLOOR = tl.constexpr(1e-4)  # upstream's floor before picking a scale
 
 @triton.jit
 def _indexer_q_kernel(
-    positions_ptr, q_ptr, cos_sin_ptr, weights_ptr, q_fp8_ptr, weights_out_ptr,
-    num_heads, softmax_scale, head_scale,
-    stride_q_token, stride_q_head, stride_cos_sin, stride_w_token, stride_out_token, stride_out_head,
-    HEAD_BLOCK: tl.constexpr, NOPE_DIM: tl.constexpr, HALF_ROPE: tl.constexpr,
+    positions_ptr,
+    q_ptr,
+    cos_sin_ptr,
+    weights_ptr,
+    q_fp8_ptr,
+    weights_out_ptr,
+    num_heads,
+    softmax_scale,
+    head_scale,
+    stride_q_token,
+    stride_q_head,
+    stride_cos_sin,
+    stride_w_token,
+    stride_out_token,
+    stride_out_head,
+    HEAD_BLOCK: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    HALF_ROPE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEAD_BLOCK)
@@ -53,23 +67,39 @@ def _indexer_q_kernel(
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + pair)
     row = q_ptr + token * stride_q_token + heads[:, None] * stride_q_head
     x_nope = tl.load(row + nope[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-    x_even = tl.load(row + NOPE_DIM + 2 * pair[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-    x_odd = tl.load(row + NOPE_DIM + 2 * pair[None, :] + 1, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    x_even = tl.load(row + NOPE_DIM + 2 * pair[None, :], mask=head_mask[:, None], other=0.0).to(
+        tl.float32
+    )
+    x_odd = tl.load(row + NOPE_DIM + 2 * pair[None, :] + 1, mask=head_mask[:, None], other=0.0).to(
+        tl.float32
+    )
     r_even = round_to_bf16(x_even * cos[None, :] - x_odd * sin[None, :])
     r_odd = round_to_bf16(x_odd * cos[None, :] + x_even * sin[None, :])
 
     # One power-of-two scale per (token, head).
-    amax = tl.maximum(tl.max(tl.abs(x_nope), axis=1),
-                      tl.maximum(tl.max(tl.abs(r_even), axis=1), tl.max(tl.abs(r_odd), axis=1)))
+    amax = tl.maximum(
+        tl.max(tl.abs(x_nope), axis=1),
+        tl.maximum(tl.max(tl.abs(r_even), axis=1), tl.max(tl.abs(r_odd), axis=1)),
+    )
     exponent = e4m3_scale_exponent(tl.maximum(amax, AMAX_FLOOR))
     inverse_scale = exp2_int(-exponent)[:, None]
 
     # Write-back: fp8 bytes (pairs stored back interleaved) and the folded weights.
     out = q_fp8_ptr + token * stride_out_token + heads[:, None] * stride_out_head
     tl.store(out + nope[None, :], e4m3_encode(x_nope * inverse_scale), mask=head_mask[:, None])
-    tl.store(out + NOPE_DIM + 2 * pair[None, :], e4m3_encode(r_even * inverse_scale), mask=head_mask[:, None])
-    tl.store(out + NOPE_DIM + 2 * pair[None, :] + 1, e4m3_encode(r_odd * inverse_scale), mask=head_mask[:, None])
-    weights = tl.load(weights_ptr + token * stride_w_token + heads, mask=head_mask, other=0.0).to(tl.float32)
+    tl.store(
+        out + NOPE_DIM + 2 * pair[None, :],
+        e4m3_encode(r_even * inverse_scale),
+        mask=head_mask[:, None],
+    )
+    tl.store(
+        out + NOPE_DIM + 2 * pair[None, :] + 1,
+        e4m3_encode(r_odd * inverse_scale),
+        mask=head_mask[:, None],
+    )
+    weights = tl.load(weights_ptr + token * stride_w_token + heads, mask=head_mask, other=0.0).to(
+        tl.float32
+    )
     weights = weights * exp2_int(exponent) * softmax_scale * head_scale
     tl.store(weights_out_ptr + token * num_heads + heads, weights, mask=head_mask)
 
@@ -84,21 +114,39 @@ def fused_indexer_q_rope_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_fp8 [T, H, D] float8_e4m3fn, weights_out [T, H] fp32); see module doc."""
     if index_q.dim() != 3 or index_q.stride(-1) != 1:
-        raise ValueError(f"index_q must be [T, H, D] with contiguous rows, got {tuple(index_q.shape)}")
+        raise ValueError(
+            f"index_q must be [T, H, D] with contiguous rows, got {tuple(index_q.shape)}"
+        )
     num_tokens, num_heads, head_dim = index_q.shape
     rope_dim = index_q_cos_sin_cache.shape[-1]
     if index_q_cos_sin_cache.dtype != torch.float32 or rope_dim > head_dim or rope_dim % 2:
-        raise ValueError("cos_sin_cache must be fp32 [max_pos, rope_dim] with an even rope_dim <= D")
+        raise ValueError(
+            "cos_sin_cache must be fp32 [max_pos, rope_dim] with an even rope_dim <= D"
+        )
     q_fp8 = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.uint8, device=index_q.device)
     weights_out = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=index_q.device)
     if num_tokens > 0:
         _indexer_q_kernel[(num_tokens,)](
-            positions, index_q, index_q_cos_sin_cache, index_weights, q_fp8, weights_out,
-            num_heads, index_weights_softmax_scale, index_weights_head_scale,
-            index_q.stride(0), index_q.stride(1), index_q_cos_sin_cache.stride(0), index_weights.stride(0),
-            q_fp8.stride(0), q_fp8.stride(1),
-            HEAD_BLOCK=triton.next_power_of_2(num_heads), NOPE_DIM=head_dim - rope_dim, HALF_ROPE=rope_dim // 2,
-            num_warps=4, enable_fp_fusion=False,
+            positions,
+            index_q,
+            index_q_cos_sin_cache,
+            index_weights,
+            q_fp8,
+            weights_out,
+            num_heads,
+            index_weights_softmax_scale,
+            index_weights_head_scale,
+            index_q.stride(0),
+            index_q.stride(1),
+            index_q_cos_sin_cache.stride(0),
+            index_weights.stride(0),
+            q_fp8.stride(0),
+            q_fp8.stride(1),
+            HEAD_BLOCK=triton.next_power_of_2(num_heads),
+            NOPE_DIM=head_dim - rope_dim,
+            HALF_ROPE=rope_dim // 2,
+            num_warps=4,
+            enable_fp_fusion=False,
         )
     return q_fp8.view(torch.float8_e4m3fn), weights_out
 

@@ -26,7 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.backport.kernels.fp8_e4m3 import E4M3_MAX, e4m3_encode, e4m3_scale_exponent, exp2_int
+from services.engine.backport.kernels.fp8_e4m3 import (
+    E4M3_MAX,
+    e4m3_encode,
+    e4m3_scale_exponent,
+    exp2_int,
+)
 
 AMAX_FLOOR = tl.constexpr(1e-10)  # upstream's eps before picking a scale
 SCALE_ROW_ALIGNMENT = 4  # DeepGEMM's TMA alignment for fp32 scales: 16 B / 4 B
@@ -34,12 +39,25 @@ SCALE_ROW_ALIGNMENT = 4  # DeepGEMM's TMA alignment for fp32 scales: 16 B / 4 B
 
 @triton.jit
 def _inv_rope_quant_kernel(
-    o_ptr, positions_ptr, cos_sin_ptr, out_ptr, scale_ptr,
-    num_tokens, heads_per_group,
-    stride_o_token, stride_o_head, stride_cos_sin, stride_out_group, stride_out_token,
-    stride_scale_group, stride_scale_block,
-    NOPE_DIM: tl.constexpr, HALF_ROPE: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    GROUPS_PER_HEAD: tl.constexpr, QUANTIZE: tl.constexpr,
+    o_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    out_ptr,
+    scale_ptr,
+    num_tokens,
+    heads_per_group,
+    stride_o_token,
+    stride_o_head,
+    stride_cos_sin,
+    stride_out_group,
+    stride_out_token,
+    stride_scale_group,
+    stride_scale_block,
+    NOPE_DIM: tl.constexpr,
+    HALF_ROPE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    GROUPS_PER_HEAD: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -47,7 +65,9 @@ def _inv_rope_quant_kernel(
     head_in_group = head % heads_per_group
     first_block = head_in_group * GROUPS_PER_HEAD
     blocks = tl.arange(0, GROUPS_PER_HEAD)
-    scale_ptrs = scale_ptr + group * stride_scale_group + token + (first_block + blocks) * stride_scale_block
+    scale_ptrs = (
+        scale_ptr + group * stride_scale_group + token + (first_block + blocks) * stride_scale_block
+    )
     if token >= num_tokens:
         # Padding rows of the aligned scale buffer.
         if QUANTIZE:
@@ -64,12 +84,20 @@ def _inv_rope_quant_kernel(
     pair = tl.maximum(dims - NOPE_DIM, 0) >> 1
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin + pair, mask=is_rope, other=1.0)
-    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + pair, mask=is_rope, other=0.0)
+    sin = tl.load(
+        cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + pair, mask=is_rope, other=0.0
+    )
     is_even = (dims & 1) == 0
     rotated = tl.where(is_even, x * cos + partner * sin, x * cos - partner * sin)
     x = tl.where(is_rope, rotated, x)
 
-    out = out_ptr + group * stride_out_group + token * stride_out_token + first_block * GROUP_SIZE + dims
+    out = (
+        out_ptr
+        + group * stride_out_group
+        + token * stride_out_token
+        + first_block * GROUP_SIZE
+        + dims
+    )
     if QUANTIZE:
         # One power-of-two scale per 128 dims.
         x_blocks = tl.reshape(x, (GROUPS_PER_HEAD, GROUP_SIZE))
@@ -97,29 +125,51 @@ def fused_inv_rope_fp8_quant(
     if num_heads != n_groups * heads_per_group or head_dim != nope_dim + rope_dim:
         raise ValueError("o must be [T, n_groups * heads_per_group, nope_dim + rope_dim]")
     if head_dim % quant_group_size or rope_dim % 2 or o.stride(-1) != 1:
-        raise ValueError("head_dim must be a multiple of the quant group; rope_dim even; rows contiguous")
+        raise ValueError(
+            "head_dim must be a multiple of the quant group; rope_dim even; rows contiguous"
+        )
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != rope_dim:
         raise ValueError("cos_sin_cache must be fp32 [max_pos, rope_dim]")
     group_dim = heads_per_group * head_dim
     num_scale_blocks = group_dim // quant_group_size
-    aligned_tokens = -(-num_tokens // SCALE_ROW_ALIGNMENT) * SCALE_ROW_ALIGNMENT if quantize else num_tokens
+    aligned_tokens = (
+        -(-num_tokens // SCALE_ROW_ALIGNMENT) * SCALE_ROW_ALIGNMENT if quantize else num_tokens
+    )
     out_dtype = torch.uint8 if quantize else o.dtype
     out_buf = torch.empty((n_groups, num_tokens, group_dim), dtype=out_dtype, device=o.device)
     if quantize:
-        scale_buf = torch.empty(n_groups * num_scale_blocks * aligned_tokens, dtype=torch.float32, device=o.device)
-        scale_buf = scale_buf.as_strided((n_groups, num_tokens, num_scale_blocks),
-                                         (num_scale_blocks * aligned_tokens, 1, aligned_tokens))
+        scale_buf = torch.empty(
+            n_groups * num_scale_blocks * aligned_tokens, dtype=torch.float32, device=o.device
+        )
+        scale_buf = scale_buf.as_strided(
+            (n_groups, num_tokens, num_scale_blocks),
+            (num_scale_blocks * aligned_tokens, 1, aligned_tokens),
+        )
     else:
         scale_buf = torch.empty(0, dtype=torch.float32, device=o.device)
     if aligned_tokens > 0:
         _inv_rope_quant_kernel[(aligned_tokens, num_heads)](
-            o, positions, cos_sin_cache, out_buf, scale_buf,
-            num_tokens, heads_per_group,
-            o.stride(0), o.stride(1), cos_sin_cache.stride(0), out_buf.stride(0), out_buf.stride(1),
-            num_scale_blocks * aligned_tokens if quantize else 0, aligned_tokens,
-            NOPE_DIM=nope_dim, HALF_ROPE=rope_dim // 2, GROUP_SIZE=quant_group_size,
-            GROUPS_PER_HEAD=head_dim // quant_group_size, QUANTIZE=quantize,
-            num_warps=4, enable_fp_fusion=False,
+            o,
+            positions,
+            cos_sin_cache,
+            out_buf,
+            scale_buf,
+            num_tokens,
+            heads_per_group,
+            o.stride(0),
+            o.stride(1),
+            cos_sin_cache.stride(0),
+            out_buf.stride(0),
+            out_buf.stride(1),
+            num_scale_blocks * aligned_tokens if quantize else 0,
+            aligned_tokens,
+            NOPE_DIM=nope_dim,
+            HALF_ROPE=rope_dim // 2,
+            GROUP_SIZE=quant_group_size,
+            GROUPS_PER_HEAD=head_dim // quant_group_size,
+            QUANTIZE=quantize,
+            num_warps=4,
+            enable_fp_fusion=False,
         )
     output = out_buf.transpose(0, 1)
     if quantize:
@@ -144,7 +194,9 @@ def fused_inv_rope_fp8_quant_reference(
     cos_sin = cos_sin_cache[positions.long()].unsqueeze(1)
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
     x_even, x_odd = x[..., nope_dim::2], x[..., nope_dim + 1 :: 2]
-    rotated = torch.stack([x_even * cos + x_odd * sin, x_odd * cos - x_even * sin], dim=-1).flatten(-2)
+    rotated = torch.stack([x_even * cos + x_odd * sin, x_odd * cos - x_even * sin], dim=-1).flatten(
+        -2
+    )
     y = torch.cat([x[..., :nope_dim], rotated], dim=-1).reshape(num_tokens, n_groups, -1)
     blocks = y.reshape(num_tokens, n_groups, -1, quant_group_size)
     amax = blocks.abs().amax(dim=-1).double().clamp(min=1e-10)

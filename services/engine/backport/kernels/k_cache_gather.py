@@ -25,9 +25,19 @@ BLOCK_TOKENS = 32  # rows per program: 32 x 584 B in, 32 x 1 KiB out
 
 @triton.jit
 def _gather_kernel(
-    out_ptr, cache_ptr, seq_lens_ptr, gather_lens_ptr, block_table_ptr,
-    offset, block_stride, stride_out_req, stride_out_token, stride_table_req,
-    BLOCK_SIZE: tl.constexpr, HAS_GATHER_LENS: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    out_ptr,
+    cache_ptr,
+    seq_lens_ptr,
+    gather_lens_ptr,
+    block_table_ptr,
+    offset,
+    block_stride,
+    stride_out_req,
+    stride_out_token,
+    stride_table_req,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_GATHER_LENS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
 ):
     token_block = tl.program_id(0)
     request = tl.program_id(1).to(tl.int64)
@@ -42,13 +52,23 @@ def _gather_kernel(
     i = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     in_range = i < gather_len
     position = seq_len - gather_len + i
-    physical_block = tl.load(block_table_ptr + request * stride_table_req + position // BLOCK_SIZE,
-                             mask=in_range, other=0)
+    physical_block = tl.load(
+        block_table_ptr + request * stride_table_req + position // BLOCK_SIZE,
+        mask=in_range,
+        other=0,
+    )
     slots = physical_block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
-    rows = load_k_block(cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16)
+    rows = load_k_block(
+        cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16
+    )
 
     dims = tl.arange(0, 512)
-    out_ptrs = (out_ptr + request * stride_out_req + (offset + i)[:, None] * stride_out_token + dims[None, :])
+    out_ptrs = (
+        out_ptr
+        + request * stride_out_req
+        + (offset + i)[:, None] * stride_out_token
+        + dims[None, :]
+    )
     tl.store(out_ptrs, rows, mask=in_range[:, None])
 
 
@@ -73,10 +93,20 @@ def dequantize_and_gather_k_cache(
         return
     grid = (triton.cdiv(max_gather, BLOCK_TOKENS), num_requests)
     _gather_kernel[grid](
-        out, k_cache, seq_lens, gather_lens if gather_lens is not None else seq_lens, block_table,
-        offset, geometry.block_stride, out.stride(0), out.stride(1), block_table.stride(0),
-        BLOCK_SIZE=geometry.block_size, HAS_GATHER_LENS=gather_lens is not None,
-        BLOCK_TOKENS=BLOCK_TOKENS, num_warps=4,
+        out,
+        k_cache,
+        seq_lens,
+        gather_lens if gather_lens is not None else seq_lens,
+        block_table,
+        offset,
+        geometry.block_stride,
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        BLOCK_SIZE=geometry.block_size,
+        HAS_GATHER_LENS=gather_lens is not None,
+        BLOCK_TOKENS=BLOCK_TOKENS,
+        num_warps=4,
     )
 
 
@@ -94,6 +124,9 @@ def dequantize_and_gather_k_cache_reference(
         seq_len = int(seq_lens[request])
         gather_len = seq_len if gather_lens is None else int(gather_lens[request])
         positions = torch.arange(seq_len - gather_len, seq_len, device=k_cache.device)
-        slots = block_table[request, positions // block_size].to(torch.int64) * block_size + positions % block_size
+        slots = (
+            block_table[request, positions // block_size].to(torch.int64) * block_size
+            + positions % block_size
+        )
         rows = layout.read_rows_reference(k_cache, slots, block_size)
         out[request, offset : offset + gather_len] = rows.to(out.dtype)

@@ -61,19 +61,29 @@ def _combine_kernel(
     in_splits = splits < num_splits
 
     # Split weights from the partial log-sum-exps (base 2).
-    split_lse = tl.load(partial_lse_ptr + token * stride_pl_token + splits * stride_pl_split + head,
-                        mask=in_splits, other=float("-inf"))
+    split_lse = tl.load(
+        partial_lse_ptr + token * stride_pl_token + splits * stride_pl_split + head,
+        mask=in_splits,
+        other=float("-inf"),
+    )
     lse_max = tl.max(split_lse, axis=0)
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(split_lse - lse_max_safe)
     weight_sum = tl.sum(weights, axis=0)
     has_keys = weight_sum > 0
-    lse2 = tl.where(has_keys, lse_max_safe + tl.log2(tl.where(has_keys, weight_sum, 1.0)), float("-inf"))
+    lse2 = tl.where(
+        has_keys, lse_max_safe + tl.log2(tl.where(has_keys, weight_sum, 1.0)), float("-inf")
+    )
     weights = weights / tl.where(has_keys, weight_sum, 1.0)
 
     # Weighted sum of the partial outputs.
-    part_ptrs = (partial_out_ptr + token * stride_po_token + splits[:, None] * stride_po_split
-                 + head * stride_po_head + dims[None, :])
+    part_ptrs = (
+        partial_out_ptr
+        + token * stride_po_token
+        + splits[:, None] * stride_po_split
+        + head * stride_po_head
+        + dims[None, :]
+    )
     parts = tl.load(part_ptrs, mask=(weights > 0)[:, None], other=0.0)
     acc = tl.sum(parts * weights[:, None], axis=0)
 
@@ -81,7 +91,10 @@ def _combine_kernel(
     if HAS_SINK:
         sink = tl.load(sink_ptr + head).to(tl.float32)
         acc = acc / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
-    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims, acc.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        acc.to(out_ptr.dtype.element_ty),
+    )
     if dim_block == 0:
         tl.store(lse_ptr + token * num_heads + head, lse2 * 0.6931471805599453)
 

@@ -74,9 +74,14 @@ def load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constex
     tile = tl.arange(0, 8)
     dim = tl.arange(0, 64)
     # 512 contiguous bytes per row; no mask along the row keeps the loads 16 B wide.
-    raw = tl.load(cache_ptr + data[:, None, None] + (tile[None, :, None] * 64 + dim[None, None, :]),
-                  mask=valid[:, None, None], other=0)
-    scale_byte = tl.load(cache_ptr + scale_at[:, None] + tile[None, :], mask=valid[:, None], other=0)
+    raw = tl.load(
+        cache_ptr + data[:, None, None] + (tile[None, :, None] * 64 + dim[None, None, :]),
+        mask=valid[:, None, None],
+        other=0,
+    )
+    scale_byte = tl.load(
+        cache_ptr + scale_at[:, None] + tile[None, :], mask=valid[:, None], other=0
+    )
     rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
     rope = tl.load(rope_ptr[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
     return raw, scale_byte, rope
@@ -94,8 +99,15 @@ def decode_rows(raw, scale_byte, rope, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.cons
 
 
 @triton.jit
-def load_k_block(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):
+def load_k_block(
+    cache_ptr,
+    slots,
+    valid,
+    block_stride,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
     """Dequantize BLOCK_N cache rows at `slots` into a [BLOCK_N, 512] tile of DOT_DTYPE."""
     raw, scale_byte, rope = load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE)
     return decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE)
@@ -103,10 +115,21 @@ def load_k_block(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constexpr
 
 @triton.jit
 def attend_slot_range(
-    q, m_i, l_i, acc,
-    cache_ptr, slot_row_ptr, list_width, list_length, start, stop,
-    block_stride, qk_scale_log2,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    cache_ptr,
+    slot_row_ptr,
+    list_width,
+    list_length,
+    start,
+    stop,
+    block_stride,
+    qk_scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """Online softmax (base 2) over list positions [start, stop) of one slot list.
 
@@ -117,12 +140,16 @@ def attend_slot_range(
     offsets = tl.arange(0, BLOCK_N)
     slots, valid = load_slots(slot_row_ptr, start + offsets, list_width, list_length, stop)
     raw, scale_byte, rope = load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE)
-    next_slots, next_valid = load_slots(slot_row_ptr, start + BLOCK_N + offsets, list_width, list_length, stop)
+    next_slots, next_valid = load_slots(
+        slot_row_ptr, start + BLOCK_N + offsets, list_width, list_length, stop
+    )
     for block_start in range(start, stop, BLOCK_N):
-        after_slots, after_valid = load_slots(slot_row_ptr, block_start + 2 * BLOCK_N + offsets,
-                                              list_width, list_length, stop)
-        next_raw, next_scale_byte, next_rope = load_row_bytes(cache_ptr, next_slots, next_valid,
-                                                              block_stride, BLOCK_SIZE)
+        after_slots, after_valid = load_slots(
+            slot_row_ptr, block_start + 2 * BLOCK_N + offsets, list_width, list_length, stop
+        )
+        next_raw, next_scale_byte, next_rope = load_row_bytes(
+            cache_ptr, next_slots, next_valid, block_stride, BLOCK_SIZE
+        )
         k = decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE)
 
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
@@ -143,18 +170,47 @@ def attend_slot_range(
 
 @triton.jit
 def _sparse_mla_decode_kernel(
-    q_ptr, cache_ptr, slots_ptr, lengths_ptr,
-    extra_cache_ptr, extra_slots_ptr, extra_lengths_ptr,
-    sink_ptr, out_ptr, lse_ptr, partial_out_ptr, partial_lse_ptr,
-    num_heads, list_width, extra_list_width, split_len, extra_split_len,
-    block_stride, extra_block_stride, qk_scale_log2,
-    stride_q_token, stride_q_head, stride_slots_token, stride_extra_slots_token,
-    stride_out_token, stride_out_head,
-    stride_po_token, stride_po_split, stride_po_head, stride_pl_token, stride_pl_split,
-    BLOCK_SIZE: tl.constexpr, EXTRA_BLOCK_SIZE: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LENGTHS: tl.constexpr,
-    HAS_SINK: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    slots_ptr,
+    lengths_ptr,
+    extra_cache_ptr,
+    extra_slots_ptr,
+    extra_lengths_ptr,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    num_heads,
+    list_width,
+    extra_list_width,
+    split_len,
+    extra_split_len,
+    block_stride,
+    extra_block_stride,
+    qk_scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_slots_token,
+    stride_extra_slots_token,
+    stride_out_token,
+    stride_out_head,
+    stride_po_token,
+    stride_po_split,
+    stride_po_head,
+    stride_pl_token,
+    stride_pl_split,
+    BLOCK_SIZE: tl.constexpr,
+    EXTRA_BLOCK_SIZE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    HAS_EXTRA_LENGTHS: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    IS_SINGLE_SPLIT: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     # Program ids.
     head_block = tl.program_id(0)
@@ -178,17 +234,44 @@ def _sparse_mla_decode_kernel(
         length = tl.load(lengths_ptr + token)
     start = split * split_len
     m_i, l_i, acc = attend_slot_range(
-        q, m_i, l_i, acc, cache_ptr, slots_ptr + token * stride_slots_token, list_width, length,
-        start, start + split_len, block_stride, qk_scale_log2, BLOCK_SIZE, BLOCK_N, DOT_DTYPE)
+        q,
+        m_i,
+        l_i,
+        acc,
+        cache_ptr,
+        slots_ptr + token * stride_slots_token,
+        list_width,
+        length,
+        start,
+        start + split_len,
+        block_stride,
+        qk_scale_log2,
+        BLOCK_SIZE,
+        BLOCK_N,
+        DOT_DTYPE,
+    )
     if HAS_EXTRA:
         extra_length = extra_list_width
         if HAS_EXTRA_LENGTHS:
             extra_length = tl.load(extra_lengths_ptr + token)
         extra_start = split * extra_split_len
         m_i, l_i, acc = attend_slot_range(
-            q, m_i, l_i, acc, extra_cache_ptr, extra_slots_ptr + token * stride_extra_slots_token,
-            extra_list_width, extra_length, extra_start, extra_start + extra_split_len,
-            extra_block_stride, qk_scale_log2, EXTRA_BLOCK_SIZE, BLOCK_N, DOT_DTYPE)
+            q,
+            m_i,
+            l_i,
+            acc,
+            extra_cache_ptr,
+            extra_slots_ptr + token * stride_extra_slots_token,
+            extra_list_width,
+            extra_length,
+            extra_start,
+            extra_start + extra_split_len,
+            extra_block_stride,
+            qk_scale_log2,
+            EXTRA_BLOCK_SIZE,
+            BLOCK_N,
+            DOT_DTYPE,
+        )
 
     # Write-back: normalized output and base-2 lse (-inf when nothing was valid).
     has_keys = l_i > 0
@@ -197,15 +280,25 @@ def _sparse_mla_decode_kernel(
     if IS_SINGLE_SPLIT:
         if HAS_SINK:
             out = apply_sink(out, lse2, sink_ptr, heads, head_mask)
-        out_ptrs = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+        out_ptrs = (
+            out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+        )
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
         tl.store(lse_ptr + token * num_heads + heads, lse2 * 0.6931471805599453, mask=head_mask)
     else:
-        po_ptrs = (partial_out_ptr + token * stride_po_token + split * stride_po_split
-                   + heads[:, None] * stride_po_head + dims[None, :])
+        po_ptrs = (
+            partial_out_ptr
+            + token * stride_po_token
+            + split * stride_po_split
+            + heads[:, None] * stride_po_head
+            + dims[None, :]
+        )
         tl.store(po_ptrs, out, mask=head_mask[:, None])
-        tl.store(partial_lse_ptr + token * stride_pl_token + split * stride_pl_split + heads,
-                 lse2, mask=head_mask)
+        tl.store(
+            partial_lse_ptr + token * stride_pl_token + split * stride_pl_split + heads,
+            lse2,
+            mask=head_mask,
+        )
 
 
 def dot_dtype() -> tl.dtype:
@@ -218,7 +311,12 @@ def _as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """Accept FlashMLA's [T, 1, ...] (one query per sequence) as well as [T, ...]."""
     if x is None:
         return None
-    if x.dim() >= 2 and x.shape[1] == 1 and name in ("q", "indices") and x.dim() == (4 if name == "q" else 3):
+    if (
+        x.dim() >= 2
+        and x.shape[1] == 1
+        and name in ("q", "indices")
+        and x.dim() == (4 if name == "q" else 3)
+    ):
         x = x.squeeze(1)
     return x
 
@@ -266,7 +364,9 @@ def sparse_mla_decode(
     if has_extra and (extra_indices is None or extra_indices.shape[0] != num_tokens):
         raise ValueError("extra_k_cache needs extra_indices [T, K2]")
     geometry = layout.cache_geometry(k_cache, block_size)
-    extra_geometry = layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
+    extra_geometry = (
+        layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
+    )
 
     if heads_per_program is None:
         heads_per_program = DEFAULT_HEADS_PER_PROGRAM
@@ -276,7 +376,9 @@ def sparse_mla_decode(
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_head_blocks, max(list_width, extra_list_width))
+        num_splits = choose_num_splits(
+            num_tokens, num_head_blocks, max(list_width, extra_list_width)
+        )
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     split_len = triton.cdiv(triton.cdiv(list_width, num_splits), block_n) * block_n
@@ -291,31 +393,61 @@ def sparse_mla_decode(
         partial_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         partial_lse = lse.new_empty((1, 1, 1))
     else:
-        partial_out = torch.empty((num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32, device=q.device)
+        partial_out = torch.empty(
+            (num_tokens, num_splits, num_heads, layout.HEAD_DIM),
+            dtype=torch.float32,
+            device=q.device,
+        )
+        partial_lse = torch.empty(
+            (num_tokens, num_splits, num_heads), dtype=torch.float32, device=q.device
+        )
 
     grid = (num_head_blocks, num_splits, num_tokens)
     placeholder = indices  # any tensor: pointers of absent inputs are never read
     _sparse_mla_decode_kernel[grid](
-        q, k_cache, indices, topk_length if topk_length is not None else placeholder,
+        q,
+        k_cache,
+        indices,
+        topk_length if topk_length is not None else placeholder,
         extra_k_cache if has_extra else k_cache,
         extra_indices if has_extra else placeholder,
         extra_topk_length if extra_topk_length is not None else placeholder,
         attn_sink if attn_sink is not None else placeholder,
-        out, lse, partial_out, partial_lse,
-        num_heads, list_width, extra_list_width, split_len, extra_split_len,
-        geometry.block_stride, extra_geometry.block_stride, softmax_scale * LOG2E,
-        q.stride(0), q.stride(1), indices.stride(0),
+        out,
+        lse,
+        partial_out,
+        partial_lse,
+        num_heads,
+        list_width,
+        extra_list_width,
+        split_len,
+        extra_split_len,
+        geometry.block_stride,
+        extra_geometry.block_stride,
+        softmax_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        indices.stride(0),
         extra_indices.stride(0) if has_extra else 0,
-        out.stride(0), out.stride(1),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        BLOCK_SIZE=geometry.block_size, EXTRA_BLOCK_SIZE=extra_geometry.block_size,
-        HAS_LENGTHS=topk_length is not None, HAS_EXTRA=has_extra,
+        out.stride(0),
+        out.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        BLOCK_SIZE=geometry.block_size,
+        EXTRA_BLOCK_SIZE=extra_geometry.block_size,
+        HAS_LENGTHS=topk_length is not None,
+        HAS_EXTRA=has_extra,
         HAS_EXTRA_LENGTHS=has_extra and extra_topk_length is not None,
-        HAS_SINK=attn_sink is not None, IS_SINGLE_SPLIT=is_single_split,
-        HEADS_PER_PROGRAM=heads_per_program, BLOCK_N=block_n, DOT_DTYPE=dot_dtype(),
-        num_warps=num_warps, num_stages=1,
+        HAS_SINK=attn_sink is not None,
+        IS_SINGLE_SPLIT=is_single_split,
+        HEADS_PER_PROGRAM=heads_per_program,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype(),
+        num_warps=num_warps,
+        num_stages=1,
     )
     if not is_single_split:
         combine_splits(partial_out, partial_lse, attn_sink, out, lse)
@@ -339,7 +471,14 @@ def sparse_mla_decode_reference(
     q = _as_token_major(q, "q").float()
     lists = [(k_cache, _as_token_major(indices, "indices"), topk_length, block_size)]
     if extra_k_cache is not None:
-        lists.append((extra_k_cache, _as_token_major(extra_indices, "indices"), extra_topk_length, extra_block_size))
+        lists.append(
+            (
+                extra_k_cache,
+                _as_token_major(extra_indices, "indices"),
+                extra_topk_length,
+                extra_block_size,
+            )
+        )
     all_rows, all_valid = [], []
     for cache, slots, lengths, size in lists:
         slots = slots.to(torch.int64)
