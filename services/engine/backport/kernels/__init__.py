@@ -14,6 +14,8 @@ One kernel per module, each with its launcher and a plain-torch reference:
 - `sparse_mla_combine`: merge the split-K partial results (attention sink included).
 - `indexer_q_quant`: indexer Q rope + per-token fp8 quant + weight folding.
 - `inv_rope_fp8_quant`: inverse RoPE + per-group fp8 quant before the output projection.
+- `indexer_k_compress`: indexer K compress + RMSNorm + RoPE + fp8 quant into its cache.
+- `arch_fidelity`: compile for sm80/86/89 on a newer card; fp8-matmul guard; resource reports.
 
 Importing this package does nothing; import the module you need.
 """

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.sparse_mla_decode import load_k_block
+from services.engine.backport.kernels.sparse_mla_decode import HEAD_DIM, load_k_block
 
 BLOCK_TOKENS = 32  # rows per program: 32 x 584 B in, 32 x 1 KiB out
 
@@ -62,7 +62,7 @@ def _gather_kernel(
         cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16
     )
 
-    dims = tl.arange(0, 512)
+    dims = tl.arange(0, HEAD_DIM)
     out_ptrs = (
         out_ptr
         + request * stride_out_req

@@ -42,7 +42,16 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.fp8_e4m3 import e4m3_decode_div256
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
-TILES_PER_ROW = 8  # a 512-dim row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE tile
+# Row geometry (ds_mla_cache) as compile-time constants for the kernels.
+HEAD_DIM = tl.constexpr(layout.HEAD_DIM)  # 512
+NOPE_DIM = tl.constexpr(layout.NOPE_DIM)  # 448 fp8 values, then the RoPE values
+QUANT_TILE = tl.constexpr(layout.QUANT_TILE)  # 64 values share one UE8M0 scale
+TILES_PER_ROW = tl.constexpr(8)  # a row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE tile
+DATA_BYTES = tl.constexpr(layout.DATA_BYTES_PER_TOKEN)  # 576
+SCALE_BYTES = tl.constexpr(layout.SCALE_BYTES_PER_TOKEN)  # 8
+# 2**(byte - 127) * 256: adding 8 to the biased exponent multiplies by 256, undoing
+# e4m3_decode_div256's 1/256.
+DECODE_SCALE_EXPONENT_BIAS = tl.constexpr(8)
 # Keys per step: [32, 512] bf16 = 32 KiB of K. In sm80 mode on the H200 (B=64, H=64,
 # top-k 2048) 32 ran 0.29 ms with 10 spilled registers, 16 ran 0.39 ms with none.
 DEFAULT_BLOCK_N = 32
@@ -69,20 +78,20 @@ def load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constex
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = (slot // BLOCK_SIZE) * block_stride
     position = slot % BLOCK_SIZE
-    data = page + position * 576
-    scale_at = page + BLOCK_SIZE * 576 + position * 8
-    tile = tl.arange(0, 8)
-    dim = tl.arange(0, 64)
+    data = page + position * DATA_BYTES
+    scale_at = page + BLOCK_SIZE * DATA_BYTES + position * SCALE_BYTES
+    tile = tl.arange(0, TILES_PER_ROW)
+    dim = tl.arange(0, QUANT_TILE)
     # 512 contiguous bytes per row; no mask along the row keeps the loads 16 B wide.
     raw = tl.load(
-        cache_ptr + data[:, None, None] + (tile[None, :, None] * 64 + dim[None, None, :]),
+        cache_ptr + data[:, None, None] + (tile[None, :, None] * QUANT_TILE + dim[None, None, :]),
         mask=valid[:, None, None],
         other=0,
     )
     scale_byte = tl.load(
         cache_ptr + scale_at[:, None] + tile[None, :], mask=valid[:, None], other=0
     )
-    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
+    rope_ptr = (cache_ptr + data + NOPE_DIM).to(tl.pointer_type(tl.bfloat16))
     rope = tl.load(rope_ptr[:, None] + dim[None, :], mask=valid[:, None], other=0.0)
     return raw, scale_byte, rope
 
@@ -90,12 +99,12 @@ def load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constex
 @triton.jit
 def decode_rows(raw, scale_byte, rope, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Row bytes -> [BLOCK_N, 512] K tile: 7 dequantized fp8 tiles, then the RoPE tile."""
-    tile = tl.arange(0, 8)
-    # 2**(byte - 127) * 256 built from bits: the 256 undoes e4m3_decode_div256's 1/256.
-    scale = ((scale_byte.to(tl.int32) + 8) << 23).to(tl.float32, bitcast=True)
+    tile = tl.arange(0, TILES_PER_ROW)
+    scale_bits = (scale_byte.to(tl.int32) + DECODE_SCALE_EXPONENT_BIAS) << 23
+    scale = scale_bits.to(tl.float32, bitcast=True)
     nope = e4m3_decode_div256(raw) * scale[:, :, None]
-    k = tl.where(tile[None, :, None] == 7, rope[:, None, :].to(tl.float32), nope)
-    return tl.reshape(k, (BLOCK_N, 512)).to(DOT_DTYPE)
+    k = tl.where(tile[None, :, None] == TILES_PER_ROW - 1, rope[:, None, :].to(tl.float32), nope)
+    return tl.reshape(k, (BLOCK_N, HEAD_DIM)).to(DOT_DTYPE)
 
 
 @triton.jit
@@ -218,7 +227,7 @@ def _sparse_mla_decode_kernel(
     token = tl.program_id(2).to(tl.int64)
     heads = head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     head_mask = heads < num_heads
-    dims = tl.arange(0, 512)
+    dims = tl.arange(0, HEAD_DIM)
 
     # The query block stays in registers for the whole loop.
     q_ptrs = q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
@@ -226,7 +235,7 @@ def _sparse_mla_decode_kernel(
 
     m_i = tl.full((HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((HEADS_PER_PROGRAM,), dtype=tl.float32)
-    acc = tl.zeros((HEADS_PER_PROGRAM, 512), dtype=tl.float32)
+    acc = tl.zeros((HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
 
     # Loop over this split's piece of the first slot list, then of the extra list.
     length = list_width
