@@ -139,3 +139,21 @@ def test_reasoning_effort_none_renders_chat_mode(client: openai.OpenAI) -> None:
     message = reply.choices[0].message
     assert json.loads(message.tool_calls[0].function.arguments) == EXPECTED_ARGUMENTS
     assert "</think>" not in (message.content or "")
+
+
+def test_sticky_effort_carries_a_sessions_first_effort_across_turns(client: openai.OpenAI) -> None:
+    """Turn 1 asks for chat mode; turns 2 and 3 carry no effort and must stay in chat mode,
+    while a request outside the session gets the default (thinking at high effort)."""
+
+    def turn(session: str, **effort: str) -> openai.types.chat.ChatCompletionMessage:
+        return client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=400,
+            extra_headers={"X-Session-Id": session}, **effort).choices[0].message
+
+    chat_mode = turn("agent-1", reasoning_effort="none")
+    assert chat_mode.model_extra.get("reasoning_content") is None
+    for _ in range(2):
+        later = turn("agent-1")
+        assert later.model_extra.get("reasoning_content") is None
+        assert later.content == chat_mode.content
+    assert turn("agent-2").model_extra.get("reasoning_content") == REASONING
