@@ -38,6 +38,15 @@ class UpSettings(ServiceSettings):
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
     reasoning_parser: str | None = Field(None, description="deepseek_v4 | glm45 | qwen3")
     startup_timeout_s: float = Field(900.0, gt=0, description="how long each service may take to start")
+    engines: int = Field(1, ge=1, description="how many engines to start on this machine")
+    redis_url: str | None = Field(None, description="Redis of the engine registry and sessions; "
+                                                    "without it the gateway gets a static engine list")
+    routing_policy: str | None = Field(None, description="prefix | session | least_loaded | round_robin")
+    kv_cache_memory_gib: float | None = Field(None, gt=0, description="KV cache per engine in GiB")
+    engine_metrics_port: int | None = Field(None, description="first engine's Prometheus port; "
+                                                              "more engines count up")
+    api_key: list[str] = Field(default_factory=list, description="accepted API key")
+    api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
 
 
 @dataclass
@@ -68,6 +77,8 @@ class Mesh:
         self.settings = settings
         self.services: list[ServiceProcess] = []
         self._stop_requested = False
+        self._is_ready = False
+        self._lost_engines: set[str] = set()
 
     def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
         command = [sys.executable, "-m", "services.cli", *args]
@@ -79,27 +90,52 @@ class Mesh:
     def start(self) -> None:
         s = self.settings
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
-        engine_address = f"127.0.0.1:{s.engine_port}"
+        engine_addresses = [f"127.0.0.1:{s.engine_port + i}" for i in range(s.engines)]
         self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
-        engine_args = ["engine", "--model", s.model, "--port", str(s.engine_port)]
-        if s.served_model_name:
-            engine_args += ["--served-model-name", s.served_model_name]
-        if s.max_model_len:
-            engine_args += ["--max-model-len", str(s.max_model_len)]
-        if s.enforce_eager:
-            engine_args.append("--enforce-eager")
-        self._spawn("engine", engine_args)
-        for address, name in ((tokenizer_address, "tokenizer"), (engine_address, "engine")):
-            self._wait_grpc(name, address)
+        for index in range(s.engines):
+            self._spawn(self._engine_name(index), self._engine_args(index))
+        self._wait_grpc("tokenizer", tokenizer_address)
+        for index, address in enumerate(engine_addresses):
+            self._wait_grpc(self._engine_name(index), address)
         gateway_args = ["gateway", "--host", s.host, "--port", str(s.port),
-                        "--tokenizer", tokenizer_address, "--engine", engine_address]
+                        "--tokenizer", tokenizer_address]
+        if s.redis_url:
+            gateway_args += ["--redis-url", s.redis_url]  # engines arrive through the registry
+        else:
+            for address in engine_addresses:
+                gateway_args += ["--engine", address]
         for flag, value in (("--tool-call-parser", s.tool_call_parser),
-                            ("--reasoning-parser", s.reasoning_parser)):
+                            ("--reasoning-parser", s.reasoning_parser),
+                            ("--routing-policy", s.routing_policy),
+                            ("--api-keys-file", s.api_keys_file)):
             if value:
                 gateway_args += [flag, value]
+        for key in s.api_key:
+            gateway_args += ["--api-key", key]
         self._spawn("gateway", gateway_args)
         self._wait_http("gateway", f"http://{s.host}:{s.port}/health")
-        logger.info("mesh ready: http://%s:%d/v1", s.host, s.port)
+        self._is_ready = True
+        logger.info("mesh ready: http://%s:%d/v1 (%d engine(s))", s.host, s.port, s.engines)
+
+    def _engine_name(self, index: int) -> str:
+        return "engine" if self.settings.engines == 1 else f"engine-{index}"
+
+    def _engine_args(self, index: int) -> list[str]:
+        s = self.settings
+        args = ["engine", "--model", s.model, "--port", str(s.engine_port + index)]
+        if s.served_model_name:
+            args += ["--served-model-name", s.served_model_name]
+        if s.max_model_len:
+            args += ["--max-model-len", str(s.max_model_len)]
+        if s.enforce_eager:
+            args.append("--enforce-eager")
+        if s.kv_cache_memory_gib:
+            args += ["--kv-cache-memory-gib", str(s.kv_cache_memory_gib)]
+        if s.redis_url:
+            args += ["--redis-url", s.redis_url]
+        if s.engine_metrics_port is not None:
+            args += ["--metrics-port", str(s.engine_metrics_port + index)]
+        return args
 
     def _wait_grpc(self, name: str, address: str) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
@@ -127,8 +163,22 @@ class Mesh:
         if self._stop_requested:
             raise InterruptedError("stop requested")
         for service in self.services:
-            if service.process.poll() is not None:
-                raise RuntimeError(f"{service.name} exited with status {service.process.returncode}")
+            if service.process.poll() is None:
+                continue
+            if self._is_engine(service) and self._is_ready and self._num_engines_alive():
+                # The gateway routes around a lost engine; the mesh serves on with the others.
+                if service.name not in self._lost_engines:
+                    self._lost_engines.add(service.name)
+                    logger.error("%s exited with status %s; %d engine(s) still serve", service.name,
+                                 service.process.returncode, self._num_engines_alive())
+                continue
+            raise RuntimeError(f"{service.name} exited with status {service.process.returncode}")
+
+    def _is_engine(self, service: ServiceProcess) -> bool:
+        return service.name.startswith("engine")
+
+    def _num_engines_alive(self) -> int:
+        return sum(1 for s in self.services if self._is_engine(s) and s.process.poll() is None)
 
     def request_stop(self, *_: object) -> None:
         self._stop_requested = True
@@ -139,10 +189,15 @@ class Mesh:
             time.sleep(POLL_S)
 
     def stop(self) -> None:
-        """Gateway first so no new work arrives, then the services behind it."""
-        for service in reversed(self.services):
-            service.stop()
-            service.wait_stopped(time.monotonic() + STOP_TIMEOUT_S)
+        """Gateway first so no new work arrives, then the services behind it, together."""
+        gateway = [s for s in self.services if s.name == "gateway"]
+        behind = [s for s in self.services if s.name != "gateway"]
+        for group in (gateway, behind):
+            for service in group:
+                service.stop()
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for service in group:
+                service.wait_stopped(deadline)
         logger.info("mesh stopped")
 
 

@@ -6,6 +6,8 @@ import asyncio
 import logging
 
 from backport.v1 import engine_pb2_grpc
+from services.engine import metrics
+from services.engine.registry import EngineRecord, EngineRegistration
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 from services.engine.vllm_engine import VllmEngine
@@ -23,17 +25,46 @@ async def serve(settings: EngineSettings) -> None:
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s))
     engine.start()
     await server.start()
-    watcher = asyncio.create_task(_watch_engine_core(engine, server))
+    if settings.metrics_port is not None:
+        metrics.serve_metrics(settings.host, settings.metrics_port)
+    registration = None
+    if settings.redis_url:
+        address = settings.advertise_address or f"{settings.host}:{server.port}"
+        registration = EngineRegistration(settings.redis_url, lambda: _record(engine, address, settings))
+        await registration.start()
+        logger.info("registered %s in %s", address, settings.redis_url)
+    watcher = asyncio.create_task(_watch_engine_core(engine, server, registration))
+
+    async def drain() -> None:
+        """SIGTERM: leave the registry before the server stops taking calls."""
+        metrics.IS_SERVING.set(0)
+        if registration is not None:
+            await registration.deregister()
+
+    metrics.IS_SERVING.set(1)
     try:
-        await server.serve_until_signal()
+        await server.serve_until_signal(on_stop=drain)
     finally:
         watcher.cancel()
         engine.shutdown()
 
 
-async def _watch_engine_core(engine: VllmEngine, server: GrpcServer) -> None:
+def _record(engine: VllmEngine, address: str, settings: EngineSettings) -> EngineRecord:
+    assert engine.info is not None
+    loads = engine.loads()
+    return EngineRecord(address=address, model=engine.info.served_model_name,
+                        max_model_len=engine.info.max_model_len, ttl_s=settings.registry_ttl_s,
+                        num_running=loads.num_running, num_waiting=loads.num_waiting,
+                        kv_cache_usage=loads.kv_cache_usage)
+
+
+async def _watch_engine_core(engine: VllmEngine, server: GrpcServer,
+                             registration: EngineRegistration | None) -> None:
     """Health turns NOT_SERVING when vLLM's engine core dies; the gateway routes away."""
     while engine.is_healthy:
         await asyncio.sleep(HEALTH_POLL_S)
     logger.error("vLLM engine core died; health is now NOT_SERVING")
+    metrics.IS_SERVING.set(0)
     await server.set_serving(False)
+    if registration is not None:
+        await registration.deregister()

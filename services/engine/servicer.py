@@ -9,6 +9,7 @@ import grpc
 
 from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
+from services.engine import metrics
 from services.engine.vllm_engine import ChoiceUpdate, InvalidRequestError, SamplingRequest, VllmEngine
 
 logger = logging.getLogger(__name__)
@@ -27,22 +28,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if not self.engine.is_healthy:
+            metrics.GENERATE_REQUESTS.labels("unavailable").inc()
             yield _error(common_pb2.ERROR_CODE_UNAVAILABLE, "the engine is not serving")
             return
         sampling = sampling_request_from_proto(request.sampling)
         updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling)
+        outcome = "cancelled"
+        metrics.REQUESTS_IN_FLIGHT.inc()
         try:
             # Closing this generator (the client cancelled) closes `updates`, which aborts in vLLM.
             async for update in updates:
                 yield _chunk(update)
                 if update.finish_reason is not None:
                     yield _complete(update)
+            outcome = "finished"
         except InvalidRequestError as error:
+            outcome = "invalid"
             yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error))
         except Exception:
+            outcome = "failed"
             logger.exception("request %s failed", request.request_id)
             yield _error(common_pb2.ERROR_CODE_INTERNAL, "internal engine error")
         finally:
+            metrics.REQUESTS_IN_FLIGHT.dec()
+            metrics.GENERATE_REQUESTS.labels(outcome).inc()
             await updates.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

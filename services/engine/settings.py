@@ -25,3 +25,10 @@ class EngineSettings(ServiceSettings):
     logits_processors: list[str] = Field(default_factory=list,
                                          description="vLLM logits processor classes, module:Class")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long in-flight requests may finish")
+    advertise_address: str | None = Field(
+        None, description="host:port gateways use to reach this engine (default: host:port)")
+    redis_url: str | None = Field(None, description="Redis of the engine registry (off when unset)")
+    registry_ttl_s: float = Field(6.0, gt=0, description="lifetime of the registry record; "
+                                                          "renewed every third of it")
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="Prometheus /metrics HTTP port (off when unset)")

@@ -1,22 +1,27 @@
-"""Assembles the gateway's FastAPI app: routers, error handlers and the backend's lifespan."""
+"""Assembles the gateway's FastAPI app: routers, admission, metrics and the backend's lifespan."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 
+from services.gateway.admission import AdmissionMiddleware, Traffic
+from services.gateway.auth import ApiKeys
 from services.gateway.backend import GatewayBackend
 from services.gateway.errors import install_error_handlers
+from services.gateway.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
 from services.gateway.routes import chat, completions, models
 from services.gateway.settings import GatewaySettings
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
+    metrics = GatewayMetrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        backend = GatewayBackend(settings)
+        backend = GatewayBackend(settings, metrics)
         app.state.backend = backend
         await backend.connect()
         try:
@@ -26,7 +31,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="vLLM Backport gateway", lifespan=lifespan)
     app.state.draining = False
+    app.state.traffic = Traffic()
+    app.add_middleware(AdmissionMiddleware,
+                       api_keys=ApiKeys.load(settings.api_key, settings.api_keys_file),
+                       traffic=app.state.traffic, metrics=metrics,
+                       expose_engine_header=settings.expose_engine_header)
     install_error_handlers(app)
     for router in (models.router, chat.router, completions.router):
         app.include_router(router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request) -> Response:
+        backend: GatewayBackend = request.app.state.backend
+        return Response(metrics.render(backend.pool.engines.values()),
+                        media_type=METRICS_CONTENT_TYPE)
+
     return app

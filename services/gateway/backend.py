@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
-from services.engine.client import EngineClient
+import grpc
+
+from backport.v1 import engine_pb2 as pb
+
+from services.gateway.dispatch import EngineRoute
+from services.gateway.engine_pool import EnginePool
+from services.gateway.engine_registry import RegistryWatcher
 from services.gateway.errors import ServiceUnavailableError
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.reasoning_effort import (InMemorySessionEffortStore, RedisSessionEffortStore,
                                                 SessionEffortStore)
-from services.gateway.settings import GatewaySettings
+from services.gateway.request_context import current_request_context
+from services.gateway.routing import Router
+from services.gateway.settings import DEFAULT_ENGINE, GatewaySettings
 from services.tokenizer.client import TokenizerClient
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 600.0
+MODEL_INFO_TIMEOUT_S = 5.0
+ENGINE_WAIT_POLL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,40 +41,71 @@ class ServedModel:
 class GatewayBackend:
     """Connections to the mesh, created in the app's lifespan."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.tokenizer = TokenizerClient(settings.tokenizer)
-        self.engines = [EngineClient(address) for address in settings.engine]
+        self.pool = EnginePool(settings)
+        static_engines = settings.engine or ([] if settings.redis_url else [DEFAULT_ENGINE])
+        for address in static_engines:
+            self.pool.add(address, is_static=True)
+        self.router = Router(settings.routing_policy, block_tokens=settings.prefix_block_tokens,
+                             affinity_max_tokens=settings.prefix_affinity_tokens,
+                             load_bound=settings.load_bound, load_slack=settings.load_slack)
+        self.registry = (RegistryWatcher(settings.redis_url, self.pool, metrics,
+                                         settings.registry_poll_s) if settings.redis_url else None)
         self._redis_effort_store = (RedisSessionEffortStore.from_url(settings.redis_url)
                                     if settings.redis_url else None)
         self.effort_store: SessionEffortStore = (self._redis_effort_store
                                                  or InMemorySessionEffortStore())
         self.model: ServedModel | None = None
-        self._next_engine = 0
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def connect(self) -> None:
-        """Waits for the tokenizer and the first engine to describe the model."""
+        """Waits for the tokenizer and for an engine to describe the model."""
         tokenizer_info = await self.tokenizer.info(timeout_s=CONNECT_TIMEOUT_S)
-        model_info = await self.engines[0].model_info(timeout_s=CONNECT_TIMEOUT_S)
+        if self.registry is not None:
+            self._tasks.append(asyncio.create_task(self.registry.run()))
+        model_info = await self._first_model_info()
+        self.pool.model_name = model_info.served_model_name
         self.model = ServedModel(
             name=self.settings.served_model_name or model_info.served_model_name,
             max_model_len=model_info.max_model_len, chat_format=tokenizer_info.chat_format,
             architecture=model_info.architecture)
-        logger.info("serving %s (%s, context %d, chat format %s) on %d engine(s)", self.model.name,
-                    self.model.architecture, self.model.max_model_len, self.model.chat_format,
-                    len(self.engines))
+        await self.pool.probe_health()
+        self._tasks.append(asyncio.create_task(self.pool.run_health_checks()))
+        logger.info("serving %s (%s, context %d, chat format %s, routing %s) on %d engine(s)",
+                    self.model.name, self.model.architecture, self.model.max_model_len,
+                    self.model.chat_format, self.settings.routing_policy, len(self.pool.engines))
+
+    async def _first_model_info(self) -> pb.ModelInfo:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for engine in list(self.pool.engines.values()):
+                try:
+                    return await engine.client.model_info(timeout_s=MODEL_INFO_TIMEOUT_S)
+                except grpc.aio.AioRpcError as error:
+                    logger.info("waiting for engine %s: %s", engine.address, error.code().name)
+            await asyncio.sleep(ENGINE_WAIT_POLL_S)
+        raise TimeoutError(f"no engine answered within {CONNECT_TIMEOUT_S} s")
 
     def served_model(self) -> ServedModel:
         if self.model is None:
             raise ServiceUnavailableError("the gateway is still connecting to the mesh")
         return self.model
 
-    def pick_engine(self) -> EngineClient:
-        engine = self.engines[self._next_engine % len(self.engines)]
-        self._next_engine += 1
-        return engine
+    def pick_engine(self, session_key: str | None = None) -> EngineRoute:
+        """The route of one engine request; the engine is chosen when the prompt is sent.
+        `session_key` (from `X-Session-Id`, `prompt_cache_key` or `user`) drives session
+        affinity; without it the `X-Session-Id` header is used."""
+        return EngineRoute(self.pool, self.router, self.metrics, self.settings,
+                           session_key or current_request_context().session_id)
 
     async def close(self) -> None:
-        await asyncio.gather(self.tokenizer.close(), *(e.close() for e in self.engines))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(self.tokenizer.close(), self.pool.close())
+        if self.registry is not None:
+            await self.registry.close()
         if self._redis_effort_store is not None:
             await self._redis_effort_store.aclose()

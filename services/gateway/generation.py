@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,8 +12,9 @@ import grpc
 
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
-from services.engine.client import EngineClient
+from services.gateway.dispatch import EngineRoute
 from services.gateway.errors import EngineFailedError, InvalidRequestError, ServiceUnavailableError
+from services.gateway.request_context import current_request_context
 from services.gateway.stop_strings import StopStringMatcher
 from services.tokenizer.client import StreamDetokenizer, TokenizerClient
 
@@ -55,9 +57,9 @@ class UsageCounts:
 class Generation:
     """Runs one `Generate` call; iterating `deltas()` drives it and closing it aborts it."""
 
-    def __init__(self, engine: EngineClient, tokenizer: TokenizerClient, request: pb.GenerateRequest,
+    def __init__(self, route: EngineRoute, tokenizer: TokenizerClient, request: pb.GenerateRequest,
                  *, stop_strings: list[str], skip_special_tokens: bool) -> None:
-        self.engine = engine
+        self.route = route
         self.tokenizer = tokenizer
         self.request = request
         self.num_choices = max(1, request.sampling.n)
@@ -68,16 +70,20 @@ class Generation:
         self._matchers: dict[int, StopStringMatcher] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._first: pb.GenerateResponse | None = None
+        self._started_at = current_request_context().started_at
+        self._last_tokens_at: float | None = None
 
     async def start(self) -> None:
         """Sends the request and waits for its first response, so that a request the engine
-        refuses fails before any HTTP response has begun."""
-        self._call = self.engine.generate(self.request)
-        try:
-            self._first = await self._read()
-        except BaseException:
+        refuses fails before any HTTP response has begun; until then a failing engine is
+        replaced by another."""
+        opened = await self.route.open(self.request)
+        self._call = opened.call
+        first = opened.first
+        if first is not None and first.WhichOneof("response") == "error":
             self._call.cancel()
-            raise
+            raise _request_error(first.error)
+        self._first = first
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         if self._call is None:
@@ -109,8 +115,9 @@ class Generation:
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as error:
+            self.route.record_stream_failure()
             raise ServiceUnavailableError(
-                f"engine {self.engine.address} failed: {error.code().name}") from error
+                f"engine {self.route.address} failed: {error.code().name}") from error
         if response is grpc.aio.EOF:
             return None
         if response.WhichOneof("response") == "error":
@@ -121,6 +128,8 @@ class Generation:
         if chunk.index in finished:
             return None
         self._count(chunk.index, chunk.completion_tokens, chunk.cached_prompt_tokens)
+        if chunk.token_ids:
+            self._observe_tokens(len(chunk.token_ids))
         text = await self._detokenizer(chunk.index).step(list(chunk.token_ids)) if chunk.token_ids else ""
         check = self._matcher(chunk.index).feed(text)
         logprobs = await self._logprobs(chunk.logprobs) if chunk.logprobs else []
@@ -137,6 +146,15 @@ class Generation:
         tail = self._matcher(complete.index).flush()
         return ChoiceDelta(complete.index, tail,
                            finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"))
+
+    def _observe_tokens(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        metrics = self.route.metrics
+        if self._last_tokens_at is None:
+            metrics.time_to_first_token.observe(now - self._started_at)
+        else:
+            metrics.inter_token_latency.observe((now - self._last_tokens_at) / num_tokens)
+        self._last_tokens_at = now
 
     def _count(self, index: int, completion_tokens: int, cached_tokens: int) -> None:
         self.usage.completion_tokens_by_choice[index] = completion_tokens

@@ -1,15 +1,67 @@
-"""Entry point of the gateway: uvicorn serving the app until SIGTERM, streams drained."""
+"""Entry point of the gateway: uvicorn until SIGTERM, then a drain before it stops.
+
+On SIGTERM (or Ctrl-C) the gateway keeps listening but answers new API requests 503 and
+`/health` 503, lets open requests finish (at most `drain_timeout_s`), then exits. A second
+signal stops at once.
+"""
 
 from __future__ import annotations
 
-import uvicorn
+import asyncio
+import logging
+import socket
+import time
+from types import FrameType
 
+import uvicorn
+from fastapi import FastAPI
+
+from services.gateway.admission import Traffic
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 
+logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.traffic: Traffic = app.state.traffic
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self._drain is not None:
+            super().handle_exit(sig, frame)
+            return
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        self.traffic.is_draining = True
+        self.app.state.draining = True  # `/health` answers 503 from now on
+        logger.info("draining %d open request(s)", self.traffic.num_in_flight)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.traffic.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        logger.info("drained; stopping")
+        self.should_exit = True
+
 
 def serve(settings: GatewaySettings) -> None:
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             timeout_graceful_shutdown=int(settings.drain_timeout_s),
                             log_level="info", access_log=False)
-    uvicorn.Server(config).run()
+    DrainingServer(config, app, settings.drain_timeout_s).run()

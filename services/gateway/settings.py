@@ -1,7 +1,10 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.gateway.routing import RoutingPolicy
 from services.mesh.settings import ServiceSettings
+
+DEFAULT_ENGINE = "127.0.0.1:50051"
 
 
 class GatewaySettings(ServiceSettings):
@@ -9,12 +12,36 @@ class GatewaySettings(ServiceSettings):
 
     host: str = Field("127.0.0.1", description="HTTP address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
-    engine: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"],
-                              description="engine gRPC address host:port")
+    engine: list[str] = Field(default_factory=list,
+                              description=f"engine gRPC address host:port (default {DEFAULT_ENGINE} "
+                                          "unless engines come from the Redis registry)")
     tokenizer: str = Field("127.0.0.1:50052", description="tokenizer gRPC address host:port")
     served_model_name: str | None = Field(None, description="model name for clients "
                                                             "(default: the engine's)")
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
     reasoning_parser: str | None = Field(None, description="deepseek_v4 | glm45 | qwen3")
-    redis_url: str | None = Field(None, description="Redis for shared state (sessions)")
+    redis_url: str | None = Field(None, description="Redis for shared state: sessions and the "
+                                                    "engine registry")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long open streams may finish")
+    routing_policy: RoutingPolicy = Field(RoutingPolicy.PREFIX, description="prefix | session | "
+                                          "least_loaded | round_robin")
+    prefix_block_tokens: int = Field(16, gt=0, description="prefix affinity: tokens per hashed block")
+    prefix_affinity_tokens: int = Field(256, gt=0, description="prefix affinity: leading tokens "
+                                                               "hashed at most")
+    load_bound: float = Field(1.25, ge=1.0, description="affinity: most an engine may hold, as a "
+                                                        "multiple of its fair share of in-flight "
+                                                        "requests")
+    load_slack: int = Field(4, ge=0, description="affinity: in-flight requests an engine may hold "
+                                                  "beyond the bound")
+    max_attempts: int = Field(3, ge=1, description="engines tried before the first token")
+    retry_backoff_s: float = Field(0.05, ge=0, description="wait before the second attempt; "
+                                                           "doubles after each")
+    breaker_failures: int = Field(3, ge=1, description="consecutive failures that eject an engine")
+    breaker_open_s: float = Field(5.0, gt=0, description="how long an ejected engine waits for "
+                                                         "its health probe")
+    health_interval_s: float = Field(0.5, gt=0, description="engine health probe period")
+    registry_poll_s: float = Field(1.0, gt=0, description="engine registry read period")
+    api_key: list[str] = Field(default_factory=list, description="accepted API key")
+    api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
+    expose_engine_header: bool = Field(False, description="answer with an X-Backport-Engine header "
+                                                          "naming the engines that served")

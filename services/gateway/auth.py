@@ -1,0 +1,37 @@
+"""API keys: `Authorization: Bearer <key>` against the keys from flags and a keys file."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+
+class ApiKeys:
+    def __init__(self, keys: list[str]) -> None:
+        self._keys = [k.encode() for k in keys if k]
+
+    @classmethod
+    def load(cls, keys: list[str], keys_file: str | None) -> ApiKeys:
+        """Keys file: one key a line; blank lines and lines starting with `#` are skipped."""
+        all_keys = list(keys)
+        if keys_file:
+            for line in Path(keys_file).read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    all_keys.append(line)
+        return cls(all_keys)
+
+    @property
+    def is_required(self) -> bool:
+        return bool(self._keys)
+
+    def allows(self, authorization: str | None) -> bool:
+        if not self._keys:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        given = token.strip().encode()
+        # Compare against every key so the time taken does not tell which one nearly matched.
+        matches = [hmac.compare_digest(given, key) for key in self._keys]
+        return any(matches)

@@ -1,0 +1,111 @@
+"""The engines this gateway may route to: membership, health probes, circuit breakers, loads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from services.engine.client import EngineClient
+from services.engine.registry import EngineRecord
+from services.gateway.circuit_breaker import CircuitBreaker
+from services.gateway.settings import GatewaySettings
+from services.mesh.channels import is_serving
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class EngineState:
+    address: str
+    client: EngineClient
+    breaker: CircuitBreaker
+    is_static: bool
+    num_in_flight: int = 0
+    is_serving: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    ttl_s: float = 0.0
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_serving and not self.breaker.is_open
+
+    @property
+    def state_name(self) -> str:
+        if self.breaker.is_open:
+            return "ejected"
+        return "serving" if self.is_serving else "not_serving"
+
+
+class EnginePool:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.engines: dict[str, EngineState] = {}
+        # Removed engines whose channels still carry streams; closed when those end.
+        self._retired: list[EngineState] = []
+        self.model_name: str | None = None
+
+    def add(self, address: str, *, is_static: bool) -> EngineState:
+        engine = self.engines.get(address)
+        if engine is None:
+            engine = EngineState(address, EngineClient(address), CircuitBreaker(
+                self.settings.breaker_failures, self.settings.breaker_open_s), is_static)
+            self.engines[address] = engine
+            logger.info("engine %s joined (%s)", address, "static" if is_static else "registry")
+        return engine
+
+    def routable(self) -> list[EngineState]:
+        return [e for e in self.engines.values() if e.is_routable]
+
+    def acquire(self, engine: EngineState) -> None:
+        engine.num_in_flight += 1
+
+    def release(self, engine: EngineState) -> None:
+        engine.num_in_flight -= 1
+
+    def sync_registry(self, records: list[EngineRecord], now: float | None = None) -> None:
+        """Adds registered engines; an engine leaves once its record has been gone a whole
+        TTL, so a Redis restart (records briefly missing) moves nothing."""
+        now = time.monotonic() if now is None else now
+        for record in records:
+            if self.model_name is not None and record.model != self.model_name:
+                continue
+            engine = self.add(record.address, is_static=False)
+            engine.last_seen, engine.ttl_s = now, record.ttl_s
+        for engine in list(self.engines.values()):
+            if not engine.is_static and now - engine.last_seen > engine.ttl_s:
+                logger.info("engine %s left the registry", engine.address)
+                del self.engines[engine.address]
+                self._retired.append(engine)
+        self._close_idle_retired()
+
+    def _close_idle_retired(self) -> None:
+        for engine in [e for e in self._retired if e.num_in_flight == 0]:
+            self._retired.remove(engine)
+            asyncio.get_running_loop().create_task(engine.client.close())
+
+    async def probe_health(self) -> None:
+        """One round of health checks; a breaker past its open time is probed back."""
+        engines = list(self.engines.values())
+        answers = await asyncio.gather(*(is_serving(e.client.channel, HEALTH_TIMEOUT_S)
+                                         for e in engines))
+        for engine, serving in zip(engines, answers):
+            if serving != engine.is_serving:
+                logger.info("engine %s is %s", engine.address,
+                            "serving" if serving else "not serving")
+            engine.is_serving = serving
+            if engine.breaker.is_due_for_probe():
+                engine.breaker.record_probe(serving)
+                if not engine.breaker.is_open:
+                    logger.info("engine %s is back after its breaker opened", engine.address)
+
+    async def run_health_checks(self) -> None:
+        while True:
+            await self.probe_health()
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.client.close() for e in [*self.engines.values(), *self._retired]))

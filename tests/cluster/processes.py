@@ -1,0 +1,174 @@
+"""Real processes for the cluster tests: a Redis server, standalone engines, HTTP load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import REPO_ROOT, engine_environment
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+@dataclass
+class RedisServer:
+    """A throwaway redis-server without persistence: a restart comes back empty."""
+
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = redis_server_binary()
+        assert binary is not None
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while self.ping() is False:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def keys(self, pattern: str) -> list[str]:
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=1.0, decode_responses=True)
+        return sorted(client.keys(pattern))
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+def start_engine(model: Path, port: int, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    """A standalone engine in its own process group (vLLM's engine core included)."""
+    command = [sys.executable, "-m", "services.cli", "engine", "--model", str(model),
+               "--port", str(port), "--enforce-eager", *args]
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text format to {sample name with labels: value}."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for sample, value in samples.items():
+        sample_name, _, rest = sample.partition("{")
+        if sample_name == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+@dataclass
+class StreamRecord:
+    """What one streamed completion saw: its engine, events and when it ended."""
+
+    engine: str | None = None
+    num_text_events: int = 0
+    finish_reason: str | None = None
+    error: dict | None = None
+    saw_done: bool = False
+    status: int | None = None
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    exception: str | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+
+
+def stream_completion(base_url: str, api_key: str, prompt: list[int], max_tokens: int,
+                      record: StreamRecord, timeout_s: float = 120) -> None:
+    import json
+
+    body = {"model": "SmolLM2-135M-Instruct-bf16", "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    try:
+        with httpx.Client(timeout=timeout_s) as http:
+            with http.stream("POST", f"{base_url}/completions", json=body,
+                             headers={"Authorization": f"Bearer {api_key}"}) as reply:
+                record.status = reply.status_code
+                record.engine = reply.headers.get("x-backport-engine")
+                for line in reply.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line[len("data: "):]
+                    if payload == "[DONE]":
+                        record.saw_done = True
+                        break
+                    event = json.loads(payload)
+                    if "error" in event:
+                        record.error = event["error"]
+                        continue
+                    choice = event["choices"][0]
+                    if choice.get("text"):
+                        record.num_text_events += 1
+                        if record.first_token_at is None:
+                            record.first_token_at = time.monotonic()
+                            record.started.set()
+                    if choice.get("finish_reason"):
+                        record.finish_reason = choice["finish_reason"]
+    except Exception as error:  # the test asserts on it: a hang or a broken stream
+        record.exception = repr(error)
+    finally:
+        record.ended_at = time.monotonic()
+        record.started.set()
+
+
+def in_threads(target: Callable[..., None], argument_lists: list[tuple]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=target, args=args, daemon=True) for args in argument_lists]
+    for thread in threads:
+        thread.start()
+    return threads

