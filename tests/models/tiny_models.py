@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from tests.models.tiny_chat_templates import GLM5_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
 from tests.models.tiny_tokenizer import TokenizerSpec, save_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 VOCAB_SIZE = 1024
 _SEED = 1130
@@ -263,6 +267,139 @@ def build_deepseek_v4(folder: Path) -> Path:
     return _write_checkpoint(folder, config, dict(_deepseek_v4_tensors(config, _Init())))
 
 
+# ------------------------------------------- families built from transformers
+
+
+def _transformers_checkpoint(
+    folder: Path,
+    spec: TokenizerSpec,
+    text_config: "PreTrainedConfig",
+    architecture: str,
+    causal_lm_class: str | None,
+) -> Path:
+    """Tokenizer + config, and bf16 random weights when transformers has the causal LM.
+
+    GLM-5.3 has no causal-LM class in transformers 5.19; its folder carries the
+    config and tokenizer only, and the test loads it with `load_format="dummy"`.
+    """
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(spec, folder)
+    text_config.eos_token_id = _token_id(folder, spec.eos_token)
+    text_config.pad_token_id = _token_id(folder, spec.pad_token)
+    text_config.architectures = [architecture]
+    text_config.dtype = "bfloat16"
+    if causal_lm_class is None:
+        text_config.save_pretrained(str(folder))
+        return folder
+    torch.manual_seed(_SEED)
+    model = getattr(transformers, causal_lm_class)(text_config).to(torch.bfloat16)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def build_qwen3_5(folder: Path) -> Path:
+    """A tiny dense `Qwen3_5ForCausalLM` (Qwen3.8-27B's architecture): 3 gated-delta
+    layers and 1 full-attention layer."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=4096,
+    )
+    return _transformers_checkpoint(
+        folder, QWEN_TOKENIZER, config, "Qwen3_5ForCausalLM", "Qwen3_5ForCausalLM"
+    )
+
+
+def build_qwen4_exp(folder: Path) -> Path:
+    """A tiny `Qwen4ExpForCausalLM` (Qwen3.8-Flash-Next): MoE, hyper-connections, PLE."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    config = Qwen4ExpTextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=2,
+        hc_lowrank=32,
+        ngram_vocab_size_base=4096,
+        split_ngram_parts=8,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=64,
+        indexer_budget=256,
+        indexer_compress_ratio=4,
+        max_position_embeddings=4096,
+    )
+    return _transformers_checkpoint(
+        folder, QWEN_TOKENIZER, config, "Qwen4ExpForCausalLM", "Qwen4ExpForCausalLM"
+    )
+
+
+def build_glm5_next(folder: Path) -> Path:
+    """A tiny `Glm5NextForCausalLM` (GLM-5.3-Flash) config and tokenizer, no weights."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    config = Glm5NextTextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=64,
+        num_experts_per_tok=8,
+        kv_lora_rank=128,
+        q_lora_rank=128,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        index_n_heads=4,
+        linear_num_heads=4,
+        linear_head_dim=64,
+        max_position_embeddings=4096,
+    )
+    return _transformers_checkpoint(folder, GLM5_TOKENIZER, config, "Glm5NextForCausalLM", None)
+
+
+# Engine arguments the tiny DeepSeek-V4 needs on the CPU build. max_model_len 4096
+# lets a prompt pass 2,048 tokens, where the sparse indexer starts to run
+# (index_topk 512 x compress ratio 4); eager mode skips torch.compile.
+DEEPSEEK_V4_CPU_ENGINE_ARGS: dict[str, object] = {
+    "max_model_len": 4096,
+    "enforce_eager": True,
+    "max_num_seqs": 4,
+    "seed": 0,
+}
+# GiB of KV cache; the environment variable the CPU build reads.
+CPU_KVCACHE_SPACE_GIB = "1"
+
 TINY_MODEL_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "deepseek_v4": build_deepseek_v4,
+    "glm5_next": build_glm5_next,
+    "qwen4_exp": build_qwen4_exp,
+    "qwen3_5": build_qwen3_5,
 }
