@@ -172,6 +172,8 @@ class Mesh:
                     logger.error("%s exited with status %s; %d engine(s) still serve", service.name,
                                  service.process.returncode, self._num_engines_alive())
                 continue
+            if service.name == "gateway" and service.process.returncode == 0 and self._is_ready:
+                raise InterruptedError("the gateway drained and stopped")
             raise RuntimeError(f"{service.name} exited with status {service.process.returncode}")
 
     def _is_engine(self, service: ServiceProcess) -> bool:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from backport.v1 import engine_pb2_grpc
-from services.engine import metrics
+from services.engine.metrics import EngineMetrics
 from services.engine.registry import EngineRecord, EngineRegistration
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
@@ -20,28 +20,30 @@ HEALTH_POLL_S = 0.5
 
 async def serve(settings: EngineSettings) -> None:
     engine = VllmEngine(settings)
+    metrics = EngineMetrics()
     server = GrpcServer("backport.v1.Engine", f"{settings.host}:{settings.port}",
                         grace_s=settings.drain_timeout_s)
-    server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s))
+    servicer = EngineServicer(engine, metrics)
+    server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
     engine.start()
     await server.start()
     if settings.metrics_port is not None:
-        metrics.serve_metrics(settings.host, settings.metrics_port)
+        metrics.serve(settings.host, settings.metrics_port)
     registration = None
     if settings.redis_url:
         address = settings.advertise_address or f"{settings.host}:{server.port}"
         registration = EngineRegistration(settings.redis_url, lambda: _record(engine, address, settings))
         await registration.start()
         logger.info("registered %s in %s", address, settings.redis_url)
-    watcher = asyncio.create_task(_watch_engine_core(engine, server, registration))
+    watcher = asyncio.create_task(_watch_engine_core(engine, server, metrics, registration))
 
     async def drain() -> None:
         """SIGTERM: leave the registry before the server stops taking calls."""
-        metrics.IS_SERVING.set(0)
+        metrics.is_serving.set(0)
         if registration is not None:
             await registration.deregister()
 
-    metrics.IS_SERVING.set(1)
+    metrics.is_serving.set(1)
     try:
         await server.serve_until_signal(on_stop=drain)
     finally:
@@ -58,13 +60,13 @@ def _record(engine: VllmEngine, address: str, settings: EngineSettings) -> Engin
                         kv_cache_usage=loads.kv_cache_usage)
 
 
-async def _watch_engine_core(engine: VllmEngine, server: GrpcServer,
+async def _watch_engine_core(engine: VllmEngine, server: GrpcServer, metrics: EngineMetrics,
                              registration: EngineRegistration | None) -> None:
     """Health turns NOT_SERVING when vLLM's engine core dies; the gateway routes away."""
     while engine.is_healthy:
         await asyncio.sleep(HEALTH_POLL_S)
     logger.error("vLLM engine core died; health is now NOT_SERVING")
-    metrics.IS_SERVING.set(0)
+    metrics.is_serving.set(0)
     await server.set_serving(False)
     if registration is not None:
         await registration.deregister()

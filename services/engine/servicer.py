@@ -9,7 +9,7 @@ import grpc
 
 from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
-from services.engine import metrics
+from services.engine.metrics import EngineMetrics
 from services.engine.vllm_engine import ChoiceUpdate, InvalidRequestError, SamplingRequest, VllmEngine
 
 logger = logging.getLogger(__name__)
@@ -22,19 +22,20 @@ FINISH_REASONS = {
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: VllmEngine) -> None:
+    def __init__(self, engine: VllmEngine, metrics: EngineMetrics) -> None:
         self.engine = engine
+        self.metrics = metrics
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if not self.engine.is_healthy:
-            metrics.GENERATE_REQUESTS.labels("unavailable").inc()
+            self.metrics.generate_requests.labels("unavailable").inc()
             yield _error(common_pb2.ERROR_CODE_UNAVAILABLE, "the engine is not serving")
             return
         sampling = sampling_request_from_proto(request.sampling)
         updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling)
         outcome = "cancelled"
-        metrics.REQUESTS_IN_FLIGHT.inc()
+        self.metrics.requests_in_flight.inc()
         try:
             # Closing this generator (the client cancelled) closes `updates`, which aborts in vLLM.
             async for update in updates:
@@ -50,8 +51,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             logger.exception("request %s failed", request.request_id)
             yield _error(common_pb2.ERROR_CODE_INTERNAL, "internal engine error")
         finally:
-            metrics.REQUESTS_IN_FLIGHT.dec()
-            metrics.GENERATE_REQUESTS.labels(outcome).inc()
+            self.metrics.requests_in_flight.dec()
+            self.metrics.generate_requests.labels(outcome).inc()
             await updates.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -260,9 +260,11 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
     for record in records:
         assert record.started.wait(120) and record.first_token_at is not None, record
     on_c = [r for r in records if r.engine == cluster.addresses["C"]]
-    assert len(on_c) == 3
+    assert len(on_c) == 2
     killed_at = time.monotonic()
     kill_group(cluster.engine_c)
+    cluster.engine_c.wait()
+    print(f"engine C reaped {time.monotonic() - killed_at:.3f} s after kill -9")
     for thread in threads:
         thread.join(timeout=180)
     assert not any(t.is_alive() for t in threads), "a stream hung"
@@ -270,6 +272,7 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
         assert record.exception is None and record.saw_done, record
         if record in on_c:
             assert record.error is not None and record.finish_reason is None, record
+            print(f"stream on C ended {record.ended_at - killed_at:.3f} s after kill -9")
             assert record.ended_at - killed_at <= 1.0, record.ended_at - killed_at
         else:
             assert record.error is None and record.finish_reason == "length", record
@@ -279,7 +282,7 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
         assert reply.status_code == 200, reply.text
         assert reply.headers["x-backport-engine"] != cluster.addresses["C"]
     samples = scrape(cluster.metrics_url)
-    assert metric(samples, "backport:engine_stream_failures_total") >= 3
+    assert metric(samples, "backport:engine_stream_failures_total") >= 2
 
 
 def test_sigterm_to_an_engine_deregisters_it_and_finishes_its_streams(cluster: Cluster) -> None:
