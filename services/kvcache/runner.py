@@ -1,0 +1,140 @@
+"""`backport kvcache`: runs stock `lmcache server` until SIGTERM, then frees what it held."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import FrameType
+
+from services.kvcache.server_command import lmcache_server_argv
+from services.kvcache.settings import KvCacheSettings
+from services.kvcache.shm_segments import reclaim_exited_engine_segments
+
+logger = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 0.5
+
+
+class LmcacheServerError(RuntimeError):
+    """LMCache's server could not start, or died while serving."""
+
+
+def lmcache_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # LMCache and vLLM report usage to their vendors unless told not to.
+    env["LMCACHE_TRACK_USAGE"] = "false"
+    env["DO_NOT_TRACK"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
+    """LMCache's `/healthcheck` answers 200 once its cache engine is up (503 before)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthcheck",
+                                    timeout=timeout_s) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def is_port_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class LmcacheServer:
+    """One `lmcache server` child in its own process group."""
+
+    def __init__(self, settings: KvCacheSettings) -> None:
+        self.settings = settings
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        # A server already on these ports would answer our health checks in its place.
+        for port in (self.settings.port, self.settings.http_port):
+            if not is_port_free(self.settings.host, port):
+                raise LmcacheServerError(f"port {port} on {self.settings.host} is already in use")
+        argv = lmcache_server_argv(self.settings)
+        logger.info("starting %s", " ".join(argv))
+        self.process = subprocess.Popen(argv, env=lmcache_environment(), start_new_session=True)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def wait_ready(self, stop: threading.Event) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        while not stop.is_set():
+            if self.returncode is not None:
+                raise LmcacheServerError(f"lmcache server exited with status {self.returncode} "
+                                         "before it was ready")
+            if is_ready(self.settings.http_port):
+                return
+            if time.monotonic() > deadline:
+                raise LmcacheServerError(
+                    f"lmcache server not ready after {self.settings.startup_timeout_s:.0f} s")
+            stop.wait(HEALTH_POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL for the whole group once `stop_timeout_s` has passed."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=self.settings.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("lmcache server did not stop in %.0f s; killing it",
+                               self.settings.stop_timeout_s)
+        try:
+            # Also ends any helper LMCache started that outlived the server itself.
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def run(settings: KvCacheSettings) -> int:
+    """Serves until SIGTERM/SIGINT (status 0) or until LMCache dies (status 1)."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = LmcacheServer(settings)
+    try:
+        reclaim_exited_engine_segments()
+        server.start()
+        server.wait_ready(stop)
+        if not stop.is_set():
+            logger.info("KV cache service ready at %s (HTTP %d, transfer %s, chunk %d tokens)",
+                        settings.address, settings.http_port, settings.transfer_mode.value,
+                        settings.chunk_size_tokens)
+        while not stop.wait(settings.shm_reclaim_interval_s):
+            if server.returncode is not None:
+                raise LmcacheServerError(f"lmcache server exited with status {server.returncode}")
+            reclaim_exited_engine_segments()
+        return 0
+    except LmcacheServerError as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        server.stop()
+        # The server's own pool and any engine segment it alone still named are gone with it.
+        reclaim_exited_engine_segments()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,103 @@
+"""One vLLM engine process wired to the KV service: serves prompts in turn, prints JSON, exits.
+
+    python tests/kvcache/engine_probe.py --model DIR --kv-service HOST:PORT --transfer-mode zmq \
+        --chunk-size 256 --prompt NAME:NUM_TOKENS [--prompt ...] [--no-prefix-caching]
+
+Each `--prompt` is a deterministic prompt of exactly NUM_TOKENS tokens (the same NAME and
+length give the same tokens in any process). One JSON line per request on stdout: name,
+time to first token, cached prompt tokens as vLLM reports them, greedy token ids, and the
+first token's top log-probabilities. Used by the tests and by bench/kvcache.py; the mesh's
+engine service gets the same arguments from `services.engine.kv_transfer.engine_kv_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+PASSAGE = ("The lighthouse keeper wrote down the tides, the ships that passed, the colour of "
+           "the sky at dawn and the number of gulls on the rocks. {name} kept every page. ")
+KV_CACHE_GIB = 1
+
+
+def prompt_token_ids(tokenizer, name: str, num_tokens: int) -> list[int]:
+    """NUM_TOKENS tokens of numbered sentences about NAME; deterministic for (name, length)."""
+    ids: list[int] = []
+    line = 0
+    while len(ids) < num_tokens:
+        ids += tokenizer.encode(f"{line}. " + PASSAGE.format(name=name), add_special_tokens=False)
+        line += 1
+    return ids[:num_tokens]
+
+
+async def serve_prompts(args: argparse.Namespace) -> None:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from services.engine.kv_transfer import engine_kv_args
+
+    kv_args = engine_kv_args(args.model, args.kv_service, args.transfer_mode, args.chunk_size,
+                             args.kv_events_endpoint)
+    engine_args = AsyncEngineArgs(
+        model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
+        enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
+        **kv_args)
+    llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        tokenizer = llm.get_tokenizer()
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5,
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
+        print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+        for spec in args.prompt:
+            name, num_tokens = spec.rsplit(":", 1)
+            ids = prompt_token_ids(tokenizer, name, int(num_tokens))
+            start = time.perf_counter()
+            ttft_s = None
+            token_ids: list[int] = []
+            first_logprobs: dict[int, float] = {}
+            num_cached = 0
+            async for output in llm.generate(TokensPrompt(prompt_token_ids=ids), params,
+                                             uuid.uuid4().hex):
+                completion = output.outputs[0]
+                if ttft_s is None and completion.token_ids:
+                    ttft_s = time.perf_counter() - start
+                    first_logprobs = {t: lp.logprob for t, lp in (completion.logprobs or [{}])[0].items()}
+                token_ids += completion.token_ids
+                num_cached = output.num_cached_tokens or num_cached
+            print(json.dumps({"event": "request", "name": name, "prompt_tokens": len(ids),
+                              "ttft_s": ttft_s, "total_s": time.perf_counter() - start,
+                              "cached_tokens": num_cached, "token_ids": token_ids,
+                              "first_logprobs": {str(k): v for k, v in first_logprobs.items()}}),
+                  flush=True)
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--kv-service", default=None)
+    parser.add_argument("--transfer-mode", default="zmq")
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--kv-events-endpoint", default=None)
+    parser.add_argument("--prompt", action="append", required=True)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    asyncio.run(serve_prompts(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
