@@ -20,7 +20,7 @@ from tests.models.fixtures import (  # noqa: F401  (pytest fixtures)
     tiny_qwen4_exp,
 )
 from tests.models.tiny_models import (
-    CPU_KVCACHE_SPACE_GIB,
+    CPU_ENGINE_ENV,
     DEEPSEEK_V4_CPU_ENGINE_ARGS,
     DSV4_TOKENIZER,
     GLM5_TOKENIZER,
@@ -96,8 +96,7 @@ def test_jinja_families_render_thinking_switch(
 def deepseek_v4_engine(tiny_deepseek_v4: Path) -> Iterator[object]:
     pytest.importorskip("vllm")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        patch.setenv("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
+        _use_cpu_engine_env(patch)
         from services.engine.backport.plugin import register
         from vllm import LLM
 
@@ -111,6 +110,17 @@ def deepseek_v4_engine(tiny_deepseek_v4: Path) -> Iterator[object]:
         )
         yield engine
         del engine
+
+
+def _use_cpu_engine_env(patch: pytest.MonkeyPatch) -> None:
+    """In-process engine with the CPU settings; OpenMP is already initialised in this
+    process, so its thread count is set through torch rather than the variable."""
+    import torch
+
+    patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for name, value in CPU_ENGINE_ENV.items():
+        patch.setenv(name, value)
+    torch.set_num_threads(int(CPU_ENGINE_ENV["OMP_NUM_THREADS"]))
 
 
 def _greedy(engine, prompt_ids: list[int]) -> list[int]:
@@ -148,8 +158,7 @@ def test_other_families_on_cpu_build(
 ) -> None:
     """Tries each family on vllm-cpu and skips with the failure it hits there."""
     pytest.importorskip("vllm")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_SPACE_GIB)
+    _use_cpu_engine_env(monkeypatch)
     folder: Path = request.getfixturevalue(fixture_name)
     architecture = _OTHER_FAMILIES[fixture_name]
     try:
