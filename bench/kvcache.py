@@ -1,0 +1,75 @@
+"""KV-cache service benchmark: cold prefill vs warm-from-service prefill TTFT, per transfer mode.
+
+    python bench/kvcache.py [--modes zmq shm] [--prompt-tokens 1500] [--repeats 2]
+
+For each transfer mode: starts the KV service (LMCache), then one engine with vLLM's own
+prefix cache off, so a repeated prompt can only be warm through the service. The engine
+serves a short warm-up prompt, the shared prompt once cold, then the same prompt
+`--repeats` times warm. Prints one JSON line per mode and the warm/cold ratio (goal <= 0.3).
+Needs an interpreter with lmcache and vLLM: this one, or BACKPORT_KVCACHE_PYTHON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from services.embedded_model import embedded_model_path  # noqa: E402
+from tests.kvcache.processes import lmcache_python, run_engine_probe, start_kv_service  # noqa: E402
+
+GOAL_RATIO = 0.3
+
+
+def measure_mode(python: str, model: Path, mode: str, prompt_tokens: int, repeats: int,
+                 chunk_tokens: int, work_dir: Path) -> dict:
+    service = start_kv_service(python, work_dir, "--transfer-mode", mode,
+                               "--chunk-size-tokens", str(chunk_tokens))
+    try:
+        shared = f"shared-{mode}:{prompt_tokens}"
+        records = run_engine_probe(python, model, service, mode,
+                                   ["warmup:256", shared, *[shared] * repeats], work_dir,
+                                   "--no-prefix-caching", "--max-tokens", "1")
+    finally:
+        service.stop()
+    cold, warm = records[1], records[2:]
+    warm_ttft_s = statistics.median(r["ttft_s"] for r in warm)
+    return {"mode": mode, "prompt_tokens": prompt_tokens, "chunk_tokens": chunk_tokens,
+            "cold_ttft_s": round(cold["ttft_s"], 4),
+            "warm_ttft_s": round(warm_ttft_s, 4),
+            "warm_ttft_runs_s": [round(r["ttft_s"], 4) for r in warm],
+            "cached_tokens": warm[-1]["cached_tokens"],
+            "warm_over_cold": round(warm_ttft_s / cold["ttft_s"], 3),
+            "meets_goal": warm_ttft_s <= GOAL_RATIO * cold["ttft_s"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=["zmq", "shm"], choices=["zmq", "shm"])
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--model", type=Path, default=None)
+    args = parser.parse_args()
+    python = lmcache_python()
+    if python is None:
+        print("no interpreter with lmcache and vLLM; set BACKPORT_KVCACHE_PYTHON", file=sys.stderr)
+        return 2
+    model = args.model or embedded_model_path()
+    with tempfile.TemporaryDirectory(prefix="bench-kvcache-") as tmp:
+        for mode in args.modes:
+            result = measure_mode(python, model, mode, args.prompt_tokens, args.repeats,
+                                  args.chunk_tokens, Path(tmp))
+            print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
