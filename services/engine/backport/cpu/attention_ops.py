@@ -12,8 +12,8 @@ import torch
 from services.engine.backport.cpu import fp8_ds_mla as layout
 from services.engine.backport.cpu.rope import rotate_gptj
 
-# Query tokens attended per step: bounds the gathered-K working set
-# (tokens x keys x 512 fp32) to a few hundred MiB on long prefills.
+# Query tokens attended per step: bounds the scores working set
+# (tokens x heads x keys in the chunk's union, fp32) on long prefills.
 _TOKENS_PER_CHUNK = 128
 
 
