@@ -30,6 +30,10 @@ def engine_environment() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("BACKPORT_LOG_LEVEL", "WARNING")
+    # Several engines, the tests and the other services share two cores: one unbound OpenMP
+    # thread per engine decodes 5-15x faster there than vLLM's default core binding.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

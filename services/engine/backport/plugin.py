@@ -40,6 +40,10 @@ def register() -> None:
     _registered = True
     from vllm.platforms import current_platform
 
+    from services.engine.backport import ple
+
+    # A no-op unless a PLE service is configured; it acts only once Qwen4Exp loads.
+    _apply("PLE offload hook", ple.install)
     if current_platform.is_cpu():
         try:
             fixes = _cpu_fixes()
