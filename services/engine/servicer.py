@@ -41,8 +41,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             async for update in updates:
                 yield _chunk(update)
                 if update.finish_reason is not None:
+                    # Set before the last yield: the client may cancel as soon as it has it.
+                    outcome = "finished"
                     yield _complete(update)
-            outcome = "finished"
         except InvalidRequestError as error:
             outcome = "invalid"
             yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error))

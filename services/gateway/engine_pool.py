@@ -7,15 +7,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from services.engine.client import EngineClient
 from services.engine.registry import EngineRecord
 from services.gateway.circuit_breaker import CircuitBreaker
 from services.gateway.settings import GatewaySettings
-from services.mesh.channels import is_serving
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 1.0
+HEALTH_TIMEOUT_S = 2.0
+# Slow answers (a busy host) count only when they repeat; a refusal or NOT_SERVING counts at once.
+MAX_SLOW_PROBES = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -28,6 +32,7 @@ class EngineState:
     is_serving: bool = True
     last_seen: float = field(default_factory=time.monotonic)
     ttl_s: float = 0.0
+    num_slow_probes: int = 0
 
     @property
     def is_routable(self) -> bool:
@@ -90,9 +95,15 @@ class EnginePool:
     async def probe_health(self) -> None:
         """One round of health checks; a breaker past its open time is probed back."""
         engines = list(self.engines.values())
-        answers = await asyncio.gather(*(is_serving(e.client.channel, HEALTH_TIMEOUT_S)
-                                         for e in engines))
+        answers = await asyncio.gather(*(_probe(e) for e in engines))
         for engine, serving in zip(engines, answers):
+            if serving is None:  # no answer in time
+                engine.num_slow_probes += 1
+                if engine.num_slow_probes < MAX_SLOW_PROBES:
+                    continue
+                serving = False
+            else:
+                engine.num_slow_probes = 0
             if serving != engine.is_serving:
                 logger.info("engine %s is %s", engine.address,
                             "serving" if serving else "not serving")
@@ -109,3 +120,13 @@ class EnginePool:
 
     async def close(self) -> None:
         await asyncio.gather(*(e.client.close() for e in [*self.engines.values(), *self._retired]))
+
+
+async def _probe(engine: EngineState) -> bool | None:
+    """True: SERVING; False: refused or not serving; None: no answer in time."""
+    stub = health_pb2_grpc.HealthStub(engine.client.channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
+    except grpc.aio.AioRpcError as error:
+        return None if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
