@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="keep the service and engine logs here (default: a temporary folder)")
     args = parser.parse_args()
     python = lmcache_python()
     if python is None:
@@ -64,9 +66,11 @@ def main() -> int:
         return 2
     model = args.model or embedded_model_path()
     with tempfile.TemporaryDirectory(prefix="bench-kvcache-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
         for mode in args.modes:
             result = measure_mode(python, model, mode, args.prompt_tokens, args.repeats,
-                                  args.chunk_tokens, Path(tmp))
+                                  args.chunk_tokens, log_dir)
             print(json.dumps(result), flush=True)
     return 0
 

@@ -19,7 +19,6 @@ LMCACHE_SERVER_TRANSFER_MODES: dict[TransferMode, str] = {
 # Fraction of a tier's capacity at which LMCache starts evicting, and how much it frees.
 EVICTION_TRIGGER_WATERMARK = 0.8
 EVICTION_RATIO = 0.2
-REGISTRATION_GRACE_S = 120.0
 
 
 def l2_adapter_specs(settings: KvCacheSettings) -> list[dict[str, object]]:
@@ -53,10 +52,9 @@ def lmcache_server_argv(settings: KvCacheSettings) -> list[str]:
         "--eviction-trigger-watermark", str(EVICTION_TRIGGER_WATERMARK),
         "--max-workers", str(settings.max_workers),
         "--supported-transfer-mode", LMCACHE_SERVER_TRANSFER_MODES[settings.transfer_mode],
+        # Workers heartbeat only once they served a request; a shorter grace for the silent
+        # time before that would drop live idle engines, so LMCache's hour stays.
         "--worker-reap-timeout-seconds", str(settings.worker_reap_timeout_s),
-        # A worker that registered but died before its first heartbeat (10 s) is reaped
-        # after this, not after LMCache's default hour.
-        "--worker-registration-grace-seconds", str(REGISTRATION_GRACE_S),
     ]
     for spec in l2_adapter_specs(settings):
         argv += ["--l2-adapter", json.dumps(spec, separators=(",", ":"))]
