@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,20 +88,28 @@ async def run_phase(policy: str, url: str, model: str, prompts: list[list[int]],
 
 def workload(rng: random.Random, documents: int, questions: int,
              document_tokens: int) -> list[list[int]]:
-    """Each document asked `questions` times; questions of one document arrive spread out."""
+    """Each document asked `questions` times, in random order (so round robin cannot keep a
+    document on one engine by accident of the arrival pattern)."""
     docs = [[rng.randrange(100, 40_000) for _ in range(document_tokens)] for _ in range(documents)]
-    return [doc + [rng.randrange(100, 40_000) for _ in range(12)]
-            for _ in range(questions) for doc in docs]
+    prompts = [doc + [rng.randrange(100, 40_000) for _ in range(12)]
+               for _ in range(questions) for doc in docs]
+    rng.shuffle(prompts)
+    return prompts
 
 
 class Processes:
-    def __init__(self) -> None:
+    """The services of one run; their output goes to `log_path`."""
+
+    def __init__(self, log_path: Path) -> None:
         self.running: list[subprocess.Popen[bytes]] = []
+        self.log_path = log_path
 
     def spawn(self, *args: str) -> None:
-        self.running.append(subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args], cwd=REPO_ROOT,
-            env=engine_environment(), start_new_session=True))
+        with self.log_path.open("ab") as log:
+            self.running.append(subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *args], cwd=REPO_ROOT,
+                env=engine_environment(), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
 
     def stop(self) -> None:
         for process in reversed(self.running):
@@ -143,7 +152,8 @@ def main() -> int:
     model_path = args.model or str(ensure_embedded_model())
     tokenizer_port, engine_ports = free_port(), [free_port(), free_port()]
     gateway_ports = {"round_robin": free_port(), "prefix": free_port()}
-    processes = Processes()
+    processes = Processes(Path(tempfile.mkdtemp(prefix="bench-routing-")) / "services.log")
+    print(f"service logs: {processes.log_path}", flush=True)
     try:
         processes.spawn("tokenizer", "--model", model_path, "--port", str(tokenizer_port))
         for port in engine_ports:
@@ -158,9 +168,10 @@ def main() -> int:
             wait_http(f"http://127.0.0.1:{port}/health")
         model = httpx.get(f"http://127.0.0.1:{gateway_ports['prefix']}/v1/models").json()["data"][0]["id"]
         rng = random.Random(args.seed)
-        # Warm both engines so the first phase pays no first-request costs.
-        asyncio.run(run_phase("warmup", f"http://127.0.0.1:{gateway_ports['round_robin']}/v1", model,
-                              workload(rng, 2, 2, 64), 2))
+        # Warm both engines and gateways so no phase pays first-request costs.
+        for port in gateway_ports.values():
+            asyncio.run(run_phase("warmup", f"http://127.0.0.1:{port}/v1", model,
+                                  workload(rng, 2, 2, 64), 2))
         results = []
         for policy, port in gateway_ports.items():
             prompts = workload(rng, args.documents, args.questions, args.document_tokens)
