@@ -30,6 +30,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from services.mesh.channels import wait_until_serving  # noqa: E402
 from tests.conftest import engine_environment, free_port  # noqa: E402
 
 
@@ -139,6 +140,8 @@ def wait_http(url: str, timeout_s: float = 900) -> None:
 
 
 def main() -> int:
+    # SIGTERM ends the run like Ctrl-C, so the services it started are stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
     parser.add_argument("--documents", type=int, default=8)
@@ -160,6 +163,10 @@ def main() -> int:
             processes.spawn("engine", "--model", model_path, "--port", str(port), "--enforce-eager",
                             "--max-model-len", "2048", "--kv-cache-memory-gib", "1",
                             "--enable-prefix-caching")
+        # Gateways read the model from the mesh at start: its services must be up first.
+        for port in (tokenizer_port, *engine_ports):
+            if not wait_until_serving(f"127.0.0.1:{port}", timeout_s=900):
+                raise TimeoutError(f"service on port {port} did not start; see {processes.log_path}")
         for policy, port in gateway_ports.items():
             engines = [arg for p in engine_ports for arg in ("--engine", f"127.0.0.1:{p}")]
             processes.spawn("gateway", "--port", str(port), "--tokenizer",
