@@ -136,7 +136,7 @@ def main() -> None:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
         "--served-model-name", model, "--port", str(port), "--enforce-eager",
         "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--disable-log-requests"], f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1",
+        "--no-enable-log-requests"], f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1",
         model, args)
     port = free_port()
     mesh = measure("backport mesh", [
