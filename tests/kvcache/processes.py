@@ -114,8 +114,11 @@ def run_engine_probe(python: str, model: Path, service: KvService | None, transf
     with log_path.open("wb") as log:
         finished = subprocess.run(command, cwd=REPO_ROOT, env=process_environment(),
                                   stdout=subprocess.PIPE, stderr=log, timeout=PROBE_TIMEOUT_S)
-    records = [json.loads(line) for line in finished.stdout.decode().splitlines()
-               if line.startswith('{"event"')]
+    lines = finished.stdout.decode(errors="replace").splitlines()
+    records = [json.loads(line) for line in lines if line.startswith('{"event"')]
+    # vLLM logs to stdout: keep its lines beside stderr so a dead engine's cause is on file.
+    with log_path.open("a") as log:
+        log.writelines(line + "\n" for line in lines if not line.startswith('{"event"'))
     requests = [r for r in records if r["event"] == "request"]
     if finished.returncode != 0 or len(requests) != len(prompts):
         raise RuntimeError(f"engine probe failed (status {finished.returncode}):\n"
