@@ -7,7 +7,7 @@ ENGINE_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)
 PROTO_FILES := $(wildcard protos/backport/v1/*.proto)
 
-.PHONY: run test install protos protos-check clean
+.PHONY: run test install kvcache-deps protos protos-check clean
 
 run: install
 	$(VENV)/bin/backport up
@@ -28,6 +28,12 @@ $(STAMP): pyproject.toml
 	# ("operator torchvision::nms does not exist"); they serve multimodal inputs only.
 	if [ "$(ENGINE_EXTRA)" = cpu ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $@
+
+# LMCache for `backport kvcache`, without its own pins: they would downgrade protobuf and grpcio
+# below what the mesh's generated code needs (see docs/kvcache.md).
+kvcache-deps: install
+	$(PIP) install -q --no-deps lmcache==0.5.6 aiofile==3.12.3 aiofiles==25.1.0 caio==0.12.10 \
+		nvtx==0.2.17 opentelemetry-exporter-prometheus==0.66b2 sortedcontainers==2.4.0
 
 # Regenerates the Python code for every proto beside its source.
 protos: install

@@ -54,6 +54,7 @@ def _default_to_embedded_model(args: argparse.Namespace, settings_type: type[Ser
 def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[ServiceSettings], int | None]]]:
     from services.engine.settings import EngineSettings
     from services.gateway.settings import GatewaySettings
+    from services.kvcache.settings import KvCacheSettings
     from services.launcher import UpSettings
     from services.ple_offload.settings import PleSettings
     from services.tokenizer.settings import TokenizerSettings
@@ -74,6 +75,10 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
         from services.ple_offload.server import serve
         asyncio.run(serve(settings))
 
+    def run_kvcache(settings: ServiceSettings) -> int:
+        from services.kvcache.runner import run
+        return run(settings)
+
     def run_up(settings: ServiceSettings) -> int:
         from services.launcher import run_mesh
         return run_mesh(settings)
@@ -83,6 +88,8 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
         "gateway": (GatewaySettings, "the OpenAI-compatible HTTP gateway", run_gateway),
         "engine": (EngineSettings, "a gRPC engine over vLLM", run_engine),
         "tokenizer": (TokenizerSettings, "the gRPC tokenizer service", run_tokenizer),
+        "kvcache": (KvCacheSettings, "the KV-cache service (LMCache's server; `make kvcache-deps`)",
+                    run_kvcache),
         "ple": (PleSettings, "the PLE offload service: one shared-memory copy of an n-gram "
                              "embedding table per machine", run_ple),
     }
