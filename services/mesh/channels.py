@@ -17,6 +17,12 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Servers accept the clients' 10 s keepalive pings (their default allows one per 5 min
+    # and answers more with GOAWAY too_many_pings).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    # An engine restarted at the same address is reached within seconds.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 
 

@@ -42,7 +42,9 @@ async def create_chat_completion(body: ChatCompletionRequest,
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
     generation = Generation(
-        backend.pick_engine(), backend.tokenizer,
+        backend.pick_engine(session_key(session_id=request.headers.get("x-session-id"),
+                                        prompt_cache_key=body.prompt_cache_key, user=body.user)),
+        backend.tokenizer,
         generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs),
         stop_strings=body.stop_strings,
         # Parsers read markup that tokenizers often mark special.
