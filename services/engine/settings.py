@@ -24,6 +24,12 @@ class EngineSettings(ServiceSettings):
     trust_remote_code: bool = Field(False, description="allow the checkpoint's own model code")
     logits_processors: list[str] = Field(default_factory=list,
                                          description="vLLM logits processor classes, module:Class")
+    kv_service: str | None = Field(None, description="KV cache service (LMCache server) host:port")
+    kv_transfer_mode: str = Field("zmq", description="KV transfer to the service: zmq or shm")
+    kv_chunk_size_tokens: int | None = Field(
+        None, gt=0, description="the KV service's chunk size (default: chosen from the model)")
+    kv_events_endpoint: str | None = Field(
+        None, description="publish vLLM's KV cache events over ZMQ here, e.g. tcp://*:5557")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long in-flight requests may finish")
     advertise_address: str | None = Field(
         None, description="host:port gateways use to reach this engine (default: host:port)")

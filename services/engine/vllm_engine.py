@@ -20,6 +20,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 from vllm.platforms import current_platform
 
+from services.engine.kv_transfer import engine_kv_args
 from services.engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ class VllmEngine:
             enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
-            logits_processors=list(s.logits_processors) or None)
+            logits_processors=list(s.logits_processors) or None,
+            **engine_kv_args(s.model, s.kv_service, s.kv_transfer_mode, s.kv_chunk_size_tokens,
+                             s.kv_events_endpoint))
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
         model_config = self._llm.model_config
         self._defaults = model_config.get_diff_sampling_param()
