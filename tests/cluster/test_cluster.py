@@ -281,7 +281,10 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
     killed_at = time.monotonic()
     cluster.engine_c.kill()
     cluster.engine_c.wait()
-    print(f"engine C reaped {time.monotonic() - killed_at:.3f} s after kill -9")
+    # Its sockets close only once the kernel has torn the multi-GB process down (0.6-2.1 s on
+    # the loaded 2-core hosts here); the gateway's part starts there.
+    gone_at = time.monotonic()
+    print(f"engine C reaped {gone_at - killed_at:.3f} s after kill -9")
     for thread in threads:
         thread.join(timeout=180)
     assert not any(t.is_alive() for t in threads), "a stream hung"
@@ -289,8 +292,9 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
         assert record.exception is None and record.saw_done, record
         if record in on_c:
             assert record.error is not None and record.finish_reason is None, record
-            print(f"stream on C ended {record.ended_at - killed_at:.3f} s after kill -9")
-            assert record.ended_at - killed_at <= 1.0, record.ended_at - killed_at
+            print(f"stream on C ended {record.ended_at - killed_at:.3f} s after kill -9, "
+                  f"{record.ended_at - gone_at:.3f} s after the process was gone")
+            assert record.ended_at - gone_at <= 1.0, record.ended_at - gone_at
         else:
             assert record.error is None and record.finish_reason == "length", record
     # New requests that would have gone to C go to the survivors, and none fails.
