@@ -299,6 +299,20 @@ def _transformers_checkpoint(
     return folder
 
 
+# Both Qwen families stack 3 gated-delta (linear-attention) layers on 1 full-attention layer.
+_QWEN_HYBRID_LAYERS: dict[str, object] = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+
 def build_qwen3_5(folder: Path) -> Path:
     """A tiny dense `Qwen3_5ForCausalLM` (Qwen3.8-27B's architecture): 3 gated-delta
     layers and 1 full-attention layer."""
@@ -308,15 +322,7 @@ def build_qwen3_5(folder: Path) -> Path:
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        **_QWEN_HYBRID_LAYERS,
         max_position_embeddings=4096,
     )
     return _transformers_checkpoint(
@@ -331,15 +337,7 @@ def build_qwen4_exp(folder: Path) -> Path:
     config = Qwen4ExpTextConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        **_QWEN_HYBRID_LAYERS,
         moe_intermediate_size=128,
         shared_expert_intermediate_size=128,
         num_experts=16,
