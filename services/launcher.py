@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
+from services.kvcache.runner import is_port_free
+from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
 from services.mesh.settings import ServiceSettings
 
@@ -22,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25
+KV_CACHE_SERVICE = "kvcache"
+
+
+class KvCacheUnavailableError(RuntimeError):
+    """`--kv-cache` cannot start its service: LMCache is not installed, or a port is taken."""
 
 
 class UpSettings(ServiceSettings):
@@ -47,6 +56,14 @@ class UpSettings(ServiceSettings):
                                                               "more engines count up")
     api_key: list[str] = Field(default_factory=list, description="accepted API key")
     api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
+    kv_cache: bool = Field(False, description="start the KV cache service (LMCache) first and "
+                                              "wire every engine to it")
+    kv_cache_port: int = Field(5555, ge=1, le=65535, description="KV cache service's request port")
+    kv_cache_http_port: int = Field(5556, ge=1, le=65535,
+                                    description="KV cache service's HTTP port (/healthcheck)")
+    kv_transfer_mode: TransferMode = Field(TransferMode.ZMQ, description="zmq | shm")
+    kv_chunk_size_tokens: int | None = Field(
+        None, gt=0, description="KV cache service's chunk size (default: chosen from the model)")
 
 
 @dataclass
@@ -79,6 +96,8 @@ class Mesh:
         self._stop_requested = False
         self._is_ready = False
         self._lost_engines: set[str] = set()
+        # The KV service's chunk size, once it is started; engines are given the same.
+        self._kv_chunk_size_tokens: int | None = None
 
     def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
         command = [sys.executable, "-m", "services.cli", *args]
@@ -91,6 +110,8 @@ class Mesh:
         s = self.settings
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
         engine_addresses = [f"127.0.0.1:{s.engine_port + i}" for i in range(s.engines)]
+        if s.kv_cache:
+            self._start_kv_cache()
         self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
         for index in range(s.engines):
             self._spawn(self._engine_name(index), self._engine_args(index))
@@ -117,6 +138,26 @@ class Mesh:
         self._is_ready = True
         logger.info("mesh ready: http://%s:%d/v1 (%d engine(s))", s.host, s.port, s.engines)
 
+    def _start_kv_cache(self) -> None:
+        """Engines register with the KV service as they load, so it must answer first."""
+        s = self.settings
+        if importlib.util.find_spec("lmcache") is None:
+            raise KvCacheUnavailableError(
+                "--kv-cache needs LMCache in this environment: run `make kvcache-deps` "
+                "(pip install --no-deps lmcache==0.5.6 and its few modules; docs/kvcache.md)")
+        # A server already there would pass the health check below in place of the one started.
+        for port in (s.kv_cache_port, s.kv_cache_http_port):
+            if not is_port_free("127.0.0.1", port):
+                raise KvCacheUnavailableError(f"KV cache service port {port} is already in use")
+        # Checked against the model's KV block here, so a wrong size fails before anything starts.
+        self._kv_chunk_size_tokens = choose_chunk_size(s.model, s.kv_chunk_size_tokens)
+        self._spawn(KV_CACHE_SERVICE, [
+            "kvcache", "--port", str(s.kv_cache_port), "--http-port", str(s.kv_cache_http_port),
+            "--transfer-mode", s.kv_transfer_mode.value,
+            "--chunk-size-tokens", str(self._kv_chunk_size_tokens)])
+        self._wait_http(KV_CACHE_SERVICE, f"http://127.0.0.1:{s.kv_cache_http_port}/healthcheck")
+        logger.info("%s ready at 127.0.0.1:%d", KV_CACHE_SERVICE, s.kv_cache_port)
+
     def _engine_name(self, index: int) -> str:
         return "engine" if self.settings.engines == 1 else f"engine-{index}"
 
@@ -135,6 +176,10 @@ class Mesh:
             args += ["--redis-url", s.redis_url]
         if s.engine_metrics_port is not None:
             args += ["--metrics-port", str(s.engine_metrics_port + index)]
+        if self._kv_chunk_size_tokens is not None:
+            args += ["--kv-service", f"127.0.0.1:{s.kv_cache_port}",
+                     "--kv-transfer-mode", s.kv_transfer_mode.value,
+                     "--kv-chunk-size-tokens", str(self._kv_chunk_size_tokens)]
         return args
 
     def _wait_grpc(self, name: str, address: str) -> None:
@@ -191,10 +236,12 @@ class Mesh:
             time.sleep(POLL_S)
 
     def stop(self) -> None:
-        """Gateway first so no new work arrives, then the services behind it, together."""
+        """Gateway first so no new work arrives, then the services behind it, together; the KV
+        service last, once no engine can store into it, so it frees every engine's segment."""
         gateway = [s for s in self.services if s.name == "gateway"]
-        behind = [s for s in self.services if s.name != "gateway"]
-        for group in (gateway, behind):
+        kv_cache = [s for s in self.services if s.name == KV_CACHE_SERVICE]
+        behind = [s for s in self.services if s not in gateway and s not in kv_cache]
+        for group in (gateway, behind, kv_cache):
             for service in group:
                 service.stop()
             deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -213,7 +260,7 @@ def run_mesh(settings: UpSettings) -> int:
         return 0
     except InterruptedError:
         return 0
-    except (RuntimeError, TimeoutError) as error:
+    except (RuntimeError, TimeoutError, KvTransferConfigError) as error:
         logger.error("%s", error)
         return 1
     finally:
