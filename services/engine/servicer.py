@@ -6,9 +6,11 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
+from services.engine.kv_events import KvEventCollector, WatchEnded, block_hash_u64
 from services.engine.metrics import EngineMetrics
 from services.engine.vllm_engine import ChoiceUpdate, InvalidRequestError, SamplingRequest, VllmEngine
 
@@ -22,9 +24,11 @@ FINISH_REASONS = {
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: VllmEngine, metrics: EngineMetrics) -> None:
+    def __init__(self, engine: VllmEngine, metrics: EngineMetrics,
+                 kv_events: KvEventCollector | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.kv_events = kv_events
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -72,6 +76,42 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         loads = self.engine.loads()
         return pb.Loads(num_running=loads.num_running, num_waiting=loads.num_waiting,
                         kv_cache_usage=loads.kv_cache_usage)
+
+
+    async def WatchKvEvents(self, request: pb.WatchKvEventsRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventsUpdate]:
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this engine publishes no KV events (start it with "
+                                "--kv-events-endpoint)")
+        with self.kv_events.watch() as (snapshot, watcher):
+            yield pb.KvEventsUpdate(snapshot=pb.KvBlockSnapshot(held=[
+                pb.KvHeldBlocks(medium=medium, block_hashes=hashes)
+                for medium, hashes in snapshot.items()]))
+            while not isinstance(item := await watcher.batches.get(), WatchEnded):
+                yield pb.KvEventsUpdate(batch=kv_event_batch_to_proto(item))
+        if item is WatchEnded.FELL_BEHIND:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "the watcher fell behind the engine's KV events; call again")
+
+
+def kv_event_batch_to_proto(batch: KVEventBatch) -> pb.KvEventBatch:
+    events: list[pb.KvEvent] = []
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            stored = pb.KvBlocksStored(
+                block_hashes=[block_hash_u64(h) for h in event.block_hashes],
+                token_ids=event.token_ids, block_size=event.block_size, medium=event.medium or "")
+            if event.parent_block_hash is not None:
+                stored.parent_block_hash = block_hash_u64(event.parent_block_hash)
+            events.append(pb.KvEvent(stored=stored))
+        elif isinstance(event, BlockRemoved):
+            events.append(pb.KvEvent(removed=pb.KvBlocksRemoved(
+                block_hashes=[block_hash_u64(h) for h in event.block_hashes],
+                medium=event.medium or "")))
+        elif isinstance(event, AllBlocksCleared):
+            events.append(pb.KvEvent(all_cleared=pb.KvAllBlocksCleared()))
+    return pb.KvEventBatch(timestamp=batch.ts, events=events)
 
 
 def sampling_request_from_proto(p: pb.SamplingParams) -> SamplingRequest:

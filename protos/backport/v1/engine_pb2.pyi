@@ -169,3 +169,73 @@ class Loads(_message.Message):
     num_waiting: int
     kv_cache_usage: float
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEventsUpdate(_message.Message):
+    __slots__ = ("snapshot", "batch")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    snapshot: KvBlockSnapshot
+    batch: KvEventBatch
+    def __init__(self, snapshot: _Optional[_Union[KvBlockSnapshot, _Mapping]] = ..., batch: _Optional[_Union[KvEventBatch, _Mapping]] = ...) -> None: ...
+
+class KvBlockSnapshot(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedCompositeFieldContainer[KvHeldBlocks]
+    def __init__(self, held: _Optional[_Iterable[_Union[KvHeldBlocks, _Mapping]]] = ...) -> None: ...
+
+class KvHeldBlocks(_message.Message):
+    __slots__ = ("medium", "block_hashes")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, medium: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("timestamp", "events")
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlocksStored
+    removed: KvBlocksRemoved
+    all_cleared: KvAllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[KvAllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KvBlocksStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KvBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KvAllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class EngineStub:
                 request_serializer=backport_dot_v1_dot_engine__pb2.GetLoadsRequest.SerializeToString,
                 response_deserializer=backport_dot_v1_dot_engine__pb2.Loads.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/backport.v1.Engine/WatchKvEvents',
+                request_serializer=backport_dot_v1_dot_engine__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=backport_dot_v1_dot_engine__pb2.KvEventsUpdate.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -88,6 +93,17 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """The engine's KV cache events, for cache-aware routing: first a snapshot of the
+        blocks held when the call starts, then every batch of stored or removed blocks as
+        vLLM reports it. FAILED_PRECONDITION when the engine publishes no KV events (started
+        without --kv-events-endpoint); RESOURCE_EXHAUSTED when the watcher fell behind, after
+        which a new call starts again from a fresh snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +126,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetLoads,
                     request_deserializer=backport_dot_v1_dot_engine__pb2.GetLoadsRequest.FromString,
                     response_serializer=backport_dot_v1_dot_engine__pb2.Loads.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=backport_dot_v1_dot_engine__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=backport_dot_v1_dot_engine__pb2.KvEventsUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +241,33 @@ class Engine:
             '/backport.v1.Engine/GetLoads',
             backport_dot_v1_dot_engine__pb2.GetLoadsRequest.SerializeToString,
             backport_dot_v1_dot_engine__pb2.Loads.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/backport.v1.Engine/WatchKvEvents',
+            backport_dot_v1_dot_engine__pb2.WatchKvEventsRequest.SerializeToString,
+            backport_dot_v1_dot_engine__pb2.KvEventsUpdate.FromString,
             options,
             channel_credentials,
             insecure,
