@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,6 +19,7 @@ from services.ple_offload.errors import (
     TableClosedError,
     TableUnavailableError,
 )
+from services.ple_offload.segment_layout import SHM_DIR
 from services.ple_offload.table_format import RowDtype
 from services.ple_offload.table_reader import SharedTableReader
 
@@ -150,7 +152,8 @@ class PleTableClient:
         if not self.allow_shared_memory:
             return
         try:
-            reader = SharedTableReader(self.info.shm_name, gather_threads=self.gather_threads)
+            reader = SharedTableReader(self.info.shm_name, shm_dir=Path(self.info.shm_dir or SHM_DIR),
+                                       gather_threads=self.gather_threads)
         except PleError:
             return  # not on this machine (or not yet visible): use gRPC
         if (reader.generation != self.info.generation

@@ -72,18 +72,38 @@ def read_state_and_generation(buffer: memoryview | bytes) -> tuple[SegmentState,
     return SegmentState(state), generation
 
 
-def segment_path(shm_name: str) -> Path:
+def segment_path(shm_name: str, shm_dir: Path = SHM_DIR) -> Path:
+    """Where the segment lives: /dev/shm, or another tmpfs (one mounted with huge pages)."""
     if not shm_name or "/" in shm_name:
         raise ValueError(f"shared-memory name {shm_name!r} must be non-empty and contain no '/'")
-    return SHM_DIR / shm_name
+    return shm_dir / shm_name
 
 
 def advise_huge_pages(mapping: mmap.mmap) -> None:
     """Asks for transparent huge pages: random row gathers over tens of GB miss the TLB on
-    almost every row with 4 KiB pages. Takes effect only where the host allows it
-    (/sys/kernel/mm/transparent_hugepage/shmem_enabled = advise or within_size)."""
+    almost every row with 4 KiB pages. The tmpfs the segment lives on decides: its `huge=`
+    mount option must be within_size or always (posix_fallocate allocates the pages before
+    any mapping exists, so `huge=advise` never sees this request)."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
+
+
+def huge_page_bytes(mapping_start: int) -> int:
+    """Bytes of the mapping at `mapping_start` that this process maps with huge pages
+    (counted from /proc/self/smaps once the pages have been touched; 0 off Linux)."""
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    in_mapping = False
+    total_kib = 0
+    for line in smaps.splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):
+            in_mapping = int(first.split("-")[0], 16) == mapping_start
+        elif in_mapping and first in ("ShmemPmdMapped:", "FilePmdMapped:"):
+            total_kib += int(line.split()[1])
+    return total_kib * 1024

@@ -7,18 +7,14 @@ import logging
 import signal
 import threading
 
-from backport.v1 import ple_pb2_grpc
-
 from services.mesh.grpc_server import GrpcServer
-from services.ple_offload.servicer import PleOffloadServicer
+from services.ple_offload.servicer import SERVICE_NAME, PleOffloadServicer
 from services.ple_offload.settings import PleSettings
 from services.ple_offload.table_format import find_table
 from services.ple_offload.table_loading_progress import LoadingProgress
 from services.ple_offload.table_segment import TableSegment
 
 logger = logging.getLogger(__name__)
-
-SERVICE_NAME = "backport.v1.PleOffload"
 
 
 async def serve(settings: PleSettings) -> None:
@@ -27,7 +23,7 @@ async def serve(settings: PleSettings) -> None:
     logger.info("table %s: %d rows x %d (%s), %.2f GiB, header sha256 %s", source.tensor_name,
                 source.num_rows, source.row_width, source.dtype.name,
                 source.table_bytes / 2**30, source.header_sha256.hex())
-    segment = TableSegment(settings.shm_name, source)
+    segment = TableSegment(settings.shm_name, source, settings.shm_dir)
     try:
         segment.create()
         try:
@@ -37,8 +33,7 @@ async def serve(settings: PleSettings) -> None:
             return
         segment.publish()
         server = GrpcServer(SERVICE_NAME, settings.address, grace_s=settings.grace_s)
-        server.add(lambda s: ple_pb2_grpc.add_PleOffloadServicer_to_server(
-            PleOffloadServicer(segment), s))
+        server.add(PleOffloadServicer(segment).add_to_server)
         await server.start()
 
         async def close_for_readers() -> None:

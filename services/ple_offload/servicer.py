@@ -6,18 +6,24 @@ import asyncio
 
 import grpc
 import numpy as np
-from backport.v1 import ple_pb2, ple_pb2_grpc
+from backport.v1 import ple_pb2
 
 from services.ple_offload.errors import RowIdError
-from services.ple_offload.table_reader import check_row_ids
+from services.ple_offload.table_reader import check_row_ids, take_checked_rows
 from services.ple_offload.table_segment import TableSegment
+
+SERVICE_NAME = "backport.v1.PleOffload"
 
 # Gathers larger than this run on a worker thread so one prefill batch cannot stall
 # the decode-step lookups of other engines (1 M rows x 160 B is about 10 ms of copying).
 _INLINE_GATHER_ROWS = 65_536
 
+# LookupResponse field tags: generation (2, fixed64) and rows (1, length-delimited).
+_GENERATION_TAG = bytes([2 << 3 | 1])
+_ROWS_TAG = bytes([1 << 3 | 2])
 
-class PleOffloadServicer(ple_pb2_grpc.PleOffloadServicer):
+
+class PleOffloadServicer:
     def __init__(self, segment: TableSegment) -> None:
         self._segment = segment
         source = segment.source
@@ -30,8 +36,23 @@ class PleOffloadServicer(ple_pb2_grpc.PleOffloadServicer):
             scale=source.scale,
             header_sha256=source.header_sha256,
             shm_name=segment.shm_name,
+            shm_dir=str(segment.shm_dir),
             generation=segment.generation,
         )
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Registers the service. Lookup replies are returned already serialized (see
+        `_lookup_reply`), so its handler has no response serializer."""
+        handlers = {
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                self.Describe, request_deserializer=ple_pb2.DescribeRequest.FromString,
+                response_serializer=ple_pb2.TableInfo.SerializeToString),
+            "Lookup": grpc.unary_unary_rpc_method_handler(
+                self.Lookup, request_deserializer=ple_pb2.LookupRequest.FromString,
+                response_serializer=None),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
     async def Describe(self, request: ple_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> ple_pb2.TableInfo:
@@ -40,7 +61,8 @@ class PleOffloadServicer(ple_pb2_grpc.PleOffloadServicer):
         return self._info
 
     async def Lookup(self, request: ple_pb2.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> ple_pb2.LookupResponse:
+                     context: grpc.aio.ServicerContext) -> bytes:
+        """A serialized LookupResponse."""
         rows = self._segment.rows
         if rows is None or not self._segment.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE table is not loaded")
@@ -53,7 +75,28 @@ class PleOffloadServicer(ple_pb2_grpc.PleOffloadServicer):
         except RowIdError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ids.size > _INLINE_GATHER_ROWS:
-            gathered = await asyncio.to_thread(np.take, rows, ids, 0)
-        else:
-            gathered = np.take(rows, ids, axis=0)
-        return ple_pb2.LookupResponse(rows=gathered.tobytes(), generation=self._segment.generation)
+            return await asyncio.to_thread(_lookup_reply, rows, ids, self._segment.generation)
+        return _lookup_reply(rows, ids, self._segment.generation)
+
+
+def _lookup_reply(rows: np.ndarray, ids: np.ndarray, generation: int) -> bytes:
+    """LookupResponse wire bytes with the rows gathered straight into the message buffer:
+    one gather and one copy (to `bytes`), where building the message would copy the rows
+    three more times (ndarray -> bytes -> message field -> serialized message)."""
+    rows_bytes = ids.size * rows.shape[1]
+    head = (_GENERATION_TAG + generation.to_bytes(8, "little") + _ROWS_TAG
+            + _varint(rows_bytes))
+    reply = bytearray(len(head) + rows_bytes)
+    reply[:len(head)] = head
+    out = np.frombuffer(reply, np.uint8, rows_bytes, len(head)).reshape(ids.size, rows.shape[1])
+    take_checked_rows(rows, ids, out)
+    return bytes(reply)
+
+
+def _varint(value: int) -> bytes:
+    encoded = bytearray()
+    while value > 0x7F:
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)

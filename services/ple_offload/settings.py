@@ -19,7 +19,9 @@ class PleSettings(ServiceSettings):
     tensor_name: str | None = Field(
         None, description="table tensor stem, e.g. model.layers.0.ple.ple_embedding.ngram_embedding "
         "(reads <stem>.weight or <stem>.shard_<i>.weight); default: the only candidate")
-    shm_name: str = Field("backport-ple", description="shared-memory name (under /dev/shm)")
+    shm_name: str = Field("backport-ple", description="shared-memory name (a file in --shm-dir)")
+    shm_dir: Path = Field(Path("/dev/shm"), description="tmpfs folder of the segment; one mounted "
+                          "with huge=within_size gives the table huge pages (faster gathers)")
     expect_dtype: str | None = Field(None, description="refuse a table not of this dtype: fp8 or bf16")
     expect_rows: int | None = Field(None, gt=0, description="refuse a table without this many rows")
     expect_row_width: int | None = Field(None, gt=0, description="refuse a table of another row width")

@@ -5,15 +5,18 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
 from services.ple_offload.errors import RowIdError, TableClosedError, TableUnavailableError
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
+    SHM_DIR,
     SegmentHeader,
     SegmentState,
     advise_huge_pages,
+    huge_page_bytes,
     read_state_and_generation,
     segment_path,
 )
@@ -27,14 +30,16 @@ class SharedTableReader:
     """A read-only view of one table generation. Every process maps the same pages, so
     any number of readers add no copy of the table.
 
-    Random row gathers are bound by memory latency, not bandwidth, so large gathers are
-    split over `gather_threads` threads (numpy releases the GIL while it copies)."""
+    Random row gathers are bound by memory latency (a TLB miss and about three cache
+    misses per row), not bandwidth, so large gathers are split over `gather_threads`
+    threads (numpy releases the GIL while it copies)."""
 
-    def __init__(self, shm_name: str, *, gather_threads: int = 1) -> None:
+    def __init__(self, shm_name: str, *, shm_dir: Path = SHM_DIR, gather_threads: int = 1) -> None:
         self.shm_name = shm_name
         self._gather_threads = gather_threads
         self._pool = ThreadPoolExecutor(gather_threads, "ple-gather") if gather_threads > 1 else None
-        path = segment_path(shm_name)
+        path = segment_path(shm_name, shm_dir)
+        self.path = path
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
@@ -83,13 +88,21 @@ class SharedTableReader:
             out = np.empty((flat.size, self.header.row_bytes), np.uint8)
         out_rows = out.reshape(flat.size, self.header.row_bytes)
         if self._pool is None or flat.size < _PARALLEL_GATHER_MIN_ROWS:
-            np.take(rows, flat, axis=0, out=out_rows)
+            take_checked_rows(rows, flat, out_rows)
         else:
             bounds = np.linspace(0, flat.size, self._gather_threads + 1, dtype=np.int64)
             parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-            for done in [self._pool.submit(np.take, rows, flat[p], 0, out_rows[p]) for p in parts]:
+            for done in [self._pool.submit(take_checked_rows, rows, flat[p], out_rows[p])
+                         for p in parts]:
                 done.result()
         return out.reshape(*np.shape(row_ids), self.header.row_bytes)
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of the table this process maps with huge pages (of the pages touched so
+        far): 0 means every row gather pays a 4 KiB-page TLB miss."""
+        if self._rows is None:
+            return 0
+        return huge_page_bytes(self._rows.ctypes.data - DATA_OFFSET_BYTES)
 
     def table_rows(self) -> np.ndarray:
         """The whole table as a read-only uint8 [num_rows, row_bytes] array (no copy)."""
@@ -110,13 +123,22 @@ class SharedTableReader:
 
     def _live_rows(self) -> np.ndarray:
         if self._rows is None:
-            raise TableClosedError(f"PLE table /dev/shm/{self.shm_name} was detached; reattach")
+            raise TableClosedError(f"PLE table {self.path} was detached; reattach")
         state, generation = read_state_and_generation(self._mmap)
         if state is not SegmentState.READY or generation != self.header.generation:
             raise TableClosedError(
-                f"the PLE service closed table /dev/shm/{self.shm_name} (generation "
+                f"the PLE service closed table {self.path} (generation "
                 f"{self.header.generation:x}): it stopped or restarted; reattach")
         return self._rows
+
+
+def take_checked_rows(rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -> None:
+    """Copies rows[flat_ids] into `out`; the ids must already be in range (check_row_ids).
+
+    mode="clip" because with the default mode="raise" numpy always buffers `out` (it
+    gathers into a temporary and copies that over, so `out` stays untouched on a bad
+    id): one more allocation and pass over the gathered rows on every call."""
+    np.take(rows, flat_ids, axis=0, out=out, mode="clip")
 
 
 def check_row_ids(flat_ids: np.ndarray, num_rows: int) -> None:

@@ -8,16 +8,19 @@ import os
 import secrets
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from services.ple_offload.errors import TableFileError
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
+    SHM_DIR,
     STATE_OFFSET,
     SegmentHeader,
     SegmentState,
     advise_huge_pages,
+    huge_page_bytes,
     segment_path,
 )
 from services.ple_offload.table_format import TableSource
@@ -32,10 +35,11 @@ ProgressCallback = Callable[[int], None]
 class TableSegment:
     """Owns one named segment. Rows are written once, then only read."""
 
-    def __init__(self, shm_name: str, source: TableSource) -> None:
+    def __init__(self, shm_name: str, source: TableSource, shm_dir: Path = SHM_DIR) -> None:
         self.shm_name = shm_name
+        self.shm_dir = shm_dir
         self.source = source
-        self.path = segment_path(shm_name)
+        self.path = segment_path(shm_name, shm_dir)
         self.header = SegmentHeader(SegmentState.LOADING, secrets.randbits(63), source.num_rows,
                                     source.row_width, source.row_bytes, source.dtype,
                                     source.scale, source.header_sha256)
@@ -102,9 +106,15 @@ class TableSegment:
     def publish(self) -> None:
         """Marks the rows complete; readers may attach from now on."""
         self._set_state(SegmentState.READY)
-        logger.info("table %s ready in /dev/shm/%s: %d rows x %d B (%s), generation %x",
-                    self.source.tensor_name, self.shm_name, self.source.num_rows,
+        logger.info("table %s ready in %s: %d rows x %d B (%s), generation %x",
+                    self.source.tensor_name, self.path, self.source.num_rows,
                     self.source.row_bytes, self.source.dtype.name, self.generation)
+        assert self.rows is not None
+        huge = huge_page_bytes(self.rows.ctypes.data - DATA_OFFSET_BYTES)
+        # Said at every start because it decides gather speed (see docs/ple.md, huge pages).
+        logger.info("%.2f of %.2f GiB of the table sit in huge pages%s", huge / 2**30,
+                    self.source.table_bytes / 2**30,
+                    "" if huge else f"; mount {self.shm_dir} with huge=within_size for faster gathers")
 
     def is_ready(self) -> bool:
         return self._mmap is not None and self._state() is SegmentState.READY

@@ -19,7 +19,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("tensor_name", "num_rows", "row_width", "row_bytes", "dtype", "scale", "header_sha256", "shm_name", "generation")
+    __slots__ = ("tensor_name", "num_rows", "row_width", "row_bytes", "dtype", "scale", "header_sha256", "shm_name", "generation", "shm_dir")
     TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TableInfo(_message.Message):
     HEADER_SHA256_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     tensor_name: str
     num_rows: int
     row_width: int
@@ -38,7 +39,8 @@ class TableInfo(_message.Message):
     header_sha256: bytes
     shm_name: str
     generation: int
-    def __init__(self, tensor_name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., scale: _Optional[float] = ..., header_sha256: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    shm_dir: str
+    def __init__(self, tensor_name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., scale: _Optional[float] = ..., header_sha256: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., generation: _Optional[int] = ..., shm_dir: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("row_ids_le_i64",)
