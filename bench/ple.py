@@ -1,7 +1,7 @@
 """PLE offload benchmark: gather throughput from shared memory against memcpy bandwidth
 (same run), and gRPC / shared-memory latency of one decode step's lookup.
 
-    python bench/ple.py [--table-gib 2] [--row-bytes 160] [--decode-tokens 64]
+    python bench/ple.py [--table-gib 2] [--threads 8] [--rounds 5] [--shm-dir /dev/shm]
 
 Starts a PLE service on a synthetic table (a sparse file: no disk, but every row is written
 into shared memory), measures, stops the service and removes the table.
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from services.ple_offload.client import PleTableClient  # noqa: E402
 from services.ple_offload.table_reader import SharedTableReader  # noqa: E402
 
 HEADS = 16
+MEMCPY_BYTES = 1 << 30
 
 
 def write_table(path: Path, num_rows: int, row_bytes: int) -> None:
@@ -49,14 +51,15 @@ def write_table(path: Path, num_rows: int, row_bytes: int) -> None:
         f.write(struct.pack("<f", 1.0))
 
 
-def start_service(table: Path, shm_name: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_service(table: Path, shm_name: str, shm_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path[:2], os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
         [sys.executable, "-m", "services.ple_offload", "--table-path", str(table), "--address",
-         address, "--shm-name", shm_name, "--no-show-progress"], cwd=REPO_ROOT, env=env)
+         address, "--shm-name", shm_name, "--shm-dir", str(shm_dir), "--no-show-progress"],
+        cwd=REPO_ROOT, env=env)
     while not wait_until_serving(address, 5):
         if process.poll() is not None:
             raise SystemExit(f"PLE service exited with {process.returncode}")
@@ -72,99 +75,156 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def percentiles_ms(fn: Callable[[], object], calls: int) -> tuple[float, float]:
-    for _ in range(max(50, calls // 10)):
-        fn()
+def percentiles_ms(fn: Callable[[int], object], calls: int) -> tuple[float, float]:
+    """p50 and p99 of `calls` calls, after a warm-up; `fn` gets the call's index."""
+    for i in range(max(50, calls // 10)):
+        fn(i)
     samples = np.empty(calls)
     for i in range(calls):
         start = time.perf_counter()
-        fn()
+        fn(i)
         samples[i] = time.perf_counter() - start
     return float(np.percentile(samples, 50) * 1e3), float(np.percentile(samples, 99) * 1e3)
 
 
-def memcpy_gb_s(rows: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> float:
-    """One large contiguous copy out of the shared table, split over `threads`."""
-    src = rows[:min(rows.shape[0], (1 << 30) // rows.shape[1])]
-    dst = np.empty_like(src)
-    bounds = np.linspace(0, src.shape[0], threads + 1, dtype=np.int64)
-    parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+class MemcpyBaseline:
+    """The machine's memcpy bandwidth: one contiguous copy of MEMCPY_BYTES out of the
+    shared table into a private, already faulted-in buffer, split over `threads`, best
+    of 5. Reading the same pages the gathers read keeps the comparison about access
+    pattern alone."""
 
-    def copy() -> None:
-        if pool is None:
-            np.copyto(dst, src)
+    def __init__(self, rows: np.ndarray, threads: int) -> None:
+        self.src = rows[:min(rows.shape[0], MEMCPY_BYTES // rows.shape[1])]
+        self.dst = np.empty_like(self.src)
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        bounds = np.linspace(0, self.src.shape[0], threads + 1, dtype=np.int64)
+        self.parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.copy()
+
+    def copy(self) -> None:
+        if self.pool is None:
+            np.copyto(self.dst, self.src)
         else:
-            for done in [pool.submit(np.copyto, dst[p], src[p]) for p in parts]:
+            for done in [self.pool.submit(np.copyto, self.dst[p], self.src[p]) for p in self.parts]:
                 done.result()
 
-    copy()
-    return src.nbytes / best_seconds(copy, 5) / 1e9
+    def gb_s(self) -> float:
+        return self.src.nbytes / best_seconds(self.copy, 5) / 1e9
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        del self.src
 
 
-def gather_gb_s(reader: SharedTableReader, num_rows: int, tokens: int) -> float:
-    """Random rows, a fresh batch per call, so repeated ids never come from cache."""
-    rng = np.random.default_rng(tokens)
-    num_batches = max(4, (64 << 20) // (tokens * HEADS * 160))
-    batches = [rng.integers(0, num_rows, (tokens, HEADS)) for _ in range(num_batches)]
-    out = np.empty((tokens, HEADS, reader.header.row_bytes), np.uint8)
+class GatherLoad:
+    """Random ids, a fresh batch per call (so no row comes from cache), gathered into a
+    preallocated buffer the way an engine step does."""
 
-    def run() -> None:
-        for batch in batches:
-            reader.gather(batch, out=out)
+    def __init__(self, reader: SharedTableReader, tokens: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        num_rows = reader.header.num_rows
+        num_batches = max(4, (64 << 20) // (tokens * HEADS * reader.header.row_bytes))
+        self.reader = reader
+        self.batches = [rng.integers(0, num_rows, (tokens, HEADS)) for _ in range(num_batches)]
+        self.out = np.empty((tokens, HEADS, reader.header.row_bytes), np.uint8)
+        self.run()
 
-    run()
-    return num_batches * out.nbytes / best_seconds(run, 3) / 1e9
+    def run(self) -> None:
+        for batch in self.batches:
+            self.reader.gather(batch, out=self.out)
+
+    def gb_s(self) -> float:
+        return len(self.batches) * self.out.nbytes / best_seconds(self.run, 3) / 1e9
 
 
-def measure(address: str, shm_name: str, args: argparse.Namespace) -> dict[str, float]:
+def measure_gather(shm_name: str, shm_dir: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Each round measures memcpy right before the gathers it is compared with, so a
+    neighbour's load hits both sides of a ratio alike; the report takes medians."""
     threads = args.threads
-    results: dict[str, float] = {"threads": threads}
-    for count in (1, threads):
-        reader = SharedTableReader(shm_name, gather_threads=count)
-        rows = reader.table_rows()
-        num_rows = rows.shape[0]
-        with ThreadPoolExecutor(count) as pool:
-            memcpy = memcpy_gb_s(rows, pool if count > 1 else None, count)
-        results[f"memcpy_{count}t_gb_s"] = memcpy
-        for label, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
-            gbs = gather_gb_s(reader, num_rows, tokens)
-            results[f"gather_{label}_{count}t_gb_s"] = gbs
-            results[f"gather_{label}_{count}t_vs_memcpy_{count}t"] = gbs / memcpy
-            results[f"gather_{label}_{count}t_vs_memcpy_1t"] = gbs / results["memcpy_1t_gb_s"]
-        del rows
-        reader.close()
-
-    decode_ids = np.random.default_rng(1).integers(0, num_rows, (args.decode_tokens, HEADS))
-    reader = SharedTableReader(shm_name)
-    results["shm_step_p50_ms"], results["shm_step_p99_ms"] = percentiles_ms(
-        lambda: reader.gather(decode_ids), args.calls)
-    reader.close()
-    client = PleTableClient(address, allow_shared_memory=False)
-    results["grpc_step_p50_ms"], results["grpc_step_p99_ms"] = percentiles_ms(
-        lambda: client.gather(decode_ids), args.calls)
-    results["grpc_describe_p50_ms"], results["grpc_describe_p99_ms"] = percentiles_ms(
-        client.describe, args.calls)
-    client.close()
+    single = SharedTableReader(shm_name, shm_dir=shm_dir)
+    parallel = SharedTableReader(shm_name, shm_dir=shm_dir, gather_threads=threads)
+    memcpy_1t = MemcpyBaseline(single.table_rows(), 1)
+    memcpy_nt = MemcpyBaseline(single.table_rows(), threads)
+    loads = {"decode_1t": GatherLoad(single, args.decode_tokens, 1),
+             "prefill_1t": GatherLoad(single, args.prefill_tokens, 2),
+             "prefill_nt": GatherLoad(parallel, args.prefill_tokens, 3)}
+    rounds: dict[str, list[float]] = {key: [] for key in ("memcpy_1t", "memcpy_nt", *loads)}
+    for _ in range(args.rounds):
+        rounds["memcpy_1t"].append(memcpy_1t.gb_s())
+        rounds["decode_1t"].append(loads["decode_1t"].gb_s())
+        rounds["prefill_1t"].append(loads["prefill_1t"].gb_s())
+        rounds["memcpy_nt"].append(memcpy_nt.gb_s())
+        rounds["prefill_nt"].append(loads["prefill_nt"].gb_s())
+    results: dict[str, object] = {f"{key}_gb_s": median(values) for key, values in rounds.items()}
+    for key, baseline in (("decode_1t", "memcpy_1t"), ("prefill_1t", "memcpy_1t"),
+                          ("prefill_nt", "memcpy_nt")):
+        results[f"{key}_vs_{baseline}"] = median(
+            [g / m for g, m in zip(rounds[key], rounds[baseline])])
+        results[f"{key}_vs_machine_memcpy"] = median(
+            [g / max(a, b) for g, a, b in zip(rounds[key], rounds["memcpy_1t"], rounds["memcpy_nt"])])
+    results["table_huge_page_bytes"] = single.huge_page_bytes()
+    memcpy_1t.close()
+    memcpy_nt.close()
+    del loads
+    single.close()
+    parallel.close()
     return results
 
 
-def report(results: dict[str, float], args: argparse.Namespace, table_gib: float) -> None:
-    threads = args.threads
-    print(f"table {table_gib:.2f} GiB of {args.row_bytes} B rows, {HEADS} rows per token")
-    for count in sorted({1, threads}):
-        print(f"{count} thread(s): memcpy {results[f'memcpy_{count}t_gb_s']:.2f} GB/s")
-        for label, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
-            print(f"  shm gather {label:7s} {tokens:5d}x{HEADS}: "
-                  f"{results[f'gather_{label}_{count}t_gb_s']:.2f} GB/s = "
-                  f"{results[f'gather_{label}_{count}t_vs_memcpy_{count}t']:.2f} x memcpy "
-                  f"({count} t), {results[f'gather_{label}_{count}t_vs_memcpy_1t']:.2f} x memcpy (1 t)")
+def measure_latency(address: str, shm_name: str, shm_dir: Path,
+                    args: argparse.Namespace) -> dict[str, object]:
+    """One decode step's lookup through shared memory and over gRPC, and an empty gRPC
+    call on the same channel, interleaved round by round; medians over rounds."""
+    reader = SharedTableReader(shm_name, shm_dir=shm_dir)
+    rng = np.random.default_rng(4)
+    steps = [rng.integers(0, reader.header.num_rows, (args.decode_tokens, HEADS))
+             for _ in range(256)]
+    out = np.empty((args.decode_tokens, HEADS, reader.header.row_bytes), np.uint8)
+    client = PleTableClient(address, allow_shared_memory=False)
+    calls: dict[str, Callable[[int], object]] = {
+        "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
+        "grpc_step": lambda i: client.gather(steps[i % len(steps)]),
+        "grpc_empty": lambda i: client.describe(),
+    }
+    rounds: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            p50, p99 = percentiles_ms(call, args.calls)
+            rounds.setdefault(f"{name}_p50_ms", []).append(p50)
+            rounds.setdefault(f"{name}_p99_ms", []).append(p99)
+    client.close()
+    reader.close()
+    return {key: median(values) for key, values in rounds.items()} | {
+        f"{key}_rounds": [round(v, 3) for v in values] for key, values in rounds.items()
+        if key.endswith("p99_ms")}
+
+
+def report(results: dict[str, object], args: argparse.Namespace, table_gib: float) -> None:
+    n = args.threads
+    r = results
+    print(f"machine: {os.cpu_count()} CPUs; load average (1/5/15 min) before "
+          f"{'/'.join(f'{x:.2f}' for x in r['load_before'])}, after "
+          f"{'/'.join(f'{x:.2f}' for x in r['load_after'])}")
+    print(f"table {table_gib:.2f} GiB of {args.row_bytes} B rows in {args.shm_dir}, {HEADS} rows "
+          f"per token; {r['table_huge_page_bytes'] / 2**30:.2f} GiB of it in huge pages")
+    print(f"memcpy baseline: {MEMCPY_BYTES >> 20} MiB contiguous copy out of the table, best of 5: "
+          f"{r['memcpy_1t_gb_s']:.2f} GB/s with 1 thread, {r['memcpy_nt_gb_s']:.2f} GB/s with "
+          f"{n}; medians of {args.rounds} rounds")
+    print(f"{'shm gather (random rows)':30s} {'GB/s':>7s} {'memcpy same threads':>20s} "
+          f"{'ratio':>6s} {'vs best memcpy':>15s}")
+    for key, label, baseline in (
+            ("decode_1t", f"decode {args.decode_tokens}x{HEADS}, 1 thread", "memcpy_1t"),
+            ("prefill_1t", f"prefill {args.prefill_tokens}x{HEADS}, 1 thread", "memcpy_1t"),
+            ("prefill_nt", f"prefill {args.prefill_tokens}x{HEADS}, {n} threads", "memcpy_nt")):
+        print(f"{label:30s} {r[f'{key}_gb_s']:7.2f} {r[f'{baseline}_gb_s']:20.2f} "
+              f"{r[f'{key}_vs_{baseline}']:6.2f} {r[f'{key}_vs_machine_memcpy']:15.2f}")
     step = f"{args.decode_tokens}x{HEADS}"
-    print(f"shm  lookup {step}: p50 {results['shm_step_p50_ms']:.3f} ms, "
-          f"p99 {results['shm_step_p99_ms']:.3f} ms")
-    print(f"gRPC lookup {step}: p50 {results['grpc_step_p50_ms']:.3f} ms, "
-          f"p99 {results['grpc_step_p99_ms']:.3f} ms (loopback, {args.calls} calls; empty "
-          f"Describe RPC: p50 {results['grpc_describe_p50_ms']:.3f} ms, "
-          f"p99 {results['grpc_describe_p99_ms']:.3f} ms)")
+    print(f"decode step {step}, medians over {args.rounds} rounds of {args.calls} calls:")
+    for key, label in (("shm_step", "shm lookup"), ("grpc_step", "gRPC Lookup (loopback)"),
+                       ("grpc_empty", "empty gRPC call (Describe)")):
+        print(f"  {label:28s} p50 {r[f'{key}_p50_ms']:.3f} ms, p99 {r[f'{key}_p99_ms']:.3f} ms")
     print(json.dumps(results))
 
 
@@ -174,18 +234,27 @@ def main() -> None:
     parser.add_argument("--row-bytes", type=int, default=160)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=2000, help="latency calls per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="measurement rounds; figures are medians over rounds")
     parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
                         help="threads for the parallel gather and memcpy")
+    parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"),
+                        help="tmpfs for the table (one mounted with huge=within_size: huge pages)")
     args = parser.parse_args()
     num_rows = int(args.table_gib * 2**30) // args.row_bytes
     shm_name = f"backport-ple-bench-{os.getpid()}"
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "table.safetensors"
         write_table(table, num_rows, args.row_bytes)
-        process, address = start_service(table, shm_name)
+        process, address = start_service(table, shm_name, args.shm_dir)
         try:
-            report(measure(address, shm_name, args), args, num_rows * args.row_bytes / 2**30)
+            results: dict[str, object] = {"threads": args.threads,
+                                          "load_before": os.getloadavg()}
+            results |= measure_gather(shm_name, args.shm_dir, args)
+            results |= measure_latency(address, shm_name, args.shm_dir, args)
+            results["load_after"] = os.getloadavg()
+            report(results, args, num_rows * args.row_bytes / 2**30)
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(60)

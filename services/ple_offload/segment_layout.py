@@ -67,9 +67,13 @@ class SegmentHeader:
                    RowDtype(dtype), None if math.isnan(scale) else scale, sha)
 
 
-def read_state_and_generation(buffer: memoryview | bytes) -> tuple[SegmentState, int]:
-    state, _, generation = _STATE_AND_GENERATION.unpack_from(buffer, STATE_OFFSET)
-    return SegmentState(state), generation
+STATE_AND_GENERATION_BYTES = _STATE_AND_GENERATION.size
+
+
+def ready_state_and_generation(generation: int) -> bytes:
+    """The bytes at STATE_OFFSET of a READY segment of `generation`: a reader compares
+    them before every gather (one slice and compare, cheaper than unpacking them)."""
+    return _STATE_AND_GENERATION.pack(SegmentState.READY, LAYOUT_VERSION, generation)
 
 
 def segment_path(shm_name: str, shm_dir: Path = SHM_DIR) -> Path:

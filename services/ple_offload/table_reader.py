@@ -13,11 +13,13 @@ from services.ple_offload.errors import RowIdError, TableClosedError, TableUnava
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
     SHM_DIR,
+    STATE_AND_GENERATION_BYTES,
+    STATE_OFFSET,
     SegmentHeader,
     SegmentState,
     advise_huge_pages,
     huge_page_bytes,
-    read_state_and_generation,
+    ready_state_and_generation,
     segment_path,
 )
 
@@ -64,6 +66,7 @@ class SharedTableReader:
         except BaseException:
             self._mmap.close()
             raise
+        self._ready = ready_state_and_generation(self.header.generation)
         self._rows: np.ndarray | None = np.frombuffer(
             self._mmap, np.uint8, self.header.num_rows * self.header.row_bytes, DATA_OFFSET_BYTES,
         ).reshape(self.header.num_rows, self.header.row_bytes)
@@ -124,8 +127,7 @@ class SharedTableReader:
     def _live_rows(self) -> np.ndarray:
         if self._rows is None:
             raise TableClosedError(f"PLE table {self.path} was detached; reattach")
-        state, generation = read_state_and_generation(self._mmap)
-        if state is not SegmentState.READY or generation != self.header.generation:
+        if self._mmap[STATE_OFFSET:STATE_OFFSET + STATE_AND_GENERATION_BYTES] != self._ready:
             raise TableClosedError(
                 f"the PLE service closed table {self.path} (generation "
                 f"{self.header.generation:x}): it stopped or restarted; reattach")
@@ -142,6 +144,8 @@ def take_checked_rows(rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -
 
 
 def check_row_ids(flat_ids: np.ndarray, num_rows: int) -> None:
-    if flat_ids.size and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_rows):
+    """Raises RowIdError unless every int64 id is in [0, num_rows). One pass: viewed as
+    unsigned, a negative id is larger than any row count."""
+    if flat_ids.size and int(flat_ids.view(np.uint64).max()) >= num_rows:
         bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_rows)]
         raise RowIdError(f"row ids out of range [0, {num_rows}): {bad[:4].tolist()}")
