@@ -18,17 +18,20 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
 from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
 from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
 from services.mesh.settings import ServiceSettings
+from services.ple_offload.model_table import ple_table_for_model
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
+PLE_SERVICE = "ple"
 
 
 class KvCacheUnavailableError(RuntimeError):
@@ -68,6 +71,10 @@ class UpSettings(ServiceSettings):
         None, gt=0, description="KV cache service's chunk size (default: chosen from the model)")
     kv_events: bool = Field(False, description="engines publish vLLM's KV cache events, served "
                                                "to routers by their WatchKvEvents gRPC stream")
+    ple_table_path: Path | None = Field(
+        None, description="PLE table of a Qwen4Exp model (default: the one in its checkpoint), "
+                          "served to every engine by a PLE service started first")
+    ple_port: int = Field(50071, ge=1, le=65535, description="PLE service's gRPC port")
 
 
 @dataclass
@@ -102,11 +109,13 @@ class Mesh:
         self._lost_engines: set[str] = set()
         # The KV service's chunk size, once it is started; engines are given the same.
         self._kv_chunk_size_tokens: int | None = None
+        # The PLE service's address, once it serves; engines are pointed at it.
+        self._ple_address: str | None = None
 
-    def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         command = [sys.executable, "-m", "services.cli", *args]
         logger.info("starting %s", name)
-        service = ServiceProcess(name, subprocess.Popen(command, start_new_session=True))
+        service = ServiceProcess(name, subprocess.Popen(command, start_new_session=True, env=env))
         self.services.append(service)
         return service
 
@@ -116,9 +125,10 @@ class Mesh:
         engine_addresses = [f"127.0.0.1:{s.engine_port + i}" for i in range(s.engines)]
         if s.kv_cache:
             self._start_kv_cache()
+        self._start_ple()
         self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
         for index in range(s.engines):
-            self._spawn(self._engine_name(index), self._engine_args(index))
+            self._spawn(self._engine_name(index), self._engine_args(index), self._engine_env())
         self._wait_grpc("tokenizer", tokenizer_address)
         for index, address in enumerate(engine_addresses):
             self._wait_grpc(self._engine_name(index), address)
@@ -161,6 +171,30 @@ class Mesh:
             "--chunk-size-tokens", str(self._kv_chunk_size_tokens)])
         self._wait_http(KV_CACHE_SERVICE, f"http://127.0.0.1:{s.kv_cache_http_port}/healthcheck")
         logger.info("%s ready at 127.0.0.1:%d", KV_CACHE_SERVICE, s.kv_cache_port)
+
+    def _start_ple(self) -> None:
+        """A Qwen4Exp model's engines read their PLE table from this service, so it serves
+        (table loaded and checked) before they start."""
+        s = self.settings
+        table = ple_table_for_model(Path(s.model), s.ple_table_path)
+        if table is None:
+            return
+        address = f"127.0.0.1:{s.ple_port}"
+        # A segment name per port, so two meshes on one machine never replace each other's table.
+        args = ["ple", "--table-path", str(table.table_path), "--address", address,
+                "--shm-name", f"backport-ple-{s.ple_port}"]
+        if table.tensor_name:
+            args += ["--tensor-name", table.tensor_name]
+        self._spawn(PLE_SERVICE, args)
+        self._wait_grpc(PLE_SERVICE, address)
+        self._ple_address = address
+
+    def _engine_env(self) -> dict[str, str] | None:
+        """The engine's environment: the PLE hook in vLLM's plugin reads the service address
+        from it (and so do the engine-core and worker processes vLLM spawns)."""
+        if self._ple_address is None:
+            return None
+        return dict(os.environ, **{PLE_ADDRESS_ENV: self._ple_address})
 
     def _engine_name(self, index: int) -> str:
         return "engine" if self.settings.engines == 1 else f"engine-{index}"
@@ -245,11 +279,12 @@ class Mesh:
 
     def stop(self) -> None:
         """Gateway first so no new work arrives, then the services behind it, together; the KV
-        service last, once no engine can store into it, so it frees every engine's segment."""
+        and PLE services last, once no engine uses them (the KV service frees every engine's
+        segment; engines would wait for a stopped PLE service to come back)."""
         gateway = [s for s in self.services if s.name == "gateway"]
-        kv_cache = [s for s in self.services if s.name == KV_CACHE_SERVICE]
-        behind = [s for s in self.services if s not in gateway and s not in kv_cache]
-        for group in (gateway, behind, kv_cache):
+        engine_services = [s for s in self.services if s.name in (KV_CACHE_SERVICE, PLE_SERVICE)]
+        behind = [s for s in self.services if s not in gateway and s not in engine_services]
+        for group in (gateway, behind, engine_services):
             for service in group:
                 service.stop()
             deadline = time.monotonic() + STOP_TIMEOUT_S
