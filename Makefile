@@ -5,6 +5,7 @@ PIP := $(VENV)/bin/pip
 # The engine's vLLM build is chosen at install time: CUDA where a driver answers, else the CPU build.
 ENGINE_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)
+KVCACHE_STAMP := $(VENV)/.installed-kvcache
 PROTO_FILES := $(wildcard protos/backport/v1/*.proto)
 
 .PHONY: run test install kvcache-deps protos protos-check clean
@@ -14,7 +15,8 @@ run: install
 
 # The kernel tests run in a process of their own: under Triton's interpreter one of them
 # (indexer-K compress) fails after vLLM-importing tests ran in the same process.
-test: install protos-check
+# BACKPORT_SLOW_TESTS=1 also runs the slowest (several engine starts each, minutes apiece).
+test: install kvcache-deps protos-check
 	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
 	$(PY) -m pytest --ignore=tests/kernels $(PYTEST_ARGS)
 
@@ -29,11 +31,15 @@ $(STAMP): pyproject.toml
 	if [ "$(ENGINE_EXTRA)" = cpu ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $@
 
-# LMCache for `backport kvcache`, without its own pins: they would downgrade protobuf and grpcio
-# below what the mesh's generated code needs (see docs/kvcache.md).
-kvcache-deps: install
+# LMCache for `backport kvcache` and `backport up --kv-cache`, without its own pins: they would
+# downgrade protobuf and grpcio below what the mesh's generated code needs (see docs/kvcache.md).
+# `make test` installs it too, so the KV service's tests run rather than skip.
+kvcache-deps: $(KVCACHE_STAMP)
+
+$(KVCACHE_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps lmcache==0.5.6 aiofile==3.12.3 aiofiles==25.1.0 caio==0.12.10 \
 		nvtx==0.2.17 opentelemetry-exporter-prometheus==0.66b2 sortedcontainers==2.4.0
+	touch $@
 
 # Regenerates the Python code for every proto beside its source.
 protos: install

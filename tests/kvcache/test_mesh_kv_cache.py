@@ -4,13 +4,15 @@ Two engines behind a round-robin gateway, both wired to the LMCache server the l
 started first. The first request (a ~1,500-token prompt) runs cold on one engine; the
 second, the same prompt, goes to the other engine, whose own prefix cache has never seen
 it: every cached token it reports came from the KV service. Skipped where lmcache is not
-importable (`make kvcache-deps` installs it).
+importable (`make kvcache-deps` installs it; `make test` does).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import socket
+import subprocess
+import sys
 import urllib.request
 import warnings
 from collections.abc import Iterator
@@ -28,9 +30,9 @@ PROMPT_LINE = ("{n}. The lighthouse keeper wrote down the tides, the ships that 
 # bf16 KV restored from the service can flip a greedy near-tie; the distribution must still agree.
 LOGPROB_TOLERANCE = 0.1
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lmcache") is None,
-                                reason="lmcache is not importable here: `make kvcache-deps` "
-                                       "installs LMCache 0.5.6 for --kv-cache")
+HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
+needs_lmcache = pytest.mark.skipif(not HAS_LMCACHE, reason="lmcache is not importable here: "
+                                   "`make kvcache-deps` installs LMCache 0.5.6 for --kv-cache")
 
 
 def long_prompt(num_lines: int = 44) -> str:
@@ -57,6 +59,23 @@ def generate_requests_served(metrics_port: int) -> float:
                if line.startswith("backport:engine_generate_requests_total{"))
 
 
+def test_kv_cache_is_refused_before_anything_starts(embedded_model_path: Path) -> None:
+    """Without LMCache, or with a chunk size that splits the model's KV blocks, `backport up
+    --kv-cache` stops at once with a message that says what to do."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(embedded_model_path),
+         "--kv-cache", "--kv-cache-port", str(free_port()), "--kv-cache-http-port", str(free_port()),
+         "--kv-chunk-size-tokens", "200", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1
+    if HAS_LMCACHE:
+        assert "KV chunk size 200 does not fit" in refused.stderr, refused.stderr
+        assert "Use 128 or 256" in refused.stderr
+    else:
+        assert "run `make kvcache-deps`" in refused.stderr, refused.stderr
+    assert "starting tokenizer" not in refused.stderr
+
+
 @pytest.fixture(scope="module")
 def kv_mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[RunningMesh, int]]:
@@ -73,6 +92,7 @@ def kv_mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory
     stop_mesh(running)
 
 
+@needs_lmcache
 def test_second_engine_gets_the_prefix_from_the_kv_service(
         kv_mesh: tuple[RunningMesh, int]) -> None:
     mesh, metrics_port = kv_mesh
