@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from types import FrameType
 
 from services.kvcache.server_command import lmcache_server_argv
@@ -20,6 +21,7 @@ from services.kvcache.shm_segments import reclaim_exited_engine_segments
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.5
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class LmcacheServerError(RuntimeError):
@@ -32,6 +34,8 @@ def lmcache_environment() -> dict[str, str]:
     env["LMCACHE_TRACK_USAGE"] = "false"
     env["DO_NOT_TRACK"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # The server runs as `python -m services.kvcache.lmcache_server`, maybe by another interpreter.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
 

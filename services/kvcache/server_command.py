@@ -40,10 +40,11 @@ def l2_adapter_specs(settings: KvCacheSettings) -> list[dict[str, object]]:
 
 
 def lmcache_server_argv(settings: KvCacheSettings) -> list[str]:
-    """The child process's argv: stock `lmcache server`, run by the configured interpreter."""
+    """The child process's argv: stock `lmcache server` (through `services.kvcache.lmcache_server`,
+    which releases shm-mode mappings LMCache 0.5.6 keeps), run by the configured interpreter."""
     python = str(settings.lmcache_python) if settings.lmcache_python else sys.executable
     argv = [
-        python, "-m", "lmcache.cli.main", "server",
+        python, "-m", "services.kvcache.lmcache_server", "server",
         "--host", settings.host, "--port", str(settings.port),
         "--http-host", "127.0.0.1", "--http-port", str(settings.http_port),
         "--chunk-size", str(settings.chunk_size_tokens),

@@ -37,7 +37,7 @@ def test_argv_carries_every_setting(tmp_path: Path) -> None:
                                fs_l2_path=tmp_path, fs_l2_capacity_gib=5,
                                redis_url="redis://user:pw@127.0.0.1:6379")
     argv = lmcache_server_argv(settings)
-    assert argv[1:4] == ["-m", "lmcache.cli.main", "server"]
+    assert argv[1:4] == ["-m", "services.kvcache.lmcache_server", "server"]
     assert flag_values(argv, "--port") == ["6001"] and flag_values(argv, "--http-port") == ["6002"]
     assert flag_values(argv, "--chunk-size") == ["1024"]
     assert flag_values(argv, "--l1-size-gb") == ["3.0"]
