@@ -7,7 +7,8 @@ every run, launch overhead included; for the decode also the median CUDA-graph r
 which its rates use), the bytes it must move (each input read once, each output
 written once) over that time, that rate as a share of the copy bandwidth measured at
 the start of the same run, and for the decode its tensor-core rate.
-`--profile-decode` only launches one large decode, for Nsight Compute.
+`--profile-decode` only launches one large decode, for Nsight Compute; `--sweep-decode`
+only times the decode's tiling choices (keys per step, warps, splits) on four shapes.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
 sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
@@ -181,6 +182,35 @@ def profile_decode() -> None:
     torch.cuda.synchronize()
 
 
+def sweep_decode(bandwidth: float) -> None:
+    """Decode tiling choices on the shapes the goal is about (batch >= 8, 16 or 64 heads)."""
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+    context = 32768
+    cache = filled_cache(64 * context // COMPRESS_RATIO)
+    swa_cache = filled_cache(64 * SWA_WINDOW)
+    rows: list[dict[str, object]] = []
+    configs: list[dict[str, int]] = [
+        {},
+        {"num_splits": 1},
+        {"num_splits": 2},
+        {"num_splits": 4},
+        {"num_splits": 8},
+        {"block_n": 16},
+        {"num_warps": 8},
+        {"block_n": 64, "num_warps": 8},
+    ]
+    for batch, heads in ((64, 16), (8, 16), (64, 64)):
+        for config in configs:
+            try:
+                rows.append(
+                    decode_case(batch, 2048, context, heads, cache, swa_cache, bandwidth, **config)
+                )
+            except Exception as error:  # noqa: BLE001 - over the card's limits is a result
+                print(f"{batch=} {heads=} {config} failed: {str(error)[-300:]}", flush=True)
+                continue
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+
+
 def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
@@ -319,6 +349,11 @@ def main() -> None:
         action="store_true",
         help="only launch the B=64 H=64 top-k 2048 decode a few times (for ncu)",
     )
+    parser.add_argument(
+        "--sweep-decode",
+        action="store_true",
+        help="only time the decode's tiling choices (keys per step, warps, splits)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA card")
@@ -329,6 +364,9 @@ def main() -> None:
 
     if args.profile_decode:
         profile_decode()
+        return
+    if args.sweep_decode:
+        sweep_decode(copy_bandwidth())
         return
     bandwidth = copy_bandwidth()
     print(

@@ -16,9 +16,10 @@ inputs, infinities and NaN torch's behaviour has varied between releases (NaN or
 saturation), so callers that need fp8 bytes from torch clamp first, as upstream does.
 
 Decoding (`e4m3_decode`) is exact: every byte maps to the fp32 value it denotes, NaN
-bytes to NaN, 0x80 to -0.0. `e4m3_decode_div256` is the fast path for attention: two
-integer ops and an fp16 -> fp32 conversion, giving value / 256 (fold 256 into the
-scale); NaN bytes come out finite there, which is harmless for caches we wrote.
+bytes to NaN, 0x80 to -0.0. `e4m3_dequantize_bf16` is the fast path for attention:
+bytes times a power-of-two (UE8M0) scale straight to bf16 in 2 instructions a value
+with inline PTX (prmt/shl/and, then a bf16x2 fma), sm80-safe, exact for every non-NaN
+byte; NaN bytes come out finite there, which is harmless for caches we wrote.
 """
 
 from __future__ import annotations
@@ -87,17 +88,53 @@ def e4m3_decode(byte):
     return out_bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def e4m3_decode_div256(byte):
-    """uint8 e4m3 bytes -> fp32 value / 256, exact for every non-NaN byte.
+# fp8 e4m3 -> bf16 times a power of two, four bytes per call, for sm80+ (no fp8
+# instructions). prmt sign-extends bytes b0, b1 into the two 16-bit halves of a register
+# (selector nibbles with bit 3 set replicate the sign); shifting left by 4 and keeping
+# bits 0x87F0 of each half leaves sign | e4m3 exponent and mantissa in bf16's fields,
+# i.e. the value * 2**-120 (e4m3 subnormals become exact bf16 subnormals); one bf16x2
+# fma by 2**(120 + scale exponent) per pair finishes it (bf16 fma keeps subnormals).
+_E4M3_TO_BF16_SCALED_PTX = tl.constexpr("""
+{
+.reg .b32 pair01, pair23, negative_zero;
+mov.b32 negative_zero, 0x80008000;
+prmt.b32 pair01, $2, 0, 0x9180;
+prmt.b32 pair23, $2, 0, 0xB3A2;
+shl.b32 pair01, pair01, 4;
+shl.b32 pair23, pair23, 4;
+and.b32 pair01, pair01, 0x87F087F0;
+and.b32 pair23, pair23, 0x87F087F0;
+fma.rn.bf16x2 $0, pair01, $3, negative_zero;
+fma.rn.bf16x2 $1, pair23, $4, negative_zero;
+}
+""")
 
-    Shifting the 7 magnitude bits left by 7 lands them in an fp16's exponent and
-    mantissa fields: fp16 has bias 15 instead of 7, so the fp16 is the value * 2**-8
-    (subnormals included, since both formats' subnormals line up the same way).
+
+# The PTX path's multiplier 2**(120 + e) must be a finite bf16 (at most 2**127).
+MAX_SCALE_EXPONENT = 7
+
+
+@triton.jit
+def e4m3_dequantize_bf16(byte, scale_exponent, USE_PTX: tl.constexpr):
+    """uint8 e4m3 bytes times 2**scale_exponent (int32, broadcast), as exact bf16.
+
+    Exact for scale exponents up to MAX_SCALE_EXPONENT (tiles with amax <= 57,344) while
+    the result stays a normal bf16. USE_PTX: the four-bytes-per-call path above, 2
+    instructions a value, where NaN bytes decode to finite values (harmless for caches
+    we wrote); otherwise (Triton's interpreter) the exact fp32 decode, then bf16.
     """
-    b = byte.to(tl.uint16)
-    half_bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return half_bits.to(tl.float16, bitcast=True).to(tl.float32)
+    if USE_PTX:
+        # bf16 2**(120 + e): biased exponent 127 + 120 + e in bits 7..14.
+        multiplier = ((scale_exponent + 247) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.inline_asm_elementwise(
+            _E4M3_TO_BF16_SCALED_PTX,
+            "=r,=r,r,r,r",
+            [byte, multiplier],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+    return (e4m3_decode(byte) * exp2_int(scale_exponent)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -144,12 +181,22 @@ def _encode_kernel(x_ptr, out_ptr, num_elements, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(byte_ptr, out_ptr, fast_out_ptr, num_elements, BLOCK: tl.constexpr):
+def _decode_kernel(byte_ptr, out_ptr, num_elements, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < num_elements
     b = tl.load(byte_ptr + offsets, mask=mask, other=0)
     tl.store(out_ptr + offsets, e4m3_decode(b), mask=mask)
-    tl.store(fast_out_ptr + offsets, e4m3_decode_div256(b), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    byte_ptr, exponent_ptr, out_ptr, num_elements, BLOCK: tl.constexpr, USE_PTX: tl.constexpr
+):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_elements
+    b = tl.load(byte_ptr + offsets, mask=mask, other=0)
+    exponent = tl.load(exponent_ptr + offsets, mask=mask, other=0)
+    tl.store(out_ptr + offsets, e4m3_dequantize_bf16(b, exponent, USE_PTX), mask=mask)
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -163,16 +210,38 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def decode_e4m3(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode e4m3 bytes: (exact fp32 values, fast-path values / 256)."""
+def decode_e4m3(data: torch.Tensor) -> torch.Tensor:
+    """Decode e4m3 bytes to exact fp32 values with `e4m3_decode` (one launch)."""
     if data.dtype != torch.uint8:
         raise TypeError(f"decode_e4m3 takes uint8, got {data.dtype}")
     flat = data.contiguous().view(-1)
     exact = torch.empty(flat.shape, dtype=torch.float32, device=data.device)
-    fast = torch.empty_like(exact)
     grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
-    _decode_kernel[grid](flat, exact, fast, flat.numel(), BLOCK=BLOCK_ELEMENTS)
-    return exact.view(data.shape), fast.view(data.shape)
+    _decode_kernel[grid](flat, exact, flat.numel(), BLOCK=BLOCK_ELEMENTS)
+    return exact.view(data.shape)
+
+
+def dequantize_e4m3_bf16(data: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """bf16 values of e4m3 bytes times 2**exponents with `e4m3_dequantize_bf16` (the
+    PTX path on a GPU, the fp32 path under the interpreter)."""
+    flat = data.contiguous().view(-1)
+    flat_exponents = exponents.to(torch.int32).contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=data.device)
+    grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
+    _dequantize_kernel[grid](
+        flat,
+        flat_exponents,
+        out,
+        flat.numel(),
+        BLOCK=BLOCK_ELEMENTS,
+        USE_PTX=not triton.knobs.runtime.interpret,
+    )
+    return out.view(data.shape)
+
+
+def dequantize_e4m3_bf16_reference(data: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """torch reference for `e4m3_dequantize_bf16` on non-NaN bytes."""
+    return (decode_e4m3_reference(data) * torch.exp2(exponents.double()).float()).to(torch.bfloat16)
 
 
 def encode_e4m3_reference(x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ def _gather_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_GATHER_LENS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
 ):
     token_block = tl.program_id(0)
     request = tl.program_id(1).to(tl.int64)
@@ -59,7 +60,7 @@ def _gather_kernel(
     )
     slots = physical_block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
     rows = load_k_block(
-        cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16
+        cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16, FAST_DEQUANT
     )
 
     dims = tl.arange(0, HEAD_DIM)
@@ -106,6 +107,7 @@ def dequantize_and_gather_k_cache(
         BLOCK_SIZE=geometry.block_size,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_TOKENS=BLOCK_TOKENS,
+        FAST_DEQUANT=not triton.knobs.runtime.interpret,
         num_warps=4,
     )
 

@@ -18,28 +18,31 @@ Semantics, the reference being `sparse_mla_decode_reference`:
 Tiling:
 - a program owns HEADS_PER_PROGRAM heads of one token, so one pass over a K row
   serves all those heads (the row is read once per head block, not once per head);
-- keys go BLOCK_N at a time: one [BLOCK_N, 512] bf16 tile (fp32 under the
-  interpreter) feeds both dots (q . k^T for scores, p . k for the output), exact
-  because UE8M0 scales are powers of two and fp8 values have 3 mantissa bits;
+- keys go BLOCK_N at a time: fp8 bytes go straight to one [BLOCK_N, 512] bf16 tile
+  (`e4m3_dequantize_bf16`, fp32 under the interpreter) that feeds both dots (q . k^T
+  for scores, p . k for the output), exact because UE8M0 scales are powers of two;
 - the loop prefetches by hand: row bytes one block ahead, slots two blocks ahead;
 - split-K: the two slot lists are each cut into `num_splits` equal pieces, one per
-  program along grid axis 1, so a long list at batch 1 still fills the GPU; when
-  num_splits > 1 the programs write normalized partials and `combine_splits` merges
-  them; with one split the program finalizes and writes the output itself.
+  program along grid axis 1, so a long list at batch 1 still fills the GPU; the
+  default is as many as fit in one wave of resident programs; when num_splits > 1
+  the programs write normalized partials and `combine_splits` merges them; with one
+  split the program finalizes and writes the output itself.
 Measured (docs/kernels.md): correct in sm80/86/89 mode, but far from bandwidth-bound:
-255 registers a thread limit it to 2 blocks per SM; see the notes there.
+255 registers a thread limit it to 2 programs per SM; see the notes there.
 Grid = (head blocks, splits, tokens): head blocks of one (split, token) run side by
 side, so the K rows they share come from L2.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.fp8_e4m3 import e4m3_decode_div256
+from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
 # Row geometry (ds_mla_cache) as compile-time constants for the kernels.
@@ -49,16 +52,15 @@ QUANT_TILE = tl.constexpr(layout.QUANT_TILE)  # 64 values share one UE8M0 scale
 TILES_PER_ROW = tl.constexpr(8)  # a row as 8 tiles of 64: 7 fp8 tiles + the bf16 RoPE tile
 DATA_BYTES = tl.constexpr(layout.DATA_BYTES_PER_TOKEN)  # 576
 SCALE_BYTES = tl.constexpr(layout.SCALE_BYTES_PER_TOKEN)  # 8
-# 2**(byte - 127) * 256: adding 8 to the biased exponent multiplies by 256, undoing
-# e4m3_decode_div256's 1/256.
-DECODE_SCALE_EXPONENT_BIAS = tl.constexpr(8)
 # Keys per step: [32, 512] bf16 = 32 KiB of K. In sm80 mode on the H200 (B=64, H=64,
 # top-k 2048) 32 ran 0.29 ms with 10 spilled registers, 16 ran 0.39 ms with none.
 DEFAULT_BLOCK_N = 32
 # 16 heads a program (tl.dot needs M >= 16): 49 KiB of shared memory, fits sm86/89's
 # 99 KiB (H200, Triton 3.6); 32 heads at 8 warps spilled over 100 registers in sm80 mode.
 DEFAULT_HEADS_PER_PROGRAM = 16
-TARGET_PROGRAMS = 264  # about two programs per SM on an A100/H100-class part
+# 255 registers x 128 threads: two programs fit in an SM's 64K registers.
+PROGRAMS_PER_SM = 2
+SM_COUNT_WITHOUT_CUDA = 108  # an A100's, for the split choice under the interpreter
 MIN_ROWS_PER_SPLIT = 128  # a split's partial output (32 KiB) should stay small next to its rows
 MAX_SPLITS = 64  # the combine step loads all splits of a slice at once
 
@@ -97,13 +99,22 @@ def load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE: tl.constex
 
 
 @triton.jit
-def decode_rows(raw, scale_byte, rope, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Row bytes -> [BLOCK_N, 512] K tile: 7 dequantized fp8 tiles, then the RoPE tile."""
+def decode_rows(
+    raw,
+    scale_byte,
+    rope,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
+):
+    """Row bytes -> [BLOCK_N, 512] K tile: 7 dequantized fp8 tiles, then the RoPE tile.
+
+    Straight to bf16 (`e4m3_dequantize_bf16`, 2 instructions a value on a GPU); tile 7's
+    decode of the RoPE bytes is discarded by the select.
+    """
     tile = tl.arange(0, TILES_PER_ROW)
-    scale_bits = (scale_byte.to(tl.int32) + DECODE_SCALE_EXPONENT_BIAS) << 23
-    scale = scale_bits.to(tl.float32, bitcast=True)
-    nope = e4m3_decode_div256(raw) * scale[:, :, None]
-    k = tl.where(tile[None, :, None] == TILES_PER_ROW - 1, rope[:, None, :].to(tl.float32), nope)
+    nope = e4m3_dequantize_bf16(raw, scale_byte.to(tl.int32)[:, :, None] - 127, FAST_DEQUANT)
+    k = tl.where(tile[None, :, None] == TILES_PER_ROW - 1, rope[:, None, :], nope)
     return tl.reshape(k, (BLOCK_N, HEAD_DIM)).to(DOT_DTYPE)
 
 
@@ -116,10 +127,11 @@ def load_k_block(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
 ):
     """Dequantize BLOCK_N cache rows at `slots` into a [BLOCK_N, 512] tile of DOT_DTYPE."""
     raw, scale_byte, rope = load_row_bytes(cache_ptr, slots, valid, block_stride, BLOCK_SIZE)
-    return decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE)
+    return decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE, FAST_DEQUANT)
 
 
 @triton.jit
@@ -139,6 +151,7 @@ def attend_slot_range(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
 ):
     """Online softmax (base 2) over list positions [start, stop) of one slot list.
 
@@ -159,7 +172,7 @@ def attend_slot_range(
         next_raw, next_scale_byte, next_rope = load_row_bytes(
             cache_ptr, next_slots, next_valid, block_stride, BLOCK_SIZE
         )
-        k = decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE)
+        k = decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE, FAST_DEQUANT)
 
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -220,6 +233,7 @@ def _sparse_mla_decode_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
 ):
     # Program ids.
     head_block = tl.program_id(0)
@@ -258,6 +272,7 @@ def _sparse_mla_decode_kernel(
         BLOCK_SIZE,
         BLOCK_N,
         DOT_DTYPE,
+        FAST_DEQUANT,
     )
     if HAS_EXTRA:
         extra_length = extra_list_width
@@ -280,6 +295,7 @@ def _sparse_mla_decode_kernel(
             EXTRA_BLOCK_SIZE,
             BLOCK_N,
             DOT_DTYPE,
+            FAST_DEQUANT,
         )
 
     # Write-back: normalized output and base-2 lse (-inf when nothing was valid).
@@ -330,12 +346,22 @@ def _as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     return x
 
 
-def choose_num_splits(num_tokens: int, num_head_blocks: int, longest_list: int) -> int:
-    """Enough splits to give the GPU about TARGET_PROGRAMS programs, each with at least
-    MIN_ROWS_PER_SPLIT rows of the longer list."""
+@functools.cache
+def resident_programs(device: torch.device) -> int:
+    """Decode programs the GPU runs at once: one wave."""
+    if device.type != "cuda":
+        return PROGRAMS_PER_SM * SM_COUNT_WITHOUT_CUDA
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    num_tokens: int, num_head_blocks: int, longest_list: int, wave: int
+) -> int:
+    """As many splits as fit in one wave of `wave` programs (a partly filled second wave
+    costs as long as a full one: on the H200, B=64 with 5 splits ran 0.106 ms, with 4
+    0.081 ms), each with at least MIN_ROWS_PER_SPLIT rows of the longer list."""
     programs = num_tokens * num_head_blocks
-    wanted = triton.cdiv(TARGET_PROGRAMS, programs)
-    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(longest_list, MIN_ROWS_PER_SPLIT)))
+    return max(1, min(wave // programs, MAX_SPLITS, triton.cdiv(longest_list, MIN_ROWS_PER_SPLIT)))
 
 
 def sparse_mla_decode(
@@ -386,7 +412,10 @@ def sparse_mla_decode(
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_tokens, num_head_blocks, max(list_width, extra_list_width)
+            num_tokens,
+            num_head_blocks,
+            max(list_width, extra_list_width),
+            resident_programs(q.device),
         )
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
@@ -455,6 +484,7 @@ def sparse_mla_decode(
         HEADS_PER_PROGRAM=heads_per_program,
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(),
+        FAST_DEQUANT=not triton.knobs.runtime.interpret,
         num_warps=num_warps,
         num_stages=1,
     )
