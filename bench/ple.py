@@ -2,6 +2,12 @@
 (same run), and gRPC / shared-memory latency of one decode step's lookup.
 
     python bench/ple.py [--table-gib 2] [--threads 8] [--rounds 5] [--shm-dir /dev/shm]
+    python bench/ple.py --gpu [--table-gib 8]
+
+--gpu measures the GPU path instead: the table registered with CUDA in place, rows
+gathered by torch.index_select on the GPU over PCIe, against the pinned-host -> device
+copy bandwidth of the same run, and one decode step's latency (GPU gather, and for
+comparison the host gather + copy it replaces).
 
 Starts a PLE service on a synthetic table (a sparse file: no disk, but every row is written
 into shared memory), measures, stops the service and removes the table.
@@ -23,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import numpy as np
 
@@ -201,6 +208,142 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
         if key.endswith("p99_ms")}
 
 
+def _gpu_seconds(torch: Any, fn: Callable[[], object], repeats: int) -> float:
+    """Best GPU time of `fn` over `repeats`, timed with CUDA events. A sleep kernel holds
+    the stream while Python queues the work, so launch overhead stays out of the figure:
+    it measures what the GPU pulls, not how fast Python launches."""
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)  # 0.1 s at 2 GHz: longer than queueing 500 calls
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure_gpu(shm_name: str, shm_dir: Path, args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    from services.ple_offload.cuda_table import CudaHostTable, CudaRegistrationError, driver_support
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.empty(1, device=device)  # the context, before the driver is asked anything
+    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(device),
+                                  "torch": torch.__version__, "driver": driver_support(device)}
+    reader = SharedTableReader(shm_name, shm_dir=shm_dir)
+    num_rows, row_bytes = reader.header.num_rows, reader.header.row_bytes
+    started = time.perf_counter()
+    try:
+        table: CudaHostTable | None = CudaHostTable(reader, device)
+        results["register_s"] = time.perf_counter() - started
+    except CudaRegistrationError as exc:
+        table = None
+        results["registration_refused"] = str(exc)
+
+    pinned = torch.ones(MEMCPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(MEMCPY_BYTES, dtype=torch.uint8, device=device)
+    copy = lambda: on_device.copy_(pinned, non_blocking=True)  # noqa: E731
+    copy()
+    rng = np.random.default_rng(5)
+    gib = 1 << 30
+    rounds: dict[str, list[float]] = {}
+    if table is not None:
+        assert table.rows is not None
+        u8_rows = table.rows
+        loads: dict[str, tuple[list[torch.Tensor], Callable[[torch.Tensor], object]]] = {}
+        for name, tokens, how in (("decode", args.decode_tokens, table.gather),
+                                  ("prefill", args.prefill_tokens, table.gather),
+                                  ("decode_u8", args.decode_tokens,
+                                   lambda ids: torch.index_select(u8_rows, 0, ids.reshape(-1))),
+                                  ("prefill_u8", args.prefill_tokens,
+                                   lambda ids: torch.index_select(u8_rows, 0, ids.reshape(-1)))):
+            # A fresh batch per call, up to 256 MiB of rows (so no row comes from a cache),
+            # and at most 500 calls: more launches than the stream queues would block.
+            count = min(500, max(4, (256 << 20) // (tokens * HEADS * row_bytes)))
+            loads[name] = ([torch.from_numpy(rng.integers(0, num_rows, (tokens, HEADS))).to(device)
+                            for _ in range(count)], how)
+        first = torch.arange(min(num_rows, gib // row_bytes), device=device)
+        loads["sequential"] = ([first], table.gather)
+        for batches, how in loads.values():
+            how(batches[0])
+        torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            rounds.setdefault("h2d_gb_s", []).append(pinned.nbytes / _gpu_seconds(torch, copy, 5) / 1e9)
+            for name, (batches, how) in loads.items():
+                seconds = _gpu_seconds(torch, lambda: [how(ids) for ids in batches], 3)  # noqa: B023
+                moved = sum(ids.numel() for ids in batches) * row_bytes
+                rounds.setdefault(f"{name}_gb_s", []).append(moved / seconds / 1e9)
+        for name in loads:
+            results[f"{name}_vs_h2d"] = median(
+                [g / c for g, c in zip(rounds[f"{name}_gb_s"], rounds["h2d_gb_s"])])
+        steps = loads["decode"][0]
+        results |= _latency(torch, lambda i: table.gather(steps[i % len(steps)]), args.calls, "gpu_step")
+    else:
+        rounds["h2d_gb_s"] = [pinned.nbytes / _gpu_seconds(torch, copy, 5) / 1e9
+                              for _ in range(args.rounds)]
+    results |= {key: median(values) for key, values in rounds.items()}
+
+    # The path the GPU gather replaces: host gather into pinned memory, then a copy.
+    host_steps = [rng.integers(0, num_rows, (args.decode_tokens, HEADS)) for _ in range(256)]
+    staging = torch.empty((args.decode_tokens, HEADS, row_bytes), dtype=torch.uint8, pin_memory=True)
+    step_out = torch.empty_like(staging, device=device)
+
+    def host_step(i: int) -> None:
+        reader.gather(host_steps[i % len(host_steps)], out=staging.numpy())
+        step_out.copy_(staging, non_blocking=True)
+
+    results |= _latency(torch, host_step, args.calls, "host_step")
+    if table is not None:
+        table.close()
+    reader.close()
+    return results
+
+
+def _latency(torch: Any, step: Callable[[int], object], calls: int, key: str) -> dict[str, float]:
+    """p50/p99 of one call until its rows are on the device (host clock, launch and
+    synchronize included), after a warm-up."""
+    for i in range(max(50, calls // 10)):
+        step(i)
+    torch.cuda.synchronize()
+    samples = np.empty(calls)
+    for i in range(calls):
+        started = time.perf_counter()
+        step(i)
+        torch.cuda.synchronize()
+        samples[i] = time.perf_counter() - started
+    return {f"{key}_p50_ms": float(np.percentile(samples, 50) * 1e3),
+            f"{key}_p99_ms": float(np.percentile(samples, 99) * 1e3)}
+
+
+def report_gpu(results: dict[str, object], args: argparse.Namespace, table_gib: float) -> None:
+    r = results
+    print(f"{r['gpu']}, torch {r['torch']}, driver {r['driver']}; {os.cpu_count()} CPUs, "
+          f"load average {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"table {table_gib:.2f} GiB of {args.row_bytes} B rows in {args.shm_dir}, {HEADS} rows per token")
+    print(f"pinned host -> device copy ({MEMCPY_BYTES >> 20} MiB, best of 5, median of "
+          f"{args.rounds} rounds): {r['h2d_gb_s']:.2f} GB/s")
+    if "registration_refused" in r:
+        print(f"GPU gather unavailable: {r['registration_refused']}")
+    else:
+        print(f"registered the shared table with CUDA in {r['register_s']:.2f} s")
+        print(f"{'GPU gather from the shared table':42s} {'GB/s':>7s} {'pinned H2D':>11s} {'ratio':>6s}")
+        for key, label in (
+                ("decode", f"decode {args.decode_tokens}x{HEADS} (8-byte words)"),
+                ("prefill", f"prefill {args.prefill_tokens}x{HEADS} (8-byte words)"),
+                ("decode_u8", f"decode {args.decode_tokens}x{HEADS}, uint8 elements"),
+                ("prefill_u8", f"prefill {args.prefill_tokens}x{HEADS}, uint8 elements"),
+                ("sequential", "first 1 GiB of rows in order")):
+            print(f"{label:42s} {r[f'{key}_gb_s']:7.2f} {r['h2d_gb_s']:11.2f} {r[f'{key}_vs_h2d']:6.2f}")
+        print(f"decode step {args.decode_tokens}x{HEADS}, GPU gather, to rows on the device: "
+              f"p50 {r['gpu_step_p50_ms']:.3f} ms, p99 {r['gpu_step_p99_ms']:.3f} ms")
+    print(f"decode step {args.decode_tokens}x{HEADS}, host gather + pinned copy (for comparison): "
+          f"p50 {r['host_step_p50_ms']:.3f} ms, p99 {r['host_step_p99_ms']:.3f} ms")
+    print(json.dumps(results))
+
+
 def report(results: dict[str, object], args: argparse.Namespace, table_gib: float) -> None:
     n = args.threads
     r = results
@@ -241,6 +384,8 @@ def main() -> None:
                         help="threads for the parallel gather and memcpy")
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"),
                         help="tmpfs for the table (one mounted with huge=within_size: huge pages)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="measure GPU gathers from the registered shared table instead")
     args = parser.parse_args()
     num_rows = int(args.table_gib * 2**30) // args.row_bytes
     shm_name = f"backport-ple-bench-{os.getpid()}"
@@ -249,6 +394,10 @@ def main() -> None:
         write_table(table, num_rows, args.row_bytes)
         process, address = start_service(table, shm_name, args.shm_dir)
         try:
+            if args.gpu:
+                report_gpu(measure_gpu(shm_name, args.shm_dir, args), args,
+                           num_rows * args.row_bytes / 2**30)
+                return
             results: dict[str, object] = {"threads": args.threads,
                                           "load_before": os.getloadavg()}
             results |= measure_gather(shm_name, args.shm_dir, args)

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -22,6 +23,11 @@ from services.ple_offload.errors import (
 from services.ple_offload.segment_layout import SHM_DIR
 from services.ple_offload.table_format import RowDtype
 from services.ple_offload.table_reader import SharedTableReader
+
+if TYPE_CHECKING:  # torch is imported only by engines that gather on a GPU
+    import torch
+
+    from services.ple_offload.cuda_table import CudaHostTable
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +51,11 @@ class PleTableClient:
         self._stub = ple_pb2_grpc.PleOffloadStub(self._channel)
         self._lock = threading.Lock()
         self._reader: SharedTableReader | None = None
+        # GPU gathers (enable_cuda): the device, and the registered view of the reader's
+        # mapping, which every reattach drops and registers again.
+        self._cuda_device: torch.device | None = None
+        self._cuda_table: CudaHostTable | None = None
+        self.cuda_unavailable_reason: str | None = None
         self.info = self._wait_for_table(connect_timeout_s)
         self._attach_shared_memory()
 
@@ -78,12 +89,109 @@ class PleTableClient:
             self._reattach(generation, exc)
         return self._gather_once(row_ids)
 
+    def gather_owned(self, row_ids: np.ndarray, valid_start: int, valid_end: int) -> np.ndarray:
+        """Like `gather` (writable result), with zero rows for ids outside
+        [valid_start, valid_end): the rows another ETP rank owns."""
+        flat = np.asarray(row_ids, dtype=np.int64)
+        owned = (flat >= valid_start) & (flat < valid_end)
+        if owned.all():
+            return np.require(self.gather(flat), requirements="W")
+        rows = np.require(self.gather(np.where(owned, flat, 0)), requirements="W")
+        rows[~owned] = 0
+        return rows
+
+    @property
+    def cuda_table(self) -> CudaHostTable | None:
+        """The GPU view of the attached table, when `enable_cuda` succeeded."""
+        return self._cuda_table
+
+    def enable_cuda(self, device: torch.device) -> bool:
+        """Registers the shared table for gathers on `device`, now and after every
+        reattach. False when it cannot be (rows over gRPC, or the driver refuses; the
+        reason is logged and kept in `cuda_unavailable_reason`): `gather_cuda` then
+        gathers on the host and copies. One device per client. Cheap once decided."""
+        import torch
+
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._lock:
+            if self._cuda_device is None:
+                self._cuda_device = device
+                self._register_cuda()
+            elif self._cuda_device != device:
+                logger.warning("PLE table at %s is registered for %s; %s gathers on the host",
+                               self.address, self._cuda_device, device)
+                return False
+            return self._cuda_table is not None
+
+    def gather_cuda(self, row_ids: torch.Tensor, valid_start: int = 0,
+                    valid_end: int | None = None) -> torch.Tensor:
+        """Rows for int `row_ids` on a CUDA device as uint8 [*shape, row_bytes] there,
+        zero for ids outside [valid_start, valid_end). Gathered by the GPU from the
+        registered shared table when `enable_cuda` succeeded, else on the host and
+        copied. Reattaches after a service restart like `gather`."""
+        end = self.num_rows if valid_end is None else valid_end
+        generation = self.info.generation
+        try:
+            return self._gather_cuda_once(row_ids, valid_start, end)
+        except (TableClosedError, TableUnavailableError) as exc:
+            logger.warning("PLE table at %s lost (%s); reattaching", self.address, exc)
+            self._reattach(generation, exc)
+        return self._gather_cuda_once(row_ids, valid_start, end)
+
     def close(self) -> None:
         with self._lock:
-            if self._reader is not None:
-                self._reader.close()
-                self._reader = None
+            self._detach()
         self._channel.close()
+
+    def _gather_cuda_once(self, row_ids: torch.Tensor, valid_start: int,
+                          valid_end: int) -> torch.Tensor:
+        import torch
+
+        # Held through the launch so a reattach on another thread cannot unpin the
+        # mapping between the liveness check and the kernel (the launch is asynchronous
+        # and short; close() then waits for the kernel before unpinning).
+        with self._lock:
+            table = self._cuda_table
+            if table is not None:
+                return table.gather(row_ids, valid_start, valid_end)
+        host_ids = row_ids.reshape(-1).to("cpu", torch.int64).numpy()
+        rows = torch.from_numpy(self.gather_owned(host_ids, valid_start, valid_end))
+        return rows.reshape(*row_ids.shape, self.row_bytes).to(row_ids.device)
+
+    def _register_cuda(self) -> None:
+        """With the lock held (or during construction), after attaching."""
+        if self._cuda_device is None or self._cuda_table is not None:
+            return
+        if self._reader is None:
+            self.cuda_unavailable_reason = ("the table is not in this machine's shared memory "
+                                            "(rows come over gRPC)")
+        else:
+            from services.ple_offload.cuda_table import CudaHostTable, CudaRegistrationError
+
+            started = time.monotonic()
+            try:
+                self._cuda_table = CudaHostTable(self._reader, self._cuda_device)
+            except CudaRegistrationError as exc:
+                self.cuda_unavailable_reason = str(exc)
+            else:
+                self.cuda_unavailable_reason = None
+                logger.info("PLE table at %s registered for GPU gathers on %s in %.1f s",
+                            self.address, self._cuda_device, time.monotonic() - started)
+                return
+        logger.warning("PLE table at %s: no GPU gathers on %s, gathering on the host and "
+                       "copying instead: %s", self.address, self._cuda_device,
+                       self.cuda_unavailable_reason)
+
+    def _detach(self) -> None:
+        """Unpins the GPU view first, then unmaps: the driver must let go of the pages
+        before they go."""
+        if self._cuda_table is not None:
+            self._cuda_table.close()
+            self._cuda_table = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def _gather_once(self, row_ids: np.ndarray) -> np.ndarray:
         reader = self._reader
@@ -105,9 +213,7 @@ class PleTableClient:
         with self._lock:
             if self.info.generation != lost_generation:
                 return  # another thread already reattached
-            if self._reader is not None:
-                self._reader.close()
-                self._reader = None
+            self._detach()
             deadline = time.monotonic() + self.reattach_timeout_s
             while True:
                 try:
@@ -127,6 +233,7 @@ class PleTableClient:
             _check_same_table(self.info, info, self.address)
             self.info = info
             self._attach_shared_memory()
+            self._register_cuda()
             logger.info("reattached to PLE table at %s (generation %x, %s)", self.address,
                         info.generation, "shared memory" if self.is_local else "gRPC")
 

@@ -100,6 +100,18 @@ class SharedTableReader:
                 done.result()
         return out.reshape(*np.shape(row_ids), self.header.row_bytes)
 
+    def mapped_region(self) -> tuple[int, int]:
+        """(address, bytes) of the whole read-only mapping, header page included: what
+        `cuda_table.CudaHostTable` registers with the GPU driver. The rows start
+        DATA_OFFSET_BYTES in."""
+        rows = self._live_rows()
+        return rows.ctypes.data - DATA_OFFSET_BYTES, len(self._mmap)
+
+    def check_live(self) -> None:
+        """Raises TableClosedError once the service has stopped or restarted (the same
+        check `gather` makes), for readers of the rows that do not go through `gather`."""
+        self._live_rows()
+
     def huge_page_bytes(self) -> int:
         """Bytes of the table this process maps with huge pages (of the pages touched so
         far): 0 means every row gather pays a 4 KiB-page TLB miss."""

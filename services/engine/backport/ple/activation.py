@@ -24,6 +24,9 @@ REATTACH_TIMEOUT_ENV = "BACKPORT_PLE_REATTACH_TIMEOUT_S"
 CONNECT_TIMEOUT_ENV = "BACKPORT_PLE_CONNECT_TIMEOUT_S"
 # Threads that split a large (prefill) shared-memory gather.
 GATHER_THREADS_ENV = "BACKPORT_PLE_GATHER_THREADS"
+# "0" keeps a CUDA engine on the host gather + copy even when the table could be
+# registered for GPU gathers (services/ple_offload/cuda_table.py).
+GPU_GATHER_ENV = "BACKPORT_PLE_GPU_GATHER"
 
 # Modules that pick the PLE embedding class by these names when a layer is built.
 _EMBEDDING_CHOOSERS = (

@@ -3,7 +3,9 @@
 Stands in for vLLM's `Qwen4ExpPLEPinnedHostEmbedding`/`Qwen4ExpPLEDeviceEmbedding`: same
 constructor, same ETP/DP ownership rules and the same storage-dtype output, so the stock
 `dequantize` and projection follow unchanged. Rows come from this machine's shared-memory
-copy when the service runs here, over gRPC otherwise; the process holds no table.
+copy when the service runs here, over gRPC otherwise; the process holds no table. On a
+CUDA engine with the table here, the GPU gathers the rows itself from the shared copy
+(registered with the driver, read over PCIe); otherwise the host gathers and copies.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from services.engine.backport.ple.activation import (
     ADDRESS_ENV,
     CONNECT_TIMEOUT_ENV,
     GATHER_THREADS_ENV,
+    GPU_GATHER_ENV,
     REATTACH_TIMEOUT_ENV,
     SHARED_MEMORY_ENV,
 )
@@ -74,6 +77,9 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
         )
         self.layer_name = prefix
         self.table = _shared_client()
+        # Decided at the first CUDA lookup, on the device the ids live on: registering
+        # a 50 GB table takes seconds and needs the engine's device.
+        self._gpu_gather: bool | None = None if os.environ.get(GPU_GATHER_ENV, "1") != "0" else False
         self._check_table_fits()
         _register_lookup_op()
         _layers[prefix] = self
@@ -132,20 +138,29 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
     def lookup_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the ids this ETP rank owns; zeros for the rest (another rank adds them)."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("PLE service lookups run on the host and cannot be captured in a "
-                               "CUDA graph; exclude the PLE layer from capture or use enforce_eager")
-        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+            # Even the GPU gather needs the host: it checks the table is still served
+            # before each launch, and a reattach moves the table to a new address that a
+            # replayed graph would not know.
+            raise RuntimeError("PLE service lookups check the served table on the host and "
+                               "cannot be captured in a CUDA graph; exclude the PLE layer from "
+                               "capture or use enforce_eager")
         start = self.shard_indices.org_vocab_start_index
         end = self.shard_indices.org_vocab_end_index
-        owned = (flat >= start) & (flat < end)
-        if owned.all():
-            rows = self.table.gather(flat)
+        if ids.is_cuda and self._gathers_on_gpu(ids.device):
+            rows = self.table.gather_cuda(ids, start, end)
         else:
-            rows = self.table.gather(np.where(owned, flat, 0))
-            rows = np.require(rows, requirements="W")
-            rows[~owned] = 0
-        out = torch.from_numpy(np.require(rows, requirements="W")).view(self.weight.dtype)
+            flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+            rows = torch.from_numpy(self.table.gather_owned(flat, start, end))
+        out = rows.view(self.weight.dtype)
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def _gathers_on_gpu(self, device: torch.device) -> bool:
+        if self._gpu_gather is None:
+            self._gpu_gather = self.table.enable_cuda(device)
+            logger.info("PLE %s: rows gathered %s", self.layer_name,
+                        f"by {device} from the shared table" if self._gpu_gather else
+                        f"on the host and copied ({self.table.cuda_unavailable_reason})")
+        return self._gpu_gather
 
     def _reduce_owned_rows(self, embeddings: torch.Tensor) -> torch.Tensor:
         # Each row has exactly one owning rank, so summing raw fp8 bytes is exact.
