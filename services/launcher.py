@@ -282,9 +282,9 @@ class Mesh:
         and PLE services last, once no engine uses them (the KV service frees every engine's
         segment; engines would wait for a stopped PLE service to come back)."""
         gateway = [s for s in self.services if s.name == "gateway"]
-        engine_services = [s for s in self.services if s.name in (KV_CACHE_SERVICE, PLE_SERVICE)]
-        behind = [s for s in self.services if s not in gateway and s not in engine_services]
-        for group in (gateway, behind, engine_services):
+        shared_services = [s for s in self.services if s.name in (KV_CACHE_SERVICE, PLE_SERVICE)]
+        behind = [s for s in self.services if s not in gateway and s not in shared_services]
+        for group in (gateway, behind, shared_services):
             for service in group:
                 service.stop()
             deadline = time.monotonic() + STOP_TIMEOUT_S

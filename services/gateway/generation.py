@@ -44,6 +44,15 @@ class ChoiceDelta:
 
 
 @dataclass(slots=True)
+class CollectedChoice:
+    """One choice, whole, for a non-streamed response."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
 class UsageCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -109,6 +118,19 @@ class Generation:
             self._call.cancel()
             for detokenizer in self._detokenizers.values():
                 await detokenizer.close()
+
+    async def collect(self) -> list[CollectedChoice]:
+        """Runs the generation to its end and returns every choice, in index order."""
+        texts: list[list[str]] = [[] for _ in range(self.num_choices)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.num_choices)]
+        finish_reasons: list[str | None] = [None] * self.num_choices
+        async for delta in self.deltas():
+            texts[delta.index].append(delta.text)
+            logprobs[delta.index] += delta.logprobs
+            if delta.finish_reason is not None:
+                finish_reasons[delta.index] = delta.finish_reason
+        return [CollectedChoice("".join(t), lp, reason)
+                for t, lp, reason in zip(texts, logprobs, finish_reasons, strict=True)]
 
     async def _read(self) -> pb.GenerateResponse | None:
         assert self._call is not None

@@ -132,28 +132,20 @@ class _ChatCompletion:
             yield sse_event(self._chunk([]) | {"usage": usage_dict(self.generation.usage)})
 
     async def response(self) -> dict[str, Any]:
-        finish_reasons: dict[int, str | None] = {}
-        texts: dict[int, list[str]] = {i: [] for i in range(len(self.parsers))}
-        logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(len(self.parsers))}
-        async for delta in self.generation.deltas():
-            texts[delta.index].append(delta.text)
-            logprobs[delta.index] += delta.logprobs
-            if delta.finish_reason is not None:
-                finish_reasons[delta.index] = delta.finish_reason
         choices = []
-        for index, parser in enumerate(self.parsers):
-            text = "".join(texts[index])
+        collected = await self.generation.collect()
+        for index, (parser, choice) in enumerate(zip(self.parsers, collected, strict=True)):
             if parser is None:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
             else:
-                parser.feed(text)
+                parser.feed(choice.text)
                 parser.finish()
                 message = parser.message().to_dict()
-            finish = finish_reasons.get(index)
+            finish = choice.finish_reason
             if finish == "stop" and parser is not None and parser.has_tool_calls:
                 finish = "tool_calls"
             choices.append({"index": index, "message": message, "finish_reason": finish,
-                            "logprobs": _chat_logprobs(logprobs[index]) if logprobs[index] else None})
+                            "logprobs": _chat_logprobs(choice.logprobs) if choice.logprobs else None})
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model_name, "choices": choices,
                 "usage": usage_dict(self.generation.usage)}

@@ -96,17 +96,11 @@ class _Completion:
     async def response(self) -> dict[str, Any]:
         choices = []
         for p, generation in enumerate(self.generations):
-            texts: dict[int, list[str]] = {i: [self.echoes[p]] if self.echoes else [] for i in range(self.n)}
-            logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(self.n)}
-            finish: dict[int, str | None] = {}
-            async for delta in generation.deltas():
-                texts[delta.index].append(delta.text)
-                logprobs[delta.index] += delta.logprobs
-                if delta.finish_reason is not None:
-                    finish[delta.index] = delta.finish_reason
-            choices += [{"index": p * self.n + i, "text": "".join(texts[i]),
-                         "logprobs": _logprobs(logprobs[i]) if logprobs[i] else None,
-                         "finish_reason": finish.get(i)} for i in range(self.n)]
+            echo = self.echoes[p] if self.echoes else ""
+            choices += [{"index": p * self.n + i, "text": echo + choice.text,
+                         "logprobs": _logprobs(choice.logprobs) if choice.logprobs else None,
+                         "finish_reason": choice.finish_reason}
+                        for i, choice in enumerate(await generation.collect())]
         return self._object(choices) | {"usage": self._usage()}
 
     def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
