@@ -15,7 +15,7 @@ run: install
 
 # The kernel tests run in a process of their own: under Triton's interpreter one of them
 # (indexer-K compress) fails after vLLM-importing tests ran in the same process.
-# BACKPORT_SLOW_TESTS=1 also runs the slowest (several engine starts each, minutes apiece).
+# BACKPORT_SKIP_SLOW_TESTS=1 skips the KV reuse-across-restarts tests (minutes apiece).
 test: install kvcache-deps protos-check
 	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
 	$(PY) -m pytest --ignore=tests/kernels $(PYTEST_ARGS)
