@@ -195,11 +195,14 @@ def sweep_decode(bandwidth: float) -> None:
         {"num_splits": 2},
         {"num_splits": 4},
         {"num_splits": 8},
+        {"num_splits": 16},
+        {"num_splits": 32},
+        {"num_splits": 64},
         {"block_n": 16},
         {"num_warps": 8},
         {"block_n": 64, "num_warps": 8},
     ]
-    for batch, heads in ((64, 16), (8, 16), (64, 64)):
+    for batch, heads in ((64, 16), (8, 16), (1, 16), (64, 64)):
         for config in configs:
             try:
                 rows.append(
