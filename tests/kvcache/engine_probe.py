@@ -1,10 +1,12 @@
 """One vLLM engine process wired to the KV service: serves prompts in turn, prints JSON, exits.
 
     python tests/kvcache/engine_probe.py --model DIR --kv-service HOST:PORT --transfer-mode zmq \
-        --chunk-size 256 --prompt NAME:NUM_TOKENS [--prompt ...] [--no-prefix-caching]
+        --chunk-size 256 --records-file PATH --prompt NAME:NUM_TOKENS [--prompt ...] \
+        [--no-prefix-caching]
 
 Each `--prompt` is a deterministic prompt of exactly NUM_TOKENS tokens (the same NAME and
-length give the same tokens in any process). One JSON line per request on stdout: name,
+length give the same tokens in any process). One JSON line per request in the records file
+(not stdout, where vLLM's processes log and can split a line): name,
 time to first token, cached prompt tokens as vLLM reports them, greedy token ids, and the
 first token's top log-probabilities. Used by the tests and by bench/kvcache.py; the mesh's
 engine service gets the same arguments from `services.engine.kv_transfer.engine_kv_args`.
@@ -39,6 +41,11 @@ def prompt_token_ids(tokenizer, name: str, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+def write_record(path: Path, record: dict) -> None:
+    with path.open("a") as records:
+        records.write(json.dumps(record) + "\n")
+
+
 async def serve_prompts(args: argparse.Namespace) -> None:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -59,7 +66,7 @@ async def serve_prompts(args: argparse.Namespace) -> None:
         tokenizer = llm.get_tokenizer()
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5,
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
-        print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+        write_record(args.records_file, {"event": "ready", "pid": os.getpid()})
         for spec in args.prompt:
             name, num_tokens = spec.rsplit(":", 1)
             ids = prompt_token_ids(tokenizer, name, int(num_tokens))
@@ -76,11 +83,11 @@ async def serve_prompts(args: argparse.Namespace) -> None:
                     first_logprobs = {t: lp.logprob for t, lp in (completion.logprobs or [{}])[0].items()}
                 token_ids += completion.token_ids
                 num_cached = output.num_cached_tokens or num_cached
-            print(json.dumps({"event": "request", "name": name, "prompt_tokens": len(ids),
-                              "ttft_s": ttft_s, "total_s": time.perf_counter() - start,
-                              "cached_tokens": num_cached, "token_ids": token_ids,
-                              "first_logprobs": {str(k): v for k, v in first_logprobs.items()}}),
-                  flush=True)
+            write_record(args.records_file, {
+                "event": "request", "name": name, "prompt_tokens": len(ids), "ttft_s": ttft_s,
+                "total_s": time.perf_counter() - start, "cached_tokens": num_cached,
+                "token_ids": token_ids,
+                "first_logprobs": {str(k): v for k, v in first_logprobs.items()}})
     finally:
         llm.shutdown()
 
@@ -93,6 +100,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--kv-events-endpoint", default=None)
     parser.add_argument("--prompt", action="append", required=True)
+    parser.add_argument("--records-file", type=Path, required=True)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)

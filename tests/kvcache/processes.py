@@ -110,15 +110,15 @@ def run_engine_probe(python: str, model: Path, service: KvService | None, transf
         command += ["--kv-service", service.address]
     for prompt in prompts:
         command += ["--prompt", prompt]
-    log_path = log_dir / f"engine-{time.monotonic_ns()}.log"
+    run_id = time.monotonic_ns()
+    log_path = log_dir / f"engine-{run_id}.log"
+    records_path = log_dir / f"engine-{run_id}.jsonl"
+    command += ["--records-file", str(records_path)]
     with log_path.open("wb") as log:
-        finished = subprocess.run(command, cwd=REPO_ROOT, env=process_environment(),
-                                  stdout=subprocess.PIPE, stderr=log, timeout=PROBE_TIMEOUT_S)
-    lines = finished.stdout.decode(errors="replace").splitlines()
-    records = [json.loads(line) for line in lines if line.startswith('{"event"')]
-    # vLLM logs to stdout: keep its lines beside stderr so a dead engine's cause is on file.
-    with log_path.open("a") as log:
-        log.writelines(line + "\n" for line in lines if not line.startswith('{"event"'))
+        finished = subprocess.run(command, cwd=REPO_ROOT, env=process_environment(), stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=PROBE_TIMEOUT_S)
+    records = ([json.loads(line) for line in records_path.read_text().splitlines()]
+               if records_path.exists() else [])
     requests = [r for r in records if r["event"] == "request"]
     if finished.returncode != 0 or len(requests) != len(prompts):
         raise RuntimeError(f"engine probe failed (status {finished.returncode}):\n"
