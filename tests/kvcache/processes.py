@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.conftest import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "engine_probe.py"
@@ -33,12 +34,6 @@ def lmcache_python() -> str | None:
         if probe.returncode == 0:
             return python
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_environment() -> dict[str, str]:

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 from services.mesh.channels import wait_until_serving
+from tests.conftest import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unique_shm_name() -> str:
