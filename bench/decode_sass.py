@@ -1,6 +1,7 @@
 """What one step of the sparse MLA decode costs in instructions, read without a GPU.
 
     python bench/decode_sass.py [--arch sm80] [--block-n 32] [--num-warps 4] [--heads 16]
+                                [--maxnreg N]
 
 Compiles `_sparse_mla_decode_kernel` for the arch as the launcher specializes it (every
 pointer and stride divisible by 16, with the window and compressed lists, lengths and
@@ -68,7 +69,7 @@ class Loop:
         return self.last - self.first + 1
 
 
-def compile_decode(arch: str, block_n: int, num_warps: int, heads: int):
+def compile_decode(arch: str, block_n: int, num_warps: int, heads: int, maxnreg: int | None):
     kernel = decode._sparse_mla_decode_kernel
     constexprs = dict(
         BLOCK_SIZE=64,
@@ -93,12 +94,11 @@ def compile_decode(arch: str, block_n: int, num_warps: int, heads: int):
             signature[name] = POINTER_TYPES.get(name, "i32")
             if name not in UNALIGNED_INTS and not name.startswith("stride_pl"):
                 attributes[(index,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": num_warps, "num_stages": 1}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     source = ASTSource(kernel, signature, constexprs, attributes)
-    return triton.compile(
-        source,
-        target=GPUTarget("cuda", ARCHES[arch], 32),
-        options={"num_warps": num_warps, "num_stages": 1},
-    )
+    return triton.compile(source, target=GPUTarget("cuda", ARCHES[arch], 32), options=options)
 
 
 def assemble(ptx: str, arch: str) -> tuple[str, str]:
@@ -147,13 +147,14 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=decode.DEFAULT_BLOCK_N)
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--heads", type=int, default=decode.DEFAULT_HEADS_PER_PROGRAM)
+    parser.add_argument("--maxnreg", type=int, default=None, help="cap registers a thread")
     args = parser.parse_args()
 
-    compiled = compile_decode(args.arch, args.block_n, args.num_warps, args.heads)
+    compiled = compile_decode(args.arch, args.block_n, args.num_warps, args.heads, args.maxnreg)
     report, sass = assemble(compiled.asm["ptx"], args.arch)
     usage = [line.split("info    : ")[-1] for line in report.splitlines() if "Used" in line]
     print(f"triton {triton.__version__}, {args.arch}, block_n={args.block_n}, "
-          f"num_warps={args.num_warps}, heads={args.heads}")
+          f"num_warps={args.num_warps}, heads={args.heads}, maxnreg={args.maxnreg}")
     print(f"shared memory {compiled.metadata.shared} B; {'; '.join(usage)}")
     for number, loop in enumerate(loops(sass), start=1):
         top = ", ".join(f"{op} {count}" for op, count in loop.opcodes.most_common(16))

@@ -7,7 +7,7 @@ every run, launch overhead included; for the decode also the median CUDA-graph r
 which its rates use), the bytes it must move (each input read once, each output
 written once) over that time, that rate as a share of the copy bandwidth measured at
 the start of the same run, and for the decode its tensor-core rate.
-`--profile-decode` only launches one large decode, for Nsight Compute; `--sweep-decode`
+`--profile-decode [HEADS]` only launches one large decode, for Nsight Compute; `--sweep-decode`
 only times the decode's tiling choices (keys per step, warps, splits) on four shapes.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
@@ -149,12 +149,13 @@ def decode_case(
     }
 
 
-def profile_decode() -> None:
-    """Three launches of one large decode, nothing else, so a profiler sees only it."""
+def profile_decode(heads: int) -> None:
+    """Three launches of one large decode (batch 64, top-k 2048), nothing else, so a
+    profiler sees only it."""
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 
-    batch, heads, topk, rows_per_seq = 64, 64, 2048, 32768 // COMPRESS_RATIO
+    batch, topk, rows_per_seq = 64, 2048, 32768 // COMPRESS_RATIO
     cache = filled_cache(batch * rows_per_seq)
     swa_cache = filled_cache(batch * SWA_WINDOW)
     picks = torch.stack([torch.randperm(rows_per_seq, device="cuda")[:topk] for _ in range(batch)])
@@ -349,8 +350,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
         "--profile-decode",
-        action="store_true",
-        help="only launch the B=64 H=64 top-k 2048 decode a few times (for ncu)",
+        type=int,
+        nargs="?",
+        const=16,
+        metavar="HEADS",
+        help="only launch the B=64 top-k 2048 decode with HEADS heads (16) a few times (for ncu)",
     )
     parser.add_argument(
         "--sweep-decode",
@@ -366,7 +370,7 @@ def main() -> None:
         enable_arch_emulation(args.gpu_arch, tempfile.mkdtemp(prefix="triton-bench-"))
 
     if args.profile_decode:
-        profile_decode()
+        profile_decode(args.profile_decode)
         return
     if args.sweep_decode:
         sweep_decode(copy_bandwidth())
