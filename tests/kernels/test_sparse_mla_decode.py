@@ -39,6 +39,7 @@ GPU_CASES = [
     DecodeCase(8, 64, 512, WINDOW),
     DecodeCase(64, 128, 2048, WINDOW),
     DecodeCase(256, 64, 512, WINDOW),
+    DecodeCase(256, 16, 2048, WINDOW),  # the largest batch at the widest top-k (TP4's heads)
     DecodeCase(3, 16, 2048, WINDOW, num_splits=1),
     DecodeCase(5, 40, 300, 100, num_splits=7, with_sink=False),
     DecodeCase(4, 64, 0, WINDOW, with_extra=False),
