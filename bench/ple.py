@@ -180,20 +180,53 @@ def measure_gather(shm_name: str, shm_dir: Path, args: argparse.Namespace) -> di
     return results
 
 
+# A child process that echoes bytes back over one TCP connection.
+_ECHO_CHILD = """
+import socket, sys
+connection = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while byte := connection.recv(1):
+    connection.sendall(byte)
+"""
+
+
+class LoopbackEcho:
+    """One byte to a child process and back over loopback TCP: the round trip that any
+    RPC between two processes on this machine pays before gRPC does anything."""
+
+    def __init__(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            self.child = subprocess.Popen(
+                [sys.executable, "-c", _ECHO_CHILD, str(listener.getsockname()[1])])
+            self.connection, _ = listener.accept()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def round_trip(self, _: int) -> None:
+        self.connection.sendall(b"x")
+        self.connection.recv(1)
+
+    def close(self) -> None:
+        self.connection.close()
+        self.child.wait(timeout=10)
+
+
 def measure_latency(address: str, shm_name: str, shm_dir: Path,
                     args: argparse.Namespace) -> dict[str, object]:
-    """One decode step's lookup through shared memory and over gRPC, and an empty gRPC
-    call on the same channel, interleaved round by round; medians over rounds."""
+    """One decode step's lookup through shared memory and over gRPC, an empty gRPC call
+    on the same channel and a bare loopback round trip, interleaved round by round;
+    medians over rounds."""
     reader = SharedTableReader(shm_name, shm_dir=shm_dir)
     rng = np.random.default_rng(4)
     steps = [rng.integers(0, reader.header.num_rows, (args.decode_tokens, HEADS))
              for _ in range(256)]
     out = np.empty((args.decode_tokens, HEADS, reader.header.row_bytes), np.uint8)
     client = PleTableClient(address, allow_shared_memory=False)
+    echo = LoopbackEcho()
     calls: dict[str, Callable[[int], object]] = {
         "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
         "grpc_step": lambda i: client.gather(steps[i % len(steps)]),
         "grpc_empty": lambda i: client.describe(),
+        "tcp_echo": echo.round_trip,
     }
     rounds: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -201,6 +234,7 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
             p50, p99 = percentiles_ms(call, args.calls)
             rounds.setdefault(f"{name}_p50_ms", []).append(p50)
             rounds.setdefault(f"{name}_p99_ms", []).append(p99)
+    echo.close()
     client.close()
     reader.close()
     return {key: median(values) for key, values in rounds.items()} | {
@@ -366,7 +400,8 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
     step = f"{args.decode_tokens}x{HEADS}"
     print(f"decode step {step}, medians over {args.rounds} rounds of {args.calls} calls:")
     for key, label in (("shm_step", "shm lookup"), ("grpc_step", "gRPC Lookup (loopback)"),
-                       ("grpc_empty", "empty gRPC call (Describe)")):
+                       ("grpc_empty", "empty gRPC call (Describe)"),
+                       ("tcp_echo", "1-byte TCP echo, 2 processes")):
         print(f"  {label:28s} p50 {r[f'{key}_p50_ms']:.3f} ms, p99 {r[f'{key}_p99_ms']:.3f} ms")
     print(json.dumps(results))
 
