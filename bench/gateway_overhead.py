@@ -25,7 +25,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.conftest import free_port  # noqa: E402
+from tests.conftest import free_port, wait_for_http_ok  # noqa: E402
 
 KV_CACHE_BYTES = 2 * 2**30
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
@@ -80,20 +80,6 @@ async def run_load(url: str, model: str, concurrency: int, num_requests: int, ma
                       sum(r[2] for r in results), wall)
 
 
-def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 def stop(process: subprocess.Popen[bytes]) -> None:
     process.send_signal(signal.SIGTERM)
     try:
@@ -110,7 +96,7 @@ def measure(name: str, command: list[str], health_url: str, url: str, model: str
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_http(health_url, process)
+        wait_for_http_ok(health_url, timeout_s=900, process=process)
         return {c: asyncio.run(run_load(url, model, c, args.requests, args.max_tokens))
                 for c in (1, 16)}
     finally:

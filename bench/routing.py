@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from services.mesh.channels import wait_until_serving  # noqa: E402
-from tests.conftest import engine_environment, free_port  # noqa: E402
+from tests.conftest import engine_environment, free_port, wait_for_http_ok  # noqa: E402
 
 
 @dataclass
@@ -127,18 +127,6 @@ class Processes:
                 pass
 
 
-def wait_http(url: str, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 def main() -> int:
     # SIGTERM ends the run like Ctrl-C, so the services it started are stopped too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -172,7 +160,7 @@ def main() -> int:
             processes.spawn("gateway", "--port", str(port), "--tokenizer",
                             f"127.0.0.1:{tokenizer_port}", "--routing-policy", policy, *engines)
         for port in gateway_ports.values():
-            wait_http(f"http://127.0.0.1:{port}/health")
+            wait_for_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=900)
         model = httpx.get(f"http://127.0.0.1:{gateway_ports['prefix']}/v1/models").json()["data"][0]["id"]
         rng = random.Random(args.seed)
         # Warm both engines and gateways so no phase pays first-request costs.

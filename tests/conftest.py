@@ -62,19 +62,36 @@ def start_mesh(log_dir: Path, *extra_args: str) -> RunningMesh:
                                    stderr=subprocess.STDOUT, start_new_session=True)
     mesh = RunningMesh(process, f"http://127.0.0.1:{port}/v1", f"127.0.0.1:{engine_port}",
                        f"127.0.0.1:{tokenizer_port}", log_path)
-    deadline = time.monotonic() + MESH_START_TIMEOUT_S
+    try:
+        wait_for_http_ok(f"http://127.0.0.1:{port}/health", MESH_START_TIMEOUT_S, process)
+    except ProcessExitedError:
+        raise RuntimeError(f"backport up exited early:\n{mesh.log_tail()}") from None
+    except TimeoutError:
+        stop_mesh(mesh)
+        raise TimeoutError(f"mesh not ready in {MESH_START_TIMEOUT_S} s:\n{mesh.log_tail()}") from None
+    return mesh
+
+
+class ProcessExitedError(RuntimeError):
+    """The process a wait was watching exited first."""
+
+
+def wait_for_http_ok(url: str, timeout_s: float,
+                     process: subprocess.Popen[bytes] | None = None) -> None:
+    """Returns once GET `url` answers 200. TimeoutError after `timeout_s`;
+    ProcessExitedError as soon as `process` (the server, when given) has exited."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"backport up exited early:\n{mesh.log_tail()}")
+        if process is not None and process.poll() is not None:
+            raise ProcessExitedError(f"{process.args!r} exited with {process.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+            with urllib.request.urlopen(url, timeout=2) as reply:
                 if reply.status == 200:
-                    return mesh
+                    return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.5)
-    stop_mesh(mesh)
-    raise TimeoutError(f"mesh not ready in {MESH_START_TIMEOUT_S} s:\n{mesh.log_tail()}")
+    raise TimeoutError(f"{url} did not answer 200 in {timeout_s} s")
 
 
 def stop_mesh(mesh: RunningMesh, timeout_s: float = 60.0) -> None:
