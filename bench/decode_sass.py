@@ -51,7 +51,8 @@ POINTER_TYPES = {
     "partial_out_ptr": "*fp32",
     "partial_lse_ptr": "*fp32",
 }
-# Integer arguments Triton does not see as multiples of 16 (split strides of the lse).
+# Integer arguments that are not multiples of 16 in general (sizes; the lse partials'
+# strides, `stride_pl_*`, are handled by name): no divisibility hint for them.
 UNALIGNED_INTS = {"num_heads", "list_width", "extra_list_width", "split_len", "extra_split_len"}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
