@@ -196,6 +196,7 @@ class LoopbackEcho:
 
     def __init__(self) -> None:
         with socket.create_server(("127.0.0.1", 0)) as listener:
+            listener.settimeout(60)  # a child that never connects fails the run, not hangs it
             self.child = subprocess.Popen(
                 [sys.executable, "-c", _ECHO_CHILD, str(listener.getsockname()[1])])
             self.connection, _ = listener.accept()
