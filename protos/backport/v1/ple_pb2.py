@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61\x63kport/v1/ple.proto\x12\x0b\x62\x61\x63kport.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xea\x01\n\tTableInfo\x12\x13\n\x0btensor_name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\x12\x11\n\trow_width\x18\x03 \x01(\r\x12\x11\n\trow_bytes\x18\x04 \x01(\r\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.backport.v1.RowDtype\x12\x12\n\x05scale\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\rheader_sha256\x18\x07 \x01(\x0c\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x12\n\ngeneration\x18\t \x01(\x06\x12\x0f\n\x07shm_dir\x18\n \x01(\tB\x08\n\x06_scale\"\'\n\rLookupRequest\x12\x16\n\x0erow_ids_le_i64\x18\x01 \x01(\x0c\"2\n\x0eLookupResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x06*Z\n\x08RowDtype\x12\x19\n\x15ROW_DTYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17ROW_DTYPE_FLOAT8_E4M3FN\x10\x01\x12\x16\n\x12ROW_DTYPE_BFLOAT16\x10\x02\x32\x91\x01\n\nPleOffload\x12@\n\x08\x44\x65scribe\x12\x1c.backport.v1.DescribeRequest\x1a\x16.backport.v1.TableInfo\x12\x41\n\x06Lookup\x12\x1a.backport.v1.LookupRequest\x1a\x1b.backport.v1.LookupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61\x63kport/v1/ple.proto\x12\x0b\x62\x61\x63kport.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xea\x01\n\tTableInfo\x12\x13\n\x0btensor_name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x04\x12\x11\n\trow_width\x18\x03 \x01(\r\x12\x11\n\trow_bytes\x18\x04 \x01(\r\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.backport.v1.RowDtype\x12\x12\n\x05scale\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\rheader_sha256\x18\x07 \x01(\x0c\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x12\n\ngeneration\x18\t \x01(\x06\x12\x0f\n\x07shm_dir\x18\n \x01(\tB\x08\n\x06_scale\"\'\n\rLookupRequest\x12\x16\n\x0erow_ids_le_i64\x18\x01 \x01(\x0c\"2\n\x0eLookupResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x06*Z\n\x08RowDtype\x12\x19\n\x15ROW_DTYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17ROW_DTYPE_FLOAT8_E4M3FN\x10\x01\x12\x16\n\x12ROW_DTYPE_BFLOAT16\x10\x02\x32\xde\x01\n\nPleOffload\x12@\n\x08\x44\x65scribe\x12\x1c.backport.v1.DescribeRequest\x1a\x16.backport.v1.TableInfo\x12\x41\n\x06Lookup\x12\x1a.backport.v1.LookupRequest\x1a\x1b.backport.v1.LookupResponse\x12K\n\x0cLookupStream\x12\x1a.backport.v1.LookupRequest\x1a\x1b.backport.v1.LookupResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,5 +42,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=335
   _globals['_LOOKUPRESPONSE']._serialized_end=385
   _globals['_PLEOFFLOAD']._serialized_start=480
-  _globals['_PLEOFFLOAD']._serialized_end=625
+  _globals['_PLEOFFLOAD']._serialized_end=702
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class PleOffloadStub:
                 request_serializer=backport_dot_v1_dot_ple__pb2.LookupRequest.SerializeToString,
                 response_deserializer=backport_dot_v1_dot_ple__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.LookupStream = channel.stream_stream(
+                '/backport.v1.PleOffload/LookupStream',
+                request_serializer=backport_dot_v1_dot_ple__pb2.LookupRequest.SerializeToString,
+                response_deserializer=backport_dot_v1_dot_ple__pb2.LookupResponse.FromString,
+                _registered_method=True)
 
 
 class PleOffloadServicer:
@@ -64,6 +69,18 @@ class PleOffloadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupStream(self, request_iterator, context):
+        """Lookup over one long-lived stream: each request gets exactly one response, in
+        order. It exists because grpcio spends about 0.5 ms setting up every call, more
+        than a decode step's gather, and a stream pays that once per client rather than
+        per lookup. A bad id or a service that is not ready ends the stream with the
+        status Lookup would fail with (INVALID_ARGUMENT, UNAVAILABLE); the client opens a
+        new stream for its next lookup. A stopping service ends idle streams with UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PleOffloadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +91,11 @@ def add_PleOffloadServicer_to_server(servicer, server):
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
+                    request_deserializer=backport_dot_v1_dot_ple__pb2.LookupRequest.FromString,
+                    response_serializer=backport_dot_v1_dot_ple__pb2.LookupResponse.SerializeToString,
+            ),
+            'LookupStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.LookupStream,
                     request_deserializer=backport_dot_v1_dot_ple__pb2.LookupRequest.FromString,
                     response_serializer=backport_dot_v1_dot_ple__pb2.LookupResponse.SerializeToString,
             ),
@@ -130,6 +152,33 @@ class PleOffload:
             request,
             target,
             '/backport.v1.PleOffload/Lookup',
+            backport_dot_v1_dot_ple__pb2.LookupRequest.SerializeToString,
+            backport_dot_v1_dot_ple__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/backport.v1.PleOffload/LookupStream',
             backport_dot_v1_dot_ple__pb2.LookupRequest.SerializeToString,
             backport_dot_v1_dot_ple__pb2.LookupResponse.FromString,
             options,
