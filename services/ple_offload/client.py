@@ -20,6 +20,7 @@ from services.ple_offload.errors import (
     TableClosedError,
     TableUnavailableError,
 )
+from services.ple_offload.lookup_streams import LookupStreams
 from services.ple_offload.segment_layout import SHM_DIR
 from services.ple_offload.table_format import RowDtype
 from services.ple_offload.table_reader import SharedTableReader
@@ -39,9 +40,12 @@ class PleTableClient:
 
     def __init__(self, address: str, *, allow_shared_memory: bool = True,
                  reattach_timeout_s: float = 60.0, rpc_timeout_s: float = 5.0,
-                 connect_timeout_s: float = 0.0, gather_threads: int = 1) -> None:
+                 connect_timeout_s: float = 0.0, gather_threads: int = 1,
+                 lookup_stream: bool = True) -> None:
         """`connect_timeout_s` waits for a service that is still starting or loading;
-        `gather_threads` split large shared-memory gathers."""
+        `gather_threads` split large shared-memory gathers. Gathers over gRPC use
+        LookupStream (see `LookupStreams`), or unary Lookup calls with `lookup_stream=False`
+        (a service that predates LookupStream answers it with UNIMPLEMENTED)."""
         self.address = address
         self.allow_shared_memory = allow_shared_memory
         self.reattach_timeout_s = reattach_timeout_s
@@ -49,6 +53,7 @@ class PleTableClient:
         self.gather_threads = gather_threads
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = ple_pb2_grpc.PleOffloadStub(self._channel)
+        self._lookup_streams = LookupStreams(self._stub, address) if lookup_stream else None
         self._lock = threading.Lock()
         self._reader: SharedTableReader | None = None
         # GPU gathers (enable_cuda): the device, and the registered view of the reader's
@@ -142,6 +147,8 @@ class PleTableClient:
     def close(self) -> None:
         with self._lock:
             self._detach()
+        if self._lookup_streams is not None:
+            self._lookup_streams.close()
         self._channel.close()
 
     def _gather_cuda_once(self, row_ids: torch.Tensor, valid_start: int,
@@ -198,9 +205,12 @@ class PleTableClient:
         if reader is not None:
             return reader.gather(row_ids)
         flat = np.ascontiguousarray(row_ids, dtype="<i8")
+        request = ple_pb2.LookupRequest(row_ids_le_i64=flat.tobytes())
         try:
-            reply = self._stub.Lookup(ple_pb2.LookupRequest(row_ids_le_i64=flat.tobytes()),
-                                      timeout=self.rpc_timeout_s)
+            if self._lookup_streams is not None:
+                reply = self._lookup_streams.lookup(request, self.rpc_timeout_s)
+            else:
+                reply = self._stub.Lookup(request, timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
             raise _rpc_error(self.address, exc) from exc
         if reply.generation != self.info.generation:

@@ -33,11 +33,13 @@ async def serve(settings: PleSettings) -> None:
             return
         segment.publish()
         server = GrpcServer(SERVICE_NAME, settings.address, grace_s=settings.grace_s)
-        server.add(PleOffloadServicer(segment).add_to_server)
+        servicer = PleOffloadServicer(segment)
+        server.add(servicer.add_to_server)
         await server.start()
 
         async def close_for_readers() -> None:
             segment.close_for_readers()
+            servicer.end_streams()
 
         await server.serve_until_signal(on_stop=close_for_readers)
     finally:

@@ -1,8 +1,10 @@
-"""gRPC transport for the PLE service: Describe and Lookup over the loaded segment."""
+"""gRPC transport for the PLE service: Describe, Lookup and LookupStream over the loaded
+segment."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -26,6 +28,9 @@ _ROWS_TAG = bytes([1 << 3 | 2])
 class PleOffloadServicer:
     def __init__(self, segment: TableSegment) -> None:
         self._segment = segment
+        self._is_stopping = False
+        # The handler tasks of LookupStreams that are waiting for their next request.
+        self._idle_streams: set[asyncio.Task[object]] = set()
         source = segment.source
         self._info = ple_pb2.TableInfo(
             tensor_name=source.tensor_name,
@@ -42,13 +47,16 @@ class PleOffloadServicer:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers the service. Lookup replies are returned already serialized (see
-        `_lookup_reply`), so its handler has no response serializer."""
+        `_lookup_reply`), so those handlers have no response serializer."""
         handlers = {
             "Describe": grpc.unary_unary_rpc_method_handler(
                 self.Describe, request_deserializer=ple_pb2.DescribeRequest.FromString,
                 response_serializer=ple_pb2.TableInfo.SerializeToString),
             "Lookup": grpc.unary_unary_rpc_method_handler(
                 self.Lookup, request_deserializer=ple_pb2.LookupRequest.FromString,
+                response_serializer=None),
+            "LookupStream": grpc.stream_stream_rpc_method_handler(
+                self.LookupStream, request_deserializer=ple_pb2.LookupRequest.FromString,
                 response_serializer=None),
         }
         server.add_generic_rpc_handlers(
@@ -63,6 +71,43 @@ class PleOffloadServicer:
     async def Lookup(self, request: ple_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> bytes:
         """A serialized LookupResponse."""
+        return await self._reply(request, context)
+
+    async def LookupStream(self, requests: AsyncIterator[ple_pb2.LookupRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """One serialized LookupResponse per request, in order. A request Lookup would
+        refuse aborts the stream with Lookup's status. Once the service stops, a stream
+        ends with UNAVAILABLE after its in-flight lookup (see `end_streams`)."""
+        task = asyncio.current_task()
+        assert task is not None  # grpc runs every handler in a task
+        while not self._is_stopping:
+            self._idle_streams.add(task)
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return  # the client half-closed: end the stream with OK
+            except asyncio.CancelledError:
+                if not self._is_stopping:
+                    raise  # the client cancelled
+                break
+            finally:
+                self._idle_streams.discard(task)
+            yield await self._reply(request, context)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE service is stopping")
+
+    def end_streams(self) -> None:
+        """Ends every LookupStream with UNAVAILABLE: idle ones now, busy ones after their
+        lookup. Without this the server's graceful stop would wait `grace_s` for streams
+        that clients keep open between lookups. grpc does not end an RPC whose handler
+        task is cancelled, so the cancelled handler aborts the call itself."""
+        self._is_stopping = True
+        for task in self._idle_streams:
+            task.cancel()
+
+    async def _reply(self, request: ple_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> bytes:
+        """The serialized LookupResponse to `request`, or the call aborted with
+        UNAVAILABLE (table not ready) or INVALID_ARGUMENT (bad ids)."""
         rows = self._segment.rows
         if rows is None or not self._segment.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE table is not loaded")

@@ -1,8 +1,13 @@
-"""The served rows are the file's rows, over shared memory and gRPC, and survive restarts."""
+"""The served rows are the file's rows, over shared memory, LookupStream and unary Lookup,
+and survive restarts."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,36 +45,98 @@ def _caller(client: PleTableClient, rows: np.ndarray, seed: int) -> int:
     return checked
 
 
+def _clients(address: str, **options: float) -> dict[str, PleTableClient]:
+    """One client per way rows travel: shared memory, LookupStream, unary Lookup."""
+    return {"shm": PleTableClient(address, gather_threads=2, **options),
+            "stream": PleTableClient(address, allow_shared_memory=False, **options),
+            "unary": PleTableClient(address, allow_shared_memory=False, lookup_stream=False,
+                                    **options)}
+
+
 def test_rows_equal_the_file_under_concurrent_callers(
         served_table: tuple[TableFile, ServiceProcess]) -> None:
     table, service = served_table
-    local = PleTableClient(service.address, gather_threads=2)
-    remote = PleTableClient(service.address, allow_shared_memory=False)
+    clients = _clients(service.address)
     try:
-        assert local.is_local and not remote.is_local
-        assert local.row_bytes == table.rows.shape[1] and local.num_rows == table.rows.shape[0]
+        assert clients["shm"].is_local and not clients["stream"].is_local
+        assert not clients["unary"].is_local
+        for client in clients.values():
+            assert client.row_bytes == table.rows.shape[1]
+            assert client.num_rows == table.rows.shape[0]
         if table.scale is not None:
-            assert local.info.scale == pytest.approx(table.scale)
+            assert clients["shm"].info.scale == pytest.approx(table.scale)
         edge_ids = np.array([[0, table.rows.shape[0] - 1]])
-        for client in (local, remote):
+        for client in clients.values():
             assert np.array_equal(client.gather(edge_ids), table.rows[edge_ids])
-        with ThreadPoolExecutor(2 * NUM_CALLERS) as pool:
+        with ThreadPoolExecutor(len(clients) * NUM_CALLERS) as pool:
             futures = [pool.submit(_caller, client, table.rows, seed)
-                       for seed in range(NUM_CALLERS) for client in (local, remote)]
-            assert sum(f.result() for f in futures) == 2 * NUM_CALLERS * 10 * HEADS * sum(BATCH_TOKENS)
+                       for seed in range(NUM_CALLERS) for client in clients.values()]
+            assert sum(f.result() for f in futures) == (
+                len(clients) * NUM_CALLERS * 10 * HEADS * sum(BATCH_TOKENS))
     finally:
-        local.close()
-        remote.close()
+        for client in clients.values():
+            client.close()
 
 
-def test_out_of_range_ids_are_refused(served_table: tuple[TableFile, ServiceProcess]) -> None:
+def test_out_of_range_ids_are_refused_and_the_next_lookup_works(
+        served_table: tuple[TableFile, ServiceProcess]) -> None:
+    """Over LookupStream a refused id ends the stream; the next gather opens another."""
     table, service = served_table
-    for allow_shared_memory in (True, False):
-        client = PleTableClient(service.address, allow_shared_memory=allow_shared_memory)
-        try:
+    good_ids = np.array([[1, table.rows.shape[0] - 2]])
+    clients = _clients(service.address)
+    try:
+        for client in clients.values():
             for bad in (-1, table.rows.shape[0]):
-                with pytest.raises(RowIdError, match="out of range"):
+                with pytest.raises(RowIdError, match=re.escape(
+                        f"row ids out of range [0, {table.rows.shape[0]}): [{bad}]")):
                     client.gather(np.array([[0, bad]]))
+                assert np.array_equal(client.gather(good_ids), table.rows[good_ids])
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_close_ends_every_lookup_stream(small_fp8_table: TableFile) -> None:
+    """Concurrent callers each get a stream; close() leaves none of their threads (grpc's
+    request senders, the channel's poller) running."""
+    table = small_fp8_table
+    ids = np.arange(64 * HEADS).reshape(64, HEADS)
+    with ServiceProcess(table.path) as service:
+        threads_before = set(threading.enumerate())
+        client = PleTableClient(service.address, allow_shared_memory=False)
+        with ThreadPoolExecutor(NUM_CALLERS) as pool:
+            for rows in pool.map(lambda _: client.gather(ids), range(4 * NUM_CALLERS)):
+                assert np.array_equal(rows, table.rows[ids])
+        assert set(threading.enumerate()) - threads_before, "no stream threads to end"
+        client.close()
+        deadline = time.monotonic() + 5.0
+        while (left := set(threading.enumerate()) - threads_before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"threads still running after close(): {sorted(t.name for t in left)}"
+
+
+def test_a_hung_service_fails_lookups_instead_of_hanging(small_fp8_table: TableFile) -> None:
+    """A stopped (SIGSTOP) service answers nothing: a gather over an open stream fails
+    within 2 x rpc_timeout_s plus the reattach wait, and works again once it resumes."""
+    table = small_fp8_table
+    ids = np.arange(64 * HEADS).reshape(64, HEADS)
+    with ServiceProcess(table.path) as service:
+        client = PleTableClient(service.address, allow_shared_memory=False, rpc_timeout_s=0.5,
+                                reattach_timeout_s=0.5)
+        try:
+            assert np.array_equal(client.gather(ids), table.rows[ids])
+            os.kill(service.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(TableUnavailableError, match="DEADLINE_EXCEEDED"):
+                    client.gather(ids)
+                # 1 s for the lookup, 0.5 s for the reattach wait plus one Describe
+                # that may start just before it ends; the rest is slack for a busy machine.
+                assert time.monotonic() - started < 5.0
+            finally:
+                os.kill(service.pid, signal.SIGCONT)
+            client.reattach_timeout_s = 30.0
+            assert np.array_equal(client.gather(ids), table.rows[ids])
         finally:
             client.close()
 
@@ -82,14 +149,19 @@ def test_restart_gives_attached_clients_a_clear_error_then_they_reattach(
         small_fp8_table: TableFile) -> None:
     table = small_fp8_table
     ids = np.random.default_rng(7).integers(0, table.rows.shape[0], (64, HEADS))
-    first = ServiceProcess(table.path).start()
+    # A grace period far longer than the test: the remote client's idle lookup stream
+    # must not hold the shutdown for it.
+    first = ServiceProcess(table.path, extra_args=("--grace-s", "60")).start()
     reader = SharedTableReader(first.shm_name)
     local = PleTableClient(first.address, reattach_timeout_s=0.5)
     remote = PleTableClient(first.address, allow_shared_memory=False, reattach_timeout_s=0.5)
     second = ServiceProcess(table.path, shm_name=first.shm_name, port=first.port)
     try:
-        assert np.array_equal(local.gather(ids), table.rows[ids])
+        for client in (local, remote):
+            assert np.array_equal(client.gather(ids), table.rows[ids])
+        stop_started = time.monotonic()
         log = first.stop(signal.SIGTERM)
+        assert time.monotonic() - stop_started < 20.0, "an idle lookup stream held the shutdown"
         assert first.process is not None and first.process.returncode == 0, log
         assert not _segment_exists(first), "SIGTERM must free the shared memory"
 
