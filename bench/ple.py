@@ -1,5 +1,6 @@
 """PLE offload benchmark: gather throughput from shared memory against memcpy bandwidth
-(same run), and gRPC / shared-memory latency of one decode step's lookup.
+(same run), and the latency of one decode step's lookup: shared memory, gRPC LookupStream
+and unary Lookup, beside an empty gRPC call and a bare loopback TCP round trip.
 
     python bench/ple.py [--table-gib 2] [--threads 8] [--rounds 5] [--shm-dir /dev/shm]
     python bench/ple.py --gpu [--table-gib 8]
@@ -213,20 +214,22 @@ class LoopbackEcho:
 
 def measure_latency(address: str, shm_name: str, shm_dir: Path,
                     args: argparse.Namespace) -> dict[str, object]:
-    """One decode step's lookup through shared memory and over gRPC, an empty gRPC call
-    on the same channel and a bare loopback round trip, interleaved round by round;
-    medians over rounds."""
+    """One decode step's lookup through shared memory, over a LookupStream and by unary
+    Lookup calls, an empty gRPC call on the unary client's channel and a bare loopback
+    round trip, interleaved round by round; medians over rounds."""
     reader = SharedTableReader(shm_name, shm_dir=shm_dir)
     rng = np.random.default_rng(4)
     steps = [rng.integers(0, reader.header.num_rows, (args.decode_tokens, HEADS))
              for _ in range(256)]
     out = np.empty((args.decode_tokens, HEADS, reader.header.row_bytes), np.uint8)
-    client = PleTableClient(address, allow_shared_memory=False)
+    stream_client = PleTableClient(address, allow_shared_memory=False)
+    unary_client = PleTableClient(address, allow_shared_memory=False, lookup_stream=False)
     echo = LoopbackEcho()
     calls: dict[str, Callable[[int], object]] = {
         "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
-        "grpc_step": lambda i: client.gather(steps[i % len(steps)]),
-        "grpc_empty": lambda i: client.describe(),
+        "grpc_stream_step": lambda i: stream_client.gather(steps[i % len(steps)]),
+        "grpc_step": lambda i: unary_client.gather(steps[i % len(steps)]),
+        "grpc_empty": lambda i: unary_client.describe(),
         "tcp_echo": echo.round_trip,
     }
     rounds: dict[str, list[float]] = {}
@@ -236,7 +239,8 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
             rounds.setdefault(f"{name}_p50_ms", []).append(p50)
             rounds.setdefault(f"{name}_p99_ms", []).append(p99)
     echo.close()
-    client.close()
+    stream_client.close()
+    unary_client.close()
     reader.close()
     return {key: median(values) for key, values in rounds.items()} | {
         f"{key}_rounds": [round(v, 3) for v in values] for key, values in rounds.items()
@@ -400,10 +404,12 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
               f"{r[f'{key}_vs_{baseline}']:6.2f} {r[f'{key}_vs_machine_memcpy']:15.2f}")
     step = f"{args.decode_tokens}x{HEADS}"
     print(f"decode step {step}, medians over {args.rounds} rounds of {args.calls} calls:")
-    for key, label in (("shm_step", "shm lookup"), ("grpc_step", "gRPC Lookup (loopback)"),
+    for key, label in (("shm_step", "shm lookup"),
+                       ("grpc_stream_step", "gRPC LookupStream (loopback)"),
+                       ("grpc_step", "gRPC unary Lookup (loopback)"),
                        ("grpc_empty", "empty gRPC call (Describe)"),
                        ("tcp_echo", "1-byte TCP echo, 2 processes")):
-        print(f"  {label:28s} p50 {r[f'{key}_p50_ms']:.3f} ms, p99 {r[f'{key}_p99_ms']:.3f} ms")
+        print(f"  {label:29s} p50 {r[f'{key}_p50_ms']:.3f} ms, p99 {r[f'{key}_p99_ms']:.3f} ms")
     print(json.dumps(results))
 
 
