@@ -81,10 +81,20 @@ def decode_case(
     cache: torch.Tensor,
     swa_cache: torch.Tensor,
     bandwidth: float,
-    **config: int,
+    backend: str = "triton",
+    **config: int | str | None,
 ) -> dict[str, object]:
+    """One decode shape; `backend` "triton" (sparse_mla_decode.py) or "cuda" (the CUDA
+    kernel built for the `cuda_arch` config entry)."""
+    import functools
+
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
+    from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
+
+    decode: Callable[..., object] = sparse_mla_decode
+    if backend == "cuda":
+        decode = functools.partial(sparse_mla_decode_cuda, arch=config.pop("cuda_arch"))
 
     rows_per_seq = context // COMPRESS_RATIO
     # Sequence b owns compressed rows [b * rows_per_seq, (b + 1) * rows_per_seq).
@@ -101,7 +111,7 @@ def decode_case(
     out = torch.empty_like(q)
 
     def run() -> object:
-        return sparse_mla_decode(
+        return decode(
             q,
             swa_cache,
             swa_indices,
@@ -135,7 +145,7 @@ def decode_case(
     moved = rows * (layout.BYTES_PER_TOKEN + 4) + 2 * q.numel() * 2
     flops = 4 * batch * heads * (topk + SWA_WINDOW) * layout.HEAD_DIM
     return {
-        "kernel": "sparse_mla_decode",
+        "kernel": "sparse_mla_decode" if backend == "triton" else "sparse_mla_decode (CUDA)",
         "shape": f"B={batch} H={heads} topk={topk}+{SWA_WINDOW} ctx={context // 1024}k",
         "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
         "ms": ms,
@@ -181,6 +191,25 @@ def profile_decode(heads: int) -> None:
             extra_block_size=BLOCK_SIZE,
         )
     torch.cuda.synchronize()
+
+
+def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
+    """The CUDA decode against the Triton one (the baseline) on the same inputs."""
+    context = 32768
+    cache = filled_cache(64 * context // COMPRESS_RATIO)
+    swa_cache = filled_cache(64 * SWA_WINDOW)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; graph-replay ms, context {context // 1024}k")
+    print("| shape | Triton ms | CUDA ms | Triton / CUDA | CUDA of copy |")
+    print("|---|---|---|---|---|")
+    for heads in (16, 64):
+        for batch in (1, 8, 64):
+            for topk in (512, 2048):
+                base = decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth)
+                cuda = decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth,
+                                   "cuda", cuda_arch=cuda_arch)
+                print(f"| {cuda['shape']} | {base['graph ms']:.4f} | {cuda['graph ms']:.4f} | "
+                      f"{base['graph ms'] / cuda['graph ms']:.2f} | {cuda['of copy']:.0%} |",
+                      flush=True)
 
 
 def sweep_decode(bandwidth: float) -> None:
@@ -357,6 +386,11 @@ def main() -> None:
         help="only launch the B=64 top-k 2048 decode with HEADS heads (16) a few times (for ncu)",
     )
     parser.add_argument(
+        "--compare-decode",
+        action="store_true",
+        help="only time the Triton and the CUDA decode side by side (graph replay)",
+    )
+    parser.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only time the decode's tiling choices (keys per step, warps, splits)",
@@ -375,6 +409,10 @@ def main() -> None:
     if args.sweep_decode:
         sweep_decode(copy_bandwidth())
         return
+    cuda_arch = args.gpu_arch if args.gpu_arch != "native" else None
+    if args.compare_decode:
+        compare_decode(copy_bandwidth(), cuda_arch)
+        return
     bandwidth = copy_bandwidth()
     print(
         f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s"
@@ -391,10 +429,10 @@ def main() -> None:
         for batch in (1, 8, 64):
             for topk in (512, 2048):
                 for context in contexts:
-                    rows.append(
-                        decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth)
-                    )
-                    print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+                    for backend, config in (("triton", {}), ("cuda", {"cuda_arch": cuda_arch})):
+                        rows.append(decode_case(batch, topk, context, heads, cache, swa_cache,
+                                                bandwidth, backend, **config))
+                        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     for config in (
         {"heads_per_program": 16, "block_n": 16, "num_warps": 4},
         {"heads_per_program": 16, "block_n": 32, "num_warps": 8},

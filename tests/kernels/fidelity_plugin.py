@@ -41,6 +41,8 @@ class _HarnessState:
     is_interpreter: bool = False
     device: str = "cpu"
     max_errors: dict[str, float] = field(default_factory=dict)
+    # CUDA C++ kernels (not in Triton's compile reports): name -> table row fields.
+    cuda_resources: dict[str, dict[str, int]] = field(default_factory=dict)
     over_limit: set[str] = field(default_factory=set)
 
 
@@ -131,6 +133,18 @@ def record_max_error() -> Callable[[str, float], None]:
     return record
 
 
+@pytest.fixture
+def record_cuda_kernel() -> Callable[[str, int, int, int], None]:
+    """Record a CUDA C++ kernel's shared memory, registers and spilled bytes for the table."""
+
+    def record(kernel_name: str, shared_bytes: int, registers: int, spill_bytes: int) -> None:
+        _state.cuda_resources[kernel_name] = {
+            "variants": 1, "shared": shared_bytes, "registers": registers, "spills": spill_bytes
+        }
+
+    return record
+
+
 @pytest.fixture(autouse=True)
 def _kernel_fidelity_checks(request: pytest.FixtureRequest) -> Iterator[None]:
     if not _is_kernel_test_path(Path(str(request.node.path))) or _state.is_interpreter:
@@ -175,6 +189,7 @@ def fidelity_table() -> list[dict[str, str]]:
             row["shared"] = max(row["shared"], report.shared_bytes)
             row["registers"] = max(row["registers"], report.registers)
             row["spills"] = max(row["spills"], report.spills)
+    rows.update(_state.cuda_resources)
     for name in _state.max_errors:
         rows.setdefault(name, {})
     if _state.is_interpreter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -77,9 +78,10 @@ def _slot_lists(
     return slots, lengths
 
 
-def _run_case(
-    case: DecodeCase, device: str, seed: int
+def run_case(
+    case: DecodeCase, device: str, seed: int, decode: Callable[..., object] = sparse_mla_decode
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(decode's (out, lse), the reference's) for one case's random inputs."""
     generator = torch.Generator().manual_seed(seed)
     window_cache = _filled_cache(4 * case.window, 64, device, generator)
     window_slots, window_lengths = _slot_lists(
@@ -116,7 +118,7 @@ def _run_case(
         block_size=64,
         **kwargs,
     )
-    got = sparse_mla_decode(**common, num_splits=case.num_splits)
+    got = decode(**common, num_splits=case.num_splits)
     want = sparse_mla_decode_reference(**common)
     return got, want
 
@@ -131,8 +133,21 @@ def test_decode_matches_reference(kernel_device: str, case_index: int, record_ma
     if case_index >= len(cases):
         pytest.skip("large shapes run on a CUDA card only")
     case = cases[case_index]
-    (out, lse), (want_out, want_lse) = _run_case(case, kernel_device, seed=case_index)
-    out, lse, want_out, want_lse = out.float().cpu(), lse.cpu(), want_out.cpu(), want_lse.cpu()
+    got, want = run_case(case, kernel_device, seed=case_index)
+    error = check_against_reference(case, got, want)
+    record_max_error("_sparse_mla_decode_kernel", error)
+    if case.num_splits != 1:
+        record_max_error("_combine_kernel", error)
+
+
+def check_against_reference(
+    case: DecodeCase,
+    got: tuple[torch.Tensor, torch.Tensor],
+    want: tuple[torch.Tensor, torch.Tensor],
+) -> float:
+    """Asserts a decode's (out, lse) match the reference's; returns the max abs error."""
+    out, lse = got[0].float().cpu(), got[1].cpu()
+    want_out, want_lse = want[0].cpu(), want[1].cpu()
 
     assert not torch.isnan(out).any()
     error = (out - want_out).abs().max().item()
@@ -144,9 +159,7 @@ def test_decode_matches_reference(kernel_device: str, case_index: int, record_ma
     assert (out[empty.unsqueeze(-1).expand_as(out)] == 0).all()
     lse_error = (lse[~empty] - want_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
     assert lse_error < 1e-3
-    record_max_error("_sparse_mla_decode_kernel", error)
-    if case.num_splits != 1:
-        record_max_error("_combine_kernel", error)
+    return error
 
 
 def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:

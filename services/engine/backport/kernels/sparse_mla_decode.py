@@ -334,7 +334,7 @@ def dot_dtype() -> tl.dtype:
     return tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
 
 
-def _as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
+def as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """Accept FlashMLA's [T, 1, ...] (one query per sequence) as well as [T, ...]."""
     if x is None:
         return None
@@ -389,9 +389,9 @@ def sparse_mla_decode(
     q [T, H, 512] (or [T, 1, H, 512]); caches uint8 (`ds_mla_cache`); indices [T, K]
     (or [T, 1, K]) int32/int64 global slots; lengths [T] int32. Extra cache optional.
     """
-    q = _as_token_major(q, "q")
-    indices = _as_token_major(indices, "indices")
-    extra_indices = _as_token_major(extra_indices, "indices")
+    q = as_token_major(q, "q")
+    indices = as_token_major(indices, "indices")
+    extra_indices = as_token_major(extra_indices, "indices")
     if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
     num_tokens, num_heads, _ = q.shape
@@ -426,7 +426,7 @@ def sparse_mla_decode(
 
     if out is None:
         out = torch.empty_like(q)
-    out = _as_token_major(out, "q")
+    out = as_token_major(out, "q")
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     is_single_split = num_splits == 1
     if is_single_split:
@@ -509,13 +509,13 @@ def sparse_mla_decode_reference(
     extra_block_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference in fp32 (q rounded to bf16 as the kernel reads it)."""
-    q = _as_token_major(q, "q").float()
-    lists = [(k_cache, _as_token_major(indices, "indices"), topk_length, block_size)]
+    q = as_token_major(q, "q").float()
+    lists = [(k_cache, as_token_major(indices, "indices"), topk_length, block_size)]
     if extra_k_cache is not None:
         lists.append(
             (
                 extra_k_cache,
-                _as_token_major(extra_indices, "indices"),
+                as_token_major(extra_indices, "indices"),
                 extra_topk_length,
                 extra_block_size,
             )

@@ -1,0 +1,167 @@
+"""Build a CUDA C++ kernel for an older card's instruction set and launch it from torch.
+
+No compiled extension: `nvcc` turns the source into PTX for a virtual arch (compute_80
+for the sm80 path), so anything that arch lacks fails to compile here as on the card;
+the driver JIT-compiles that PTX for the card present (an sm90 H200 runs the sm80 code
+path, as Triton's arch override does). Launches go through the driver API on torch's
+current stream, so CUDA graphs capture them like any torch op. PTX is cached by source
+and arch under `BACKPORT_CUDA_CACHE_DIR` (default `~/.cache/backport/cuda`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# CUfunction_attribute / CUresult values from cuda.h.
+_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+_ATTRIBUTE_NUM_REGS = 4
+_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CUDA_SUCCESS = 0
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc is missing or rejected the source."""
+
+
+def _arch_number(arch: str) -> int:
+    if not arch.startswith("sm") or not arch[2:].isdigit():
+        raise ValueError(f"arch must look like 'sm80', got {arch!r}")
+    return int(arch[2:])
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def nvcc_path() -> str:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [str(Path(cuda_home) / "bin" / "nvcc")] if cuda_home else []
+    candidates.append(shutil.which("nvcc") or "")
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise CudaBuildError("building the CUDA kernels needs nvcc (the CUDA toolkit): put it on "
+                         "PATH or set CUDA_HOME")
+
+
+def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) -> bytes:
+    """PTX of `source` for the virtual arch of `arch` (e.g. "sm80" -> compute_80), with
+    `defines` as -D macros (a kernel's tunables), cached."""
+    number = _arch_number(arch)
+    nvcc = nvcc_path()
+    macros = [f"-D{name}={value}" for name, value in sorted((defines or {}).items())]
+    text = source.read_bytes()
+    key = hashlib.sha256(text + f"|{number}|{nvcc}|{macros}".encode()).hexdigest()[:32]
+    cache_dir = Path(os.environ.get("BACKPORT_CUDA_CACHE_DIR",
+                                    Path.home() / ".cache" / "backport" / "cuda"))
+    cached = cache_dir / f"{source.stem}-{arch}-{key}.ptx"
+    if cached.is_file():
+        return cached.read_bytes()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(f".{os.getpid()}.tmp")
+    command = [nvcc, "-ptx", f"-arch=compute_{number}", "-O3", "-std=c++17", "-lineinfo",
+               *macros, "-o", str(partial), str(source)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CudaBuildError(f"nvcc failed for {source.name} ({arch}):\n{result.stderr}")
+    partial.replace(cached)  # atomic: concurrent builders never read a half-written file
+    return cached.read_bytes()
+
+
+def _driver() -> ctypes.CDLL:
+    library = ctypes.CDLL("libcuda.so.1")
+    library.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return library
+
+
+def _check(driver: ctypes.CDLL, result: int, what: str) -> None:
+    if result != _CUDA_SUCCESS:
+        message = ctypes.c_char_p()
+        driver.cuGetErrorString(result, ctypes.byref(message))
+        name = message.value.decode() if message.value else f"error {result}"
+        raise RuntimeError(f"CUDA driver: {what} failed: {name}")
+
+
+@dataclass(frozen=True)
+class FunctionResources:
+    """What the driver reports for a loaded kernel on the card present."""
+
+    registers: int
+    local_bytes: int  # per-thread local memory: spills (and stack) after the JIT
+
+
+class CudaKernel:
+    """One `extern "C"` kernel of a PTX module, loaded into `device`'s primary context."""
+
+    def __init__(self, ptx: bytes, name: str, device: torch.device) -> None:
+        self._driver = _driver()
+        self.device = device
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)  # makes the device's primary context current
+            self._module = ctypes.c_void_p()
+            _check(self._driver, self._driver.cuModuleLoadData(
+                ctypes.byref(self._module), ctypes.c_char_p(ptx + b"\0")), f"loading {name}")
+            self._function = ctypes.c_void_p()
+            _check(self._driver, self._driver.cuModuleGetFunction(
+                ctypes.byref(self._function), self._module, name.encode()), f"finding {name}")
+        self.name = name
+        self._dynamic_shared_limit = 0
+
+    def attribute(self, attribute: int) -> int:
+        value = ctypes.c_int()
+        _check(self._driver, self._driver.cuFuncGetAttribute(
+            ctypes.byref(value), attribute, self._function), "reading a kernel attribute")
+        return value.value
+
+    @property
+    def resources(self) -> FunctionResources:
+        return FunctionResources(registers=self.attribute(_ATTRIBUTE_NUM_REGS),
+                                 local_bytes=self.attribute(_ATTRIBUTE_LOCAL_SIZE_BYTES))
+
+    def read_int_global(self, name: str) -> int:
+        """A `__constant__ int` of the module (a layout constant the source defines)."""
+        address, size = ctypes.c_uint64(), ctypes.c_size_t()
+        _check(self._driver, self._driver.cuModuleGetGlobal_v2(
+            ctypes.byref(address), ctypes.byref(size), self._module, name.encode()),
+            f"finding {name}")
+        value = ctypes.c_int()
+        with torch.cuda.device(self.device):
+            _check(self._driver, self._driver.cuMemcpyDtoH_v2(
+                ctypes.byref(value), address, ctypes.c_size_t(ctypes.sizeof(value))),
+                f"reading {name}")
+        return value.value
+
+    def blocks_per_sm(self, threads: int, dynamic_shared_bytes: int) -> int:
+        self._allow_shared(dynamic_shared_bytes)
+        blocks = ctypes.c_int()
+        _check(self._driver, self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), self._function, threads, ctypes.c_size_t(dynamic_shared_bytes)),
+            "computing occupancy")
+        return blocks.value
+
+    def launch(self, grid: tuple[int, int, int], threads: int, dynamic_shared_bytes: int,
+               params: ctypes.Structure) -> None:
+        """Launches with one by-value struct argument on torch's current stream."""
+        self._allow_shared(dynamic_shared_bytes)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        arguments = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+        _check(self._driver, self._driver.cuLaunchKernel(
+            self._function, *grid, threads, 1, 1, dynamic_shared_bytes,
+            ctypes.c_void_p(stream), arguments, None), f"launching {self.name}")
+
+    def _allow_shared(self, dynamic_shared_bytes: int) -> None:
+        # Above 48 KB a kernel must opt in to dynamic shared memory, once.
+        if dynamic_shared_bytes > self._dynamic_shared_limit:
+            _check(self._driver, self._driver.cuFuncSetAttribute(
+                self._function, _ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_shared_bytes),
+                "raising the dynamic shared memory limit")
+            self._dynamic_shared_limit = dynamic_shared_bytes

@@ -1,0 +1,214 @@
+"""Launcher of the CUDA sparse MLA decode (`sparse_mla_decode_sm80.cu`).
+
+Same interface and semantics as `sparse_mla_decode.sparse_mla_decode` (the Triton
+kernel, which also runs under the interpreter and stays the portable path): FlashMLA's
+sparse fp8 decode as DeepSeek-V4 calls it. The CUDA kernel needs a CUDA card, nvcc,
+bf16 q and groups of 16 heads; it always writes split partials and lets the Triton
+`combine_splits` merge them and apply the sink (one split included).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.cuda_module import CudaKernel, compile_ptx, device_arch
+from services.engine.backport.kernels.sparse_mla_combine import LOG2E, combine_splits
+from services.engine.backport.kernels.sparse_mla_decode import MAX_SPLITS, as_token_major
+
+SOURCE = Path(__file__).with_name("sparse_mla_decode_sm80.cu")
+KERNEL_NAME = "sparse_mla_decode_sm80"
+THREADS = 128
+HEADS_PER_BLOCK = 16
+DEFAULT_STAGES = 2
+# Keys a split walks, at least: 4 steps once the grid has a block per SM (B=8, 16 heads,
+# top-k 2048 + 128 on the H200 in sm80 mode: 16 splits 0.020 ms, 64 splits 0.030 ms), 1 step
+# while it has fewer (B=1, same lists: 64 splits 0.013 ms, 16 splits 0.018 ms).
+MIN_KEYS_PER_SPLIT = 128
+MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
+
+
+class DecodeParams(ctypes.Structure):
+    """The kernel's `DecodeParams`, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("cache", ctypes.c_void_p),
+        ("extra_cache", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("extra_slots", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("extra_lengths", ctypes.c_void_p),
+        ("partial_out", ctypes.c_void_p),
+        ("partial_lse", ctypes.c_void_p),
+        ("q_token_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("extra_block_stride", ctypes.c_int64),
+        ("slots_stride", ctypes.c_int64),
+        ("extra_slots_stride", ctypes.c_int64),
+        ("block_size_log2", ctypes.c_int32),
+        ("extra_block_size_log2", ctypes.c_int32),
+        ("list_width", ctypes.c_int32),
+        ("extra_list_width", ctypes.c_int32),
+        ("split_len", ctypes.c_int32),
+        ("extra_split_len", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32),
+        ("qk_scale_log2", ctypes.c_float),
+    ]
+
+
+@dataclass(frozen=True)
+class LoadedDecode:
+    """The kernel on one GPU, with what its launches need."""
+
+    kernel: CudaKernel
+    shared_bytes: int  # dynamic shared memory a block uses (the source's own constant)
+    wave: int  # blocks resident at once on the whole GPU
+    sm_count: int
+
+
+@functools.cache
+def load_decode(arch: str, device_index: int, stages: int = DEFAULT_STAGES) -> LoadedDecode:
+    """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`.
+    Load before capturing a CUDA graph: loading reads a constant back from the GPU."""
+    device = torch.device("cuda", device_index)
+    ptx = compile_ptx(SOURCE, arch, {"SPARSE_MLA_DECODE_STAGES": stages})
+    kernel = CudaKernel(ptx, KERNEL_NAME, device)
+    shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return LoadedDecode(
+        kernel, shared, kernel.blocks_per_sm(THREADS, shared) * sm_count, sm_count
+    )
+
+
+def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
+    """Splits of each token's keys for `programs` (token, head block) pairs: at most one
+    wave of blocks, and combining more partials than needed costs (B=64, 16 heads, top-k
+    512 + 128: 4 splits 0.028 ms, 16 splits 0.054 ms)."""
+    splits = min(loaded.wave // programs, MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT))
+    if programs * splits < loaded.sm_count:
+        splits = min(MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT_SMALL_GRID),
+                     loaded.sm_count // programs)
+    return max(1, splits)
+
+
+def _log2_block_size(block_size: int) -> int:
+    if block_size & (block_size - 1):
+        raise ValueError(f"the CUDA decode needs a power-of-two block size, got {block_size}")
+    return block_size.bit_length() - 1
+
+
+def _int32_rows(x: torch.Tensor | None) -> torch.Tensor | None:
+    if x is None:
+        return None
+    if x.dtype != torch.int32 or x.stride(-1) != 1:
+        x = x.to(torch.int32).contiguous()
+    return x
+
+
+def sparse_mla_decode_cuda(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    block_size: int | None = None,
+    extra_block_size: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    arch: str | None = None,
+    stages: int = DEFAULT_STAGES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode; returns (out [T, H, 512], lse [T, H] natural log).
+
+    `arch` picks the instruction set the kernel is built for ("sm80", "sm86", ...;
+    default: the card's own); `stages` how many steps of rows shared memory holds.
+    """
+    q = as_token_major(q, "q")
+    indices = _int32_rows(as_token_major(indices, "indices"))
+    extra_indices = _int32_rows(as_token_major(extra_indices, "indices"))
+    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must be bfloat16, got {q.dtype}")
+    if q.stride(0) % 4 or q.stride(1) % 4:
+        raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
+    num_tokens, num_heads, _ = q.shape
+    if indices.dim() != 2 or indices.shape[0] != num_tokens:
+        raise ValueError(f"indices must be [T, K], got {tuple(indices.shape)}")
+    has_extra = extra_k_cache is not None
+    if has_extra and (extra_indices is None or extra_indices.shape[0] != num_tokens):
+        raise ValueError("extra_k_cache needs extra_indices [T, K2]")
+    geometry = layout.cache_geometry(k_cache, block_size)
+    extra_geometry = (
+        layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
+    )
+    lengths = _int32_rows(topk_length)
+    extra_lengths = _int32_rows(extra_topk_length) if has_extra else None
+
+    device = q.device
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    loaded = load_decode(arch or device_arch(device), device_index, stages)
+    num_head_blocks = triton.cdiv(num_heads, HEADS_PER_BLOCK)
+    list_width = indices.shape[1]
+    extra_list_width = extra_indices.shape[1] if has_extra else 0
+    if num_splits is None:
+        # A split walks its piece of both lists as one run of keys.
+        num_splits = choose_num_splits(
+            num_tokens * num_head_blocks, list_width + extra_list_width, loaded
+        )
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+
+    if out is None:
+        out = torch.empty_like(q)
+    out = as_token_major(out, "q")
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    partial_out = torch.empty(
+        (num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=torch.float32, device=device
+    )
+    partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32,
+                              device=device)
+    params = DecodeParams(
+        q=q.data_ptr(),
+        cache=k_cache.data_ptr(),
+        extra_cache=(extra_k_cache if has_extra else k_cache).data_ptr(),
+        slots=indices.data_ptr(),
+        extra_slots=(extra_indices if has_extra else indices).data_ptr(),
+        lengths=lengths.data_ptr() if lengths is not None else None,
+        extra_lengths=extra_lengths.data_ptr() if extra_lengths is not None else None,
+        partial_out=partial_out.data_ptr(),
+        partial_lse=partial_lse.data_ptr(),
+        q_token_stride=q.stride(0),
+        q_head_stride=q.stride(1),
+        block_stride=geometry.block_stride,
+        extra_block_stride=extra_geometry.block_stride,
+        slots_stride=indices.stride(0),
+        extra_slots_stride=extra_indices.stride(0) if has_extra else 0,
+        block_size_log2=_log2_block_size(geometry.block_size),
+        extra_block_size_log2=_log2_block_size(extra_geometry.block_size),
+        list_width=list_width,
+        extra_list_width=extra_list_width,
+        split_len=triton.cdiv(list_width, num_splits),
+        extra_split_len=triton.cdiv(extra_list_width, num_splits),
+        num_heads=num_heads,
+        num_splits=num_splits,
+        qk_scale_log2=softmax_scale * LOG2E,
+    )
+    loaded.kernel.launch(
+        (num_head_blocks, num_splits, num_tokens), THREADS, loaded.shared_bytes, params
+    )
+    combine_splits(partial_out, partial_lse, attn_sink, out, lse)
+    return out, lse

@@ -1,0 +1,95 @@
+"""The CUDA sparse MLA decode against the same plain-torch reference as the Triton one.
+
+CUDA C++ cannot run under Triton's interpreter, so on a machine without a GPU only the
+build check runs (where nvcc exists): the source must assemble for sm80 and sm86 without
+spills. On a CUDA card, `--gpu-arch` builds the kernel for that arch's instruction set
+(compute_80 PTX, JIT-compiled for the card present).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
+from services.engine.backport.kernels.cuda_module import (
+    CudaBuildError,
+    compile_ptx,
+    device_arch,
+    nvcc_path,
+)
+from services.engine.backport.kernels.sparse_mla_decode_cuda import (
+    KERNEL_NAME,
+    SOURCE,
+    load_decode,
+    sparse_mla_decode_cuda,
+)
+from tests.kernels.test_sparse_mla_decode import (
+    GPU_CASES,
+    INTERPRETER_CASES,
+    check_against_reference,
+    run_case,
+)
+
+CASES = GPU_CASES + INTERPRETER_CASES
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")
+
+
+def _ptx_or_skip(arch: str) -> bytes:
+    try:
+        return compile_ptx(SOURCE, arch)
+    except CudaBuildError as exc:
+        if "needs nvcc" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm86"])
+def test_cuda_decode_assembles_for_ampere_without_spills(arch: str, tmp_path: Path) -> None:
+    """ptxas for the real Ampere target: no fp8 instruction can pass it, and spills would
+    show here first."""
+    ptx = tmp_path / "decode.ptx"
+    ptx.write_bytes(_ptx_or_skip(arch))
+    ptxas = Path(nvcc_path()).with_name("ptxas")
+    result = subprocess.run(
+        [str(ptxas), f"-arch=sm_{arch[2:]}", "-v", "-o", str(tmp_path / "decode.cubin"), str(ptx)],
+        capture_output=True, text=True, check=True,
+    )
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
+    assert spills is not None and int(spills.group(1)) == 0, result.stderr
+    assert registers <= 128, f"{registers} registers: fewer than 4 blocks of 128 threads an SM"
+
+
+@pytest.fixture(scope="module")
+def cuda_arch(gpu_arch: str | None) -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA card")
+    _ptx_or_skip(gpu_arch or device_arch(torch.device("cuda")))
+    return gpu_arch or device_arch(torch.device("cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case_index", range(len(CASES)))
+def test_cuda_decode_matches_reference(case_index: int, cuda_arch: str, record_max_error) -> None:
+    case = CASES[case_index]
+    decode = functools.partial(sparse_mla_decode_cuda, arch=cuda_arch)
+    got, want = run_case(case, "cuda", seed=case_index, decode=decode)
+    record_max_error(KERNEL_NAME, check_against_reference(case, got, want))
+
+
+@needs_cuda
+def test_cuda_decode_fits_the_arch(cuda_arch: str, record_cuda_kernel) -> None:
+    loaded = load_decode(cuda_arch, torch.cuda.current_device())
+    resources = loaded.kernel.resources
+    record_cuda_kernel(KERNEL_NAME, loaded.shared_bytes, resources.registers,
+                       resources.local_bytes)
+    limit = SHARED_MEMORY_LIMIT_BYTES.get(cuda_arch)
+    if limit is not None:
+        assert loaded.shared_bytes <= limit
+    assert resources.local_bytes == 0
