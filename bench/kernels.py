@@ -8,7 +8,10 @@ which its rates use), the bytes it must move (each input read once, each output
 written once) over that time, that rate as a share of the copy bandwidth measured at
 the start of the same run, and for the decode its tensor-core rate.
 `--profile-decode [HEADS]` only launches one large decode, for Nsight Compute; `--sweep-decode`
-only times the decode's tiling choices (keys per step, warps, splits) on four shapes.
+only times the decode's tiling choices (keys per step, warps, splits; for the CUDA decode
+stages and splits) on four shapes; `--decode-backend cuda` points both at the CUDA decode.
+`--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
+side on the same inputs. The main table has a row for each.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
 sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
@@ -159,11 +162,18 @@ def decode_case(
     }
 
 
-def profile_decode(heads: int) -> None:
+def profile_decode(heads: int, backend: str, cuda_arch: str | None) -> None:
     """Three launches of one large decode (batch 64, top-k 2048), nothing else, so a
     profiler sees only it."""
+    import functools
+
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
+    from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
+
+    decode: Callable[..., object] = sparse_mla_decode
+    if backend == "cuda":
+        decode = functools.partial(sparse_mla_decode_cuda, arch=cuda_arch)
 
     batch, topk, rows_per_seq = 64, 2048, 32768 // COMPRESS_RATIO
     cache = filled_cache(batch * rows_per_seq)
@@ -177,7 +187,7 @@ def profile_decode(heads: int) -> None:
     )
     q = torch.randn(batch, heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        sparse_mla_decode(
+        decode(
             q,
             swa_cache,
             swa.to(torch.int32),
@@ -212,14 +222,14 @@ def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
                       flush=True)
 
 
-def sweep_decode(bandwidth: float) -> None:
+def sweep_decode(bandwidth: float, backend: str, cuda_arch: str | None) -> None:
     """Decode tiling choices on the shapes the goal is about (batch >= 8, 16 or 64 heads)."""
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     context = 32768
     cache = filled_cache(64 * context // COMPRESS_RATIO)
     swa_cache = filled_cache(64 * SWA_WINDOW)
     rows: list[dict[str, object]] = []
-    configs: list[dict[str, int]] = [
+    configs: list[dict[str, int | str | None]] = [
         {},
         {"num_splits": 1},
         {"num_splits": 2},
@@ -232,11 +242,20 @@ def sweep_decode(bandwidth: float) -> None:
         {"num_warps": 8},
         {"block_n": 64, "num_warps": 8},
     ]
+    if backend == "cuda":  # rows in flight (stages) and splits
+        configs = [
+            {"stages": stages, "num_splits": splits, "cuda_arch": cuda_arch}
+            for stages in (2, 3, 4)
+            for splits in (None, 4, 8, 16, 64)
+        ]
     for batch, heads in ((64, 16), (8, 16), (1, 16), (64, 64)):
         for config in configs:
             try:
                 rows.append(
-                    decode_case(batch, 2048, context, heads, cache, swa_cache, bandwidth, **config)
+                    decode_case(
+                        batch, 2048, context, heads, cache, swa_cache, bandwidth, backend,
+                        **config,
+                    )
                 )
             except Exception as error:  # noqa: BLE001 - over the card's limits is a result
                 print(f"{batch=} {heads=} {config} failed: {str(error)[-300:]}", flush=True)
@@ -391,9 +410,15 @@ def main() -> None:
         help="only time the Triton and the CUDA decode side by side (graph replay)",
     )
     parser.add_argument(
+        "--decode-backend",
+        choices=["triton", "cuda"],
+        default="triton",
+        help="the decode --profile-decode and --sweep-decode run (cuda: sparse_mla_decode_sm80.cu)",
+    )
+    parser.add_argument(
         "--sweep-decode",
         action="store_true",
-        help="only time the decode's tiling choices (keys per step, warps, splits)",
+        help="only time the decode's tiling choices (--decode-backend picks which decode)",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -403,13 +428,13 @@ def main() -> None:
 
         enable_arch_emulation(args.gpu_arch, tempfile.mkdtemp(prefix="triton-bench-"))
 
+    cuda_arch = args.gpu_arch if args.gpu_arch != "native" else None
     if args.profile_decode:
-        profile_decode(args.profile_decode)
+        profile_decode(args.profile_decode, args.decode_backend, cuda_arch)
         return
     if args.sweep_decode:
-        sweep_decode(copy_bandwidth())
+        sweep_decode(copy_bandwidth(), args.decode_backend, cuda_arch)
         return
-    cuda_arch = args.gpu_arch if args.gpu_arch != "native" else None
     if args.compare_decode:
         compare_decode(copy_bandwidth(), cuda_arch)
         return
