@@ -2,9 +2,9 @@
 // counterpart of sparse_mla_decode.py's Triton kernel, for sm80/86/89.
 //
 // Why CUDA: the Triton kernel spends a 32-key step in 12 barrier-separated phases with 8
-// warps an SM (docs/kernels.md). Here a step has 2 barriers, the dequantized K never
-// goes through shared memory, and a block uses 56 KB and 122 registers a thread, so four
-// blocks (16 warps) share an H200 SM (two on sm80, one on sm86/89).
+// warps an SM (docs/kernels.md). Here a step has 3 barriers, the dequantized K never
+// goes through shared memory, and a block uses 55 KB and under 128 registers a thread, so
+// four blocks (16 warps) share an H200 SM (two on sm80, one on sm86/89).
 //
 // One block = 16 heads (one mma M tile) of one token, one split of its slot lists; four
 // warps. Per step of 32 keys:
@@ -15,8 +15,10 @@
 //      registers. The reduction order of the 512 dims is free, so a thread's 16-byte
 //      load (16 consecutive dims of one key) feeds four k16 chunks; q is staged in
 //      shared memory in the same permuted order once per block.
-//   3. Scores go to shared memory; after the barrier every warp runs the same online
-//      softmax over all 32 keys (so m and l agree across warps without more barriers).
+//   3. Each warp's row maxima go to shared memory; after a barrier every warp takes the
+//      step's maximum from them (so m agrees across warps), exponentiates its own 8 keys'
+//      scores and writes them as bf16 to the step's P tile; after another barrier every
+//      warp loads P's A fragments with ldmatrix. Row sums stay per thread until the end.
 //   4. PV, dims split across warps: warp w owns output dims 128w..128w+127. Its B
 //      fragments (pairs of keys for one dim) are dequantized from the staged bytes again,
 //      with output dims permuted so a thread reads 4 consecutive bytes of a row.
@@ -50,15 +52,17 @@ constexpr int kStages = SPARSE_MLA_DECODE_STAGES;
 // the QK^T 16-byte loads then see one 2-way conflict in 8.
 constexpr int kRowStride = 592;
 constexpr int kQStride = 520;     // bf16 per staged q row: +8 spreads ldmatrix rows over banks
-constexpr int kScoreStride = 34;  // fp32 per score row (+2 keeps float2 rows 8-byte aligned)
+constexpr int kPStride = 40;  // bf16 per row of the step's P tile: +8 spreads ldmatrix rows
 constexpr int kDimsPerWarp = kHeadDim / kWarps;  // 128 output dims a warp in PV
 
 constexpr int kQBytes = kHeads * kQStride * 2;
 constexpr int kRowsBytes = kStages * kKeys * kRowStride;
 constexpr int kScalesBytes = kStages * kKeys * kScaleBytes;
 constexpr int kValidBytes = kStages * kKeys;
-constexpr int kScoresBytes = kHeads * kScoreStride * 4;
-constexpr int kSharedBytes = kQBytes + kRowsBytes + kScalesBytes + kValidBytes + kScoresBytes;
+constexpr int kStepMaxBytes = kHeads * kWarps * 4;  // each warp's row maxima of a step
+constexpr int kPBytes = kHeads * kPStride * 2;
+constexpr int kSharedBytes =
+    kQBytes + kRowsBytes + kScalesBytes + kValidBytes + kStepMaxBytes + kPBytes;
 
 }  // namespace
 
@@ -204,7 +208,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
   uint8_t* rows = shared + kQBytes;
   uint8_t* scales = rows + kRowsBytes;
   uint8_t* valid_keys = scales + kScalesBytes;
-  float* scores = reinterpret_cast<float*>(valid_keys + kValidBytes);
+  float* step_max = reinterpret_cast<float*>(valid_keys + kValidBytes);
+  uint16_t* p_tile = reinterpret_cast<uint16_t*>(valid_keys + kValidBytes + kStepMaxBytes);
 
   const int head_block = blockIdx.x;
   const int split = blockIdx.y;
@@ -289,13 +294,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
   next_slot = run.slot((kStages - 1) * kKeys + copy_key, next_is_extra);
 
   float row_max[2] = {-INFINITY, -INFINITY};  // rows group, group + 8 (base 2)
-  float row_sum[2] = {0.f, 0.f};
+  float row_sum[2] = {0.f, 0.f};   // this thread's key columns only, until the end
   float acc[16][4];  // PV: 16 n8 tiles of this warp's 128 dims
 #pragma unroll
   for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  const uint32_t q_address =
-      shared_address(q_tile + ((lane % 8) + 8 * ((lane / 8) % 2)) * kQStride + 8 * (lane / 16));
+  // ldmatrix.x4 row addresses of the A fragments (q, and P of a step): lane l gives row
+  // l % 8 of 8x8 matrix l / 8 (rows 0-7 / 8-15, then k 0-7 / 8-15 of a k16 chunk).
+  const int fragment_row = (lane % 8) + 8 * ((lane / 8) % 2);
+  const uint32_t q_address = shared_address(q_tile + fragment_row * kQStride + 8 * (lane / 16));
+  const uint32_t p_address = shared_address(p_tile + fragment_row * kPStride + 8 * (lane / 16));
 
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step % kStages;
@@ -312,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
     const uint8_t* stage_valid = valid_keys + stage * kKeys;
 
     // QK^T: this warp's 8 keys, all 16 heads.
+    float scores[2][2];
     {
       const int key = warp * 8 + group;
       const uint8_t* row = stage_rows_base + key * kRowStride;
@@ -347,70 +356,53 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
                            c[0][3] + c[1][3]};
       const int column = warp * 8 + 2 * quad;
       const bool valid0 = stage_valid[column] != 0, valid1 = stage_valid[column + 1] != 0;
-      float2 top = make_float2(valid0 ? qk[0] * p.qk_scale_log2 : -INFINITY,
-                               valid1 ? qk[1] * p.qk_scale_log2 : -INFINITY);
-      float2 bottom = make_float2(valid0 ? qk[2] * p.qk_scale_log2 : -INFINITY,
-                                  valid1 ? qk[3] * p.qk_scale_log2 : -INFINITY);
-      *reinterpret_cast<float2*>(scores + group * kScoreStride + column) = top;
-      *reinterpret_cast<float2*>(scores + (group + 8) * kScoreStride + column) = bottom;
-    }
-    __syncthreads();  // all 32 keys' scores are in
-
-    // Online softmax, the same in every warp. s[r][kc][h]: row group (+8 for r = 1),
-    // keys 16kc + 2c + {0, 1} (h = 0) and 16kc + 8 + 2c + {0, 1} (h = 1).
-    uint32_t probabilities[2][4];  // A fragments of P for the two k16 chunks
-    {
-      float2 s[2][2][2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            s[r][kc][h] = *reinterpret_cast<const float2*>(
-                scores + (group + 8 * r) * kScoreStride + 16 * kc + 8 * h + 2 * quad);
-      float alpha[2];
+      // scores[r][h]: row group + 8r, key column + h (base 2, -inf for padding).
+      scores[0][0] = valid0 ? qk[0] * p.qk_scale_log2 : -INFINITY;
+      scores[0][1] = valid1 ? qk[1] * p.qk_scale_log2 : -INFINITY;
+      scores[1][0] = valid0 ? qk[2] * p.qk_scale_log2 : -INFINITY;
+      scores[1][1] = valid1 ? qk[3] * p.qk_scale_log2 : -INFINITY;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float local = -INFINITY;
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) local = fmaxf(local, fmaxf(s[r][kc][h].x, s[r][kc][h].y));
-        const float new_max = fmaxf(row_max[r], quad_max(local));
-        // No valid key yet: keep the reference finite so exp2 gives 0, not NaN.
-        const float reference = new_max == -INFINITY ? 0.f : new_max;
-        alpha[r] = fast_exp2(row_max[r] - reference);
-        row_max[r] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            s[r][kc][h].x = fast_exp2(s[r][kc][h].x - reference);
-            s[r][kc][h].y = fast_exp2(s[r][kc][h].y - reference);
-            sum += s[r][kc][h].x + s[r][kc][h].y;
-          }
-        row_sum[r] = row_sum[r] * alpha[r] + quad_sum(sum);
-      }
-#pragma unroll
-      for (int kc = 0; kc < 2; ++kc) {
-        probabilities[kc][0] = pack_bf16(s[0][kc][0].x, s[0][kc][0].y);
-        probabilities[kc][1] = pack_bf16(s[1][kc][0].x, s[1][kc][0].y);
-        probabilities[kc][2] = pack_bf16(s[0][kc][1].x, s[0][kc][1].y);
-        probabilities[kc][3] = pack_bf16(s[1][kc][1].x, s[1][kc][1].y);
-      }
-      // Once the running maxima settle, most steps leave them unchanged (alpha = 1).
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[j][0] *= alpha[0];
-          acc[j][1] *= alpha[0];
-          acc[j][2] *= alpha[1];
-          acc[j][3] *= alpha[1];
-        }
+        const float warp_max = quad_max(fmaxf(scores[r][0], scores[r][1]));
+        if (quad == 0) step_max[(group + 8 * r) * kWarps + warp] = warp_max;
       }
     }
+    __syncthreads();  // every warp's row maxima of this step are in
+
+    // Online softmax of this warp's 8 keys against the step's maximum over all 32, which
+    // every warp reads, so m and alpha agree across warps; row_sum stays a per-thread
+    // partial (its two key columns) until the end.
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float4 maxima = *reinterpret_cast<const float4*>(step_max + (group + 8 * r) * kWarps);
+      const float new_max =
+          fmaxf(row_max[r], fmaxf(fmaxf(maxima.x, maxima.y), fmaxf(maxima.z, maxima.w)));
+      // No valid key yet: keep the reference finite so exp2 gives 0, not NaN.
+      const float reference = new_max == -INFINITY ? 0.f : new_max;
+      alpha[r] = fast_exp2(row_max[r] - reference);
+      row_max[r] = new_max;
+      const float p0 = fast_exp2(scores[r][0] - reference);
+      const float p1 = fast_exp2(scores[r][1] - reference);
+      row_sum[r] = row_sum[r] * alpha[r] + (p0 + p1);
+      *reinterpret_cast<uint32_t*>(p_tile + (group + 8 * r) * kPStride + warp * 8 + 2 * quad) =
+          pack_bf16(p0, p1);
+    }
+    // Once the running maxima settle, most steps leave them unchanged (alpha = 1).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[j][0] *= alpha[0];
+        acc[j][1] *= alpha[0];
+        acc[j][2] *= alpha[1];
+        acc[j][3] *= alpha[1];
+      }
+    }
+    __syncthreads();  // P of all 32 keys is in
+
+    uint32_t probabilities[2][4];  // A fragments of P for the two k16 chunks
+    load_q_fragment(probabilities[0], p_address);
+    load_q_fragment(probabilities[1], p_address + 32);
 
     // PV: n8 tile 4J + r of this warp holds, at column `group`, output dim
     // 128w + 32J + 4 * group + r, so a thread reads 4 consecutive bytes of a row for 4 tiles.
@@ -477,6 +469,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
         }
       }
     }
+  }
+
+  // Row sums: this thread's columns -> this warp's keys -> all keys (step_max is free: every
+  // warp read it before the last step's final barrier).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float warp_sum = quad_sum(row_sum[r]);
+    if (quad == 0) step_max[(group + 8 * r) * kWarps + warp] = warp_sum;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float4 sums = *reinterpret_cast<const float4*>(step_max + (group + 8 * r) * kWarps);
+    row_sum[r] = (sums.x + sums.y) + (sums.z + sums.w);
   }
 
   // Normalized partial output and base-2 lse. C fragment: rows group / group + 8, columns
