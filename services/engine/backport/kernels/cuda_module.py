@@ -1,7 +1,8 @@
 """Build a CUDA C++ kernel for an older card's instruction set and launch it from torch.
 
-No compiled extension: `nvcc` turns the source into PTX for a virtual arch (compute_80
-for the sm80 path), so anything that arch lacks fails to compile here as on the card;
+No compiled extension: NVRTC (the runtime compiler library that torch's CUDA wheels
+bring; `nvcc` where it is absent) turns the source into PTX for a virtual arch
+(compute_80 for the sm80 path), so anything that arch lacks fails to compile as on the card;
 the driver JIT-compiles that PTX for the card present (an sm90 H200 runs the sm80 code
 path, as Triton's arch override does). Launches go through the driver API on torch's
 current stream, so CUDA graphs capture them like any torch op. PTX is cached by source
@@ -11,10 +12,12 @@ and arch under `BACKPORT_CUDA_CACHE_DIR` (default `~/.cache/backport/cuda`).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +31,7 @@ _CUDA_SUCCESS = 0
 
 
 class CudaBuildError(RuntimeError):
-    """nvcc is missing or rejected the source."""
+    """No CUDA compiler was found, or it rejected the source."""
 
 
 def _arch_number(arch: str) -> int:
@@ -42,6 +45,15 @@ def device_arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
+def ptxas_path() -> str | None:
+    """The CUDA toolkit's assembler, for checking PTX against a real target; None without
+    a toolkit."""
+    try:
+        return str(Path(nvcc_path()).with_name("ptxas"))
+    except CudaBuildError:
+        return shutil.which("ptxas")
+
+
 def nvcc_path() -> str:
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     candidates = [str(Path(cuda_home) / "bin" / "nvcc")] if cuda_home else []
@@ -49,18 +61,68 @@ def nvcc_path() -> str:
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return candidate
-    raise CudaBuildError("building the CUDA kernels needs nvcc (the CUDA toolkit): put it on "
-                         "PATH or set CUDA_HOME")
+    raise CudaBuildError("building the CUDA kernels needs NVRTC (torch's CUDA wheels) or nvcc "
+                         "(the CUDA toolkit): put nvcc on PATH or set CUDA_HOME")
+
+
+def nvrtc_path() -> str | None:
+    """libnvrtc from the nvidia-* wheels beside torch (cu13 or cu12 layout), else the
+    system's; None when there is none (a CPU-only torch)."""
+    candidates: list[str] = []
+    for entry in map(Path, sys.path):
+        for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
+            candidates += sorted(str(found) for found in entry.glob(pattern)
+                                 if "builtins" not in found.name and "alt" not in found.name)
+    system = ctypes.util.find_library("nvrtc")
+    if system:
+        candidates.append(system)
+    for candidate in candidates:
+        try:
+            ctypes.CDLL(candidate)
+        except OSError:
+            continue
+        return candidate
+    return None
+
+
+def _nvrtc_ptx(library: ctypes.CDLL, source: Path, options: list[str]) -> bytes:
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            library.nvrtcGetErrorString.restype = ctypes.c_char_p
+            raise CudaBuildError(f"NVRTC {what} failed for {source.name}: "
+                                 f"{library.nvrtcGetErrorString(result).decode()}")
+
+    program = ctypes.c_void_p()
+    check(library.nvrtcCreateProgram(ctypes.byref(program), source.read_bytes(),
+                                     source.name.encode(), 0, None, None), "setup")
+    try:
+        encoded = [option.encode() for option in options]
+        result = library.nvrtcCompileProgram(program, len(encoded),
+                                             (ctypes.c_char_p * len(encoded))(*encoded))
+        if result != 0:
+            size = ctypes.c_size_t()
+            library.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            library.nvrtcGetProgramLog(program, log)
+            raise CudaBuildError(f"NVRTC failed for {source.name}:\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        check(library.nvrtcGetPTXSize(program, ctypes.byref(size)), "PTX size")
+        ptx = ctypes.create_string_buffer(size.value)
+        check(library.nvrtcGetPTX(program, ptx), "PTX")
+        return ptx.raw.rstrip(b"\0")
+    finally:
+        library.nvrtcDestroyProgram(ctypes.byref(program))
 
 
 def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) -> bytes:
     """PTX of `source` for the virtual arch of `arch` (e.g. "sm80" -> compute_80), with
     `defines` as -D macros (a kernel's tunables), cached."""
     number = _arch_number(arch)
-    nvcc = nvcc_path()
+    nvrtc = nvrtc_path()
+    compiler = nvrtc or nvcc_path()
     macros = [f"-D{name}={value}" for name, value in sorted((defines or {}).items())]
     text = source.read_bytes()
-    key = hashlib.sha256(text + f"|{number}|{nvcc}|{macros}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(text + f"|{number}|{compiler}|{macros}".encode()).hexdigest()[:32]
     cache_dir = Path(os.environ.get("BACKPORT_CUDA_CACHE_DIR",
                                     Path.home() / ".cache" / "backport" / "cuda"))
     cached = cache_dir / f"{source.stem}-{arch}-{key}.ptx"
@@ -68,11 +130,14 @@ def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) 
         return cached.read_bytes()
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(f".{os.getpid()}.tmp")
-    command = [nvcc, "-ptx", f"-arch=compute_{number}", "-O3", "-std=c++17", "-lineinfo",
-               *macros, "-o", str(partial), str(source)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise CudaBuildError(f"nvcc failed for {source.name} ({arch}):\n{result.stderr}")
+    options = [f"-arch=compute_{number}", "-std=c++17", "-lineinfo", *macros]
+    if nvrtc is not None:
+        partial.write_bytes(_nvrtc_ptx(ctypes.CDLL(nvrtc), source, options))
+    else:
+        result = subprocess.run([compiler, "-ptx", "-O3", *options, "-o", str(partial),
+                                 str(source)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CudaBuildError(f"nvcc failed for {source.name} ({arch}):\n{result.stderr}")
     partial.replace(cached)  # atomic: concurrent builders never read a half-written file
     return cached.read_bytes()
 

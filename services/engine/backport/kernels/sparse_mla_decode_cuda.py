@@ -2,9 +2,10 @@
 
 Same interface and semantics as `sparse_mla_decode.sparse_mla_decode` (the Triton
 kernel, which also runs under the interpreter and stays the portable path): FlashMLA's
-sparse fp8 decode as DeepSeek-V4 calls it. The CUDA kernel needs a CUDA card, nvcc,
-bf16 q and groups of 16 heads; it always writes split partials and lets the Triton
-`combine_splits` merge them and apply the sink (one split included).
+sparse fp8 decode as DeepSeek-V4 calls it. The CUDA kernel needs a CUDA card, a CUDA
+compiler (NVRTC from torch's wheels, or nvcc), bf16 q and power-of-two page sizes; heads
+go 16 to a block. It always writes split partials and lets the Triton `combine_splits`
+merge them and apply the sink (one split included).
 """
 
 from __future__ import annotations

@@ -30,7 +30,15 @@
 // Output: normalized partials [T, splits, H, 512] fp32 and base-2 lse [T, splits, H]
 // (-inf for no key); sparse_mla_combine merges them and applies the attention sink.
 
+#ifdef __CUDACC_RTC__  // NVRTC has no C++ standard library headers
+using int32_t = int;
+using int64_t = long long;
+using uint8_t = unsigned char;
+using uint16_t = unsigned short;
+using uint32_t = unsigned int;
+#else
 #include <cstdint>
+#endif
 
 namespace {
 
@@ -98,6 +106,8 @@ static_assert(sizeof(DecodeParams) == 160, "DecodeParams changed: update the Pyt
 extern "C" __constant__ int kSparseMlaDecodeSharedBytes = kSharedBytes;
 
 namespace {
+
+__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
@@ -293,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
   }
   next_slot = run.slot((kStages - 1) * kKeys + copy_key, next_is_extra);
 
-  float row_max[2] = {-INFINITY, -INFINITY};  // rows group, group + 8 (base 2)
+  float row_max[2] = {negative_infinity(), negative_infinity()};  // rows group, group + 8 (base 2)
   float row_sum[2] = {0.f, 0.f};   // this thread's key columns only, until the end
   float acc[16][4];  // PV: 16 n8 tiles of this warp's 128 dims
 #pragma unroll
@@ -357,10 +367,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
       const int column = warp * 8 + 2 * quad;
       const bool valid0 = stage_valid[column] != 0, valid1 = stage_valid[column + 1] != 0;
       // scores[r][h]: row group + 8r, key column + h (base 2, -inf for padding).
-      scores[0][0] = valid0 ? qk[0] * p.qk_scale_log2 : -INFINITY;
-      scores[0][1] = valid1 ? qk[1] * p.qk_scale_log2 : -INFINITY;
-      scores[1][0] = valid0 ? qk[2] * p.qk_scale_log2 : -INFINITY;
-      scores[1][1] = valid1 ? qk[3] * p.qk_scale_log2 : -INFINITY;
+      scores[0][0] = valid0 ? qk[0] * p.qk_scale_log2 : negative_infinity();
+      scores[0][1] = valid1 ? qk[1] * p.qk_scale_log2 : negative_infinity();
+      scores[1][0] = valid0 ? qk[2] * p.qk_scale_log2 : negative_infinity();
+      scores[1][1] = valid1 ? qk[3] * p.qk_scale_log2 : negative_infinity();
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float warp_max = quad_max(fmaxf(scores[r][0], scores[r][1]));
@@ -379,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
       const float new_max =
           fmaxf(row_max[r], fmaxf(fmaxf(maxima.x, maxima.y), fmaxf(maxima.z, maxima.w)));
       // No valid key yet: keep the reference finite so exp2 gives 0, not NaN.
-      const float reference = new_max == -INFINITY ? 0.f : new_max;
+      const float reference = new_max == negative_infinity() ? 0.f : new_max;
       alpha[r] = fast_exp2(row_max[r] - reference);
       row_max[r] = new_max;
       const float p0 = fast_exp2(scores[r][0] - reference);
@@ -506,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
     }
     if (warp == 0 && quad == 0) {
       p.partial_lse[partial_row + head] =
-          row_sum[r] > 0.f ? row_max[r] + log2f(row_sum[r]) : -INFINITY;
+          row_sum[r] > 0.f ? row_max[r] + log2f(row_sum[r]) : negative_infinity();
     }
   }
 }
