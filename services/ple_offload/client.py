@@ -21,6 +21,7 @@ from services.ple_offload.errors import (
     TableUnavailableError,
 )
 from services.ple_offload.lookup_streams import LookupStreams
+from services.ple_offload.lookup_wire import LOOKUP_METHOD, decode_lookup_reply
 from services.ple_offload.segment_layout import SHM_DIR
 from services.ple_offload.table_format import RowDtype
 from services.ple_offload.table_reader import SharedTableReader
@@ -53,7 +54,11 @@ class PleTableClient:
         self.gather_threads = gather_threads
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = ple_pb2_grpc.PleOffloadStub(self._channel)
-        self._lookup_streams = LookupStreams(self._stub, address) if lookup_stream else None
+        # Lookup replies stay wire bytes, read in place by `decode_lookup_reply`.
+        self._lookup = self._channel.unary_unary(
+            LOOKUP_METHOD, request_serializer=ple_pb2.LookupRequest.SerializeToString,
+            response_deserializer=None)
+        self._lookup_streams = LookupStreams(self._channel, address) if lookup_stream else None
         self._lock = threading.Lock()
         self._reader: SharedTableReader | None = None
         # GPU gathers (enable_cuda): the device, and the registered view of the reader's
@@ -210,13 +215,13 @@ class PleTableClient:
             if self._lookup_streams is not None:
                 reply = self._lookup_streams.lookup(request, self.rpc_timeout_s)
             else:
-                reply = self._stub.Lookup(request, timeout=self.rpc_timeout_s)
+                reply = self._lookup(request, timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
             raise _rpc_error(self.address, exc) from exc
-        if reply.generation != self.info.generation:
+        generation, rows = decode_lookup_reply(reply)
+        if generation != self.info.generation:
             raise TableClosedError(f"PLE service at {self.address} restarted (generation "
-                                   f"{self.info.generation:x} -> {reply.generation:x})")
-        rows = np.frombuffer(reply.rows, np.uint8)
+                                   f"{self.info.generation:x} -> {generation:x})")
         return rows.reshape(*np.shape(row_ids), self.info.row_bytes)
 
     def _reattach(self, lost_generation: int, cause: PleError) -> None:

@@ -9,9 +9,11 @@ import threading
 import time
 from collections.abc import Iterator
 
-from backport.v1 import ple_pb2, ple_pb2_grpc
+import grpc
+from backport.v1 import ple_pb2
 
 from services.ple_offload.errors import TableUnavailableError
+from services.ple_offload.lookup_wire import LOOKUP_STREAM_METHOD
 
 
 class LookupStreams:
@@ -29,17 +31,21 @@ class LookupStreams:
     gets at least `timeout_s`, and a hung service fails it with DEADLINE_EXCEEDED within
     2 x `timeout_s`. A busy client so opens a new stream about every `timeout_s`."""
 
-    def __init__(self, stub: ple_pb2_grpc.PleOffloadStub, address: str) -> None:
-        self._stub = stub
+    def __init__(self, channel: grpc.Channel, address: str) -> None:
+        # Replies stay wire bytes, read in place by `lookup_wire.decode_lookup_reply`.
+        self._open_call = channel.stream_stream(
+            LOOKUP_STREAM_METHOD, request_serializer=ple_pb2.LookupRequest.SerializeToString,
+            response_deserializer=None)
         self._address = address
         self._lock = threading.Lock()
         self._idle: list[_LookupStream] = []
         self._is_closed = False
 
-    def lookup(self, request: ple_pb2.LookupRequest, timeout_s: float) -> ple_pb2.LookupResponse:
-        """The reply to `request`. Raises grpc.RpcError as a unary Lookup would (the stream
-        that failed is dropped; the next lookup opens another), or TableUnavailableError
-        when the service ended the stream without answering."""
+    def lookup(self, request: ple_pb2.LookupRequest, timeout_s: float) -> bytes:
+        """The reply to `request`, as LookupResponse wire bytes. Raises grpc.RpcError as a
+        unary Lookup would (the stream that failed is dropped; the next lookup opens
+        another), or TableUnavailableError when the service ended the stream without
+        answering."""
         stream = self._take(timeout_s)
         try:
             reply = stream.round_trip(request)
@@ -73,23 +79,23 @@ class LookupStreams:
                 if stream.seconds_left() >= timeout_s:
                     return stream
                 stream.close()
-        return _LookupStream(self._stub, lifetime_s=2 * timeout_s)
+        return _LookupStream(self._open_call, lifetime_s=2 * timeout_s)
 
 
 class _LookupStream:
     """One LookupStream call. Requests go into a queue that the call's request iterator
     drains on grpc's sending thread; replies are read in order on the caller's thread."""
 
-    def __init__(self, stub: ple_pb2_grpc.PleOffloadStub, lifetime_s: float) -> None:
+    def __init__(self, open_call: grpc.StreamStreamMultiCallable, lifetime_s: float) -> None:
         self._requests: queue.SimpleQueue[ple_pb2.LookupRequest | None] = queue.SimpleQueue()
         self._expires_at = time.monotonic() + lifetime_s
-        self._replies: Iterator[ple_pb2.LookupResponse] = stub.LookupStream(
-            _until_none(self._requests), timeout=lifetime_s)
+        self._replies: Iterator[bytes] = open_call(_until_none(self._requests),
+                                                   timeout=lifetime_s)
 
     def seconds_left(self) -> float:
         return self._expires_at - time.monotonic()
 
-    def round_trip(self, request: ple_pb2.LookupRequest) -> ple_pb2.LookupResponse:
+    def round_trip(self, request: ple_pb2.LookupRequest) -> bytes:
         """Raises StopIteration when the service ended the stream without an error."""
         self._requests.put(request)
         return next(self._replies)

@@ -11,7 +11,8 @@ import numpy as np
 from backport.v1 import ple_pb2
 
 from services.ple_offload.errors import RowIdError
-from services.ple_offload.table_reader import check_row_ids, take_checked_rows
+from services.ple_offload.lookup_wire import encode_lookup_reply
+from services.ple_offload.table_reader import check_row_ids
 from services.ple_offload.table_segment import TableSegment
 
 SERVICE_NAME = "backport.v1.PleOffload"
@@ -19,10 +20,6 @@ SERVICE_NAME = "backport.v1.PleOffload"
 # Gathers larger than this run on a worker thread so one prefill batch cannot stall
 # the decode-step lookups of other engines (1 M rows x 160 B is about 10 ms of copying).
 _INLINE_GATHER_ROWS = 65_536
-
-# LookupResponse field tags: generation (2, fixed64) and rows (1, length-delimited).
-_GENERATION_TAG = bytes([2 << 3 | 1])
-_ROWS_TAG = bytes([1 << 3 | 2])
 
 
 class PleOffloadServicer:
@@ -47,7 +44,7 @@ class PleOffloadServicer:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers the service. Lookup replies are returned already serialized (see
-        `_lookup_reply`), so those handlers have no response serializer."""
+        `lookup_wire.encode_lookup_reply`), so those handlers have no response serializer."""
         handlers = {
             "Describe": grpc.unary_unary_rpc_method_handler(
                 self.Describe, request_deserializer=ple_pb2.DescribeRequest.FromString,
@@ -111,37 +108,17 @@ class PleOffloadServicer:
         rows = self._segment.rows
         if rows is None or not self._segment.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE table is not loaded")
-        if len(request.row_ids_le_i64) % 8:
+        packed_ids = request.row_ids_le_i64  # each read of the field copies it
+        if len(packed_ids) % 8:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "row_ids_le_i64 must hold whole little-endian int64 values")
-        ids = np.frombuffer(request.row_ids_le_i64, dtype="<i8")
+        ids = np.frombuffer(packed_ids, dtype="<i8")
         try:
             check_row_ids(ids, rows.shape[0])
         except RowIdError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ids.size > _INLINE_GATHER_ROWS:
-            return await asyncio.to_thread(_lookup_reply, rows, ids, self._segment.generation)
-        return _lookup_reply(rows, ids, self._segment.generation)
+            return await asyncio.to_thread(encode_lookup_reply, rows, ids,
+                                           self._segment.generation)
+        return encode_lookup_reply(rows, ids, self._segment.generation)
 
-
-def _lookup_reply(rows: np.ndarray, ids: np.ndarray, generation: int) -> bytes:
-    """LookupResponse wire bytes with the rows gathered straight into the message buffer:
-    one gather and one copy (to `bytes`), where building the message would copy the rows
-    three more times (ndarray -> bytes -> message field -> serialized message)."""
-    rows_bytes = ids.size * rows.shape[1]
-    head = (_GENERATION_TAG + generation.to_bytes(8, "little") + _ROWS_TAG
-            + _varint(rows_bytes))
-    reply = bytearray(len(head) + rows_bytes)
-    reply[:len(head)] = head
-    out = np.frombuffer(reply, np.uint8, rows_bytes, len(head)).reshape(ids.size, rows.shape[1])
-    take_checked_rows(rows, ids, out)
-    return bytes(reply)
-
-
-def _varint(value: int) -> bytes:
-    encoded = bytearray()
-    while value > 0x7F:
-        encoded.append(value & 0x7F | 0x80)
-        value >>= 7
-    encoded.append(value)
-    return bytes(encoded)
