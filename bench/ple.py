@@ -1,6 +1,7 @@
 """PLE offload benchmark: gather throughput from shared memory against memcpy bandwidth
 (same run), and the latency of one decode step's lookup: shared memory, gRPC LookupStream
-and unary Lookup, beside an empty gRPC call and a bare loopback TCP round trip.
+and unary Lookup, beside the same bytes over a bare grpcio stream, an empty gRPC call and a
+bare loopback TCP round trip.
 
     python bench/ple.py [--table-gib 2] [--threads 8] [--rounds 5] [--shm-dir /dev/shm]
     python bench/ple.py --gpu [--table-gib 8]
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import signal
 import socket
 import struct
@@ -32,12 +34,15 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import grpc
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "protos")]
 
-from services.mesh.channels import wait_until_serving  # noqa: E402
+from backport.v1 import ple_pb2  # noqa: E402
+
+from services.mesh.channels import GRPC_OPTIONS, wait_until_serving  # noqa: E402
 from services.ple_offload.client import PleTableClient  # noqa: E402
 from services.ple_offload.table_reader import SharedTableReader  # noqa: E402
 
@@ -59,15 +64,22 @@ def write_table(path: Path, num_rows: int, row_bytes: int) -> None:
         f.write(struct.pack("<f", 1.0))
 
 
-def start_service(table: Path, shm_name: str, shm_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path[:2], os.environ.get("PYTHONPATH", "")]))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _child_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path[:2], os.environ.get("PYTHONPATH", "")]))
+
+
+def start_service(table: Path, shm_name: str, shm_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    address = _free_address()
     process = subprocess.Popen(
         [sys.executable, "-m", "services.ple_offload", "--table-path", str(table), "--address",
          address, "--shm-name", shm_name, "--shm-dir", str(shm_dir), "--no-show-progress"],
-        cwd=REPO_ROOT, env=env)
+        cwd=REPO_ROOT, env=_child_env())
     while not wait_until_serving(address, 5):
         if process.poll() is not None:
             raise SystemExit(f"PLE service exited with {process.returncode}")
@@ -212,11 +224,61 @@ class LoopbackEcho:
         self.child.wait(timeout=10)
 
 
+# A child process serving one bidirectional stream whose handler answers every message with
+# the same prebuilt bytes (no serializers: bytes in, bytes out), with the service's options.
+_BARE_STREAM_CHILD = """
+import asyncio, sys
+import grpc
+from services.mesh.channels import GRPC_OPTIONS
+reply = bytes(int(sys.argv[2]))
+async def answer(requests, context):
+    async for _ in requests:
+        yield reply
+async def serve():
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Bare", {"Stream": grpc.stream_stream_rpc_method_handler(answer)}),))
+    server.add_insecure_port(sys.argv[1])
+    await server.start()
+    await server.wait_for_termination()
+asyncio.run(serve())
+"""
+
+
+class BareGrpcStream:
+    """A decode step's LookupStream bytes (the request's ids in, the reply's rows out) over a
+    grpcio stream to a child process that only answers: grpcio's floor under LookupStream,
+    so the difference is the lookup's own cost (parsing, id check, gather, reply)."""
+
+    def __init__(self, request_bytes: int, reply_bytes: int) -> None:
+        address = _free_address()
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", _BARE_STREAM_CHILD, address, str(reply_bytes)],
+            cwd=REPO_ROOT, env=_child_env())
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        grpc.channel_ready_future(self.channel).result(timeout=60)
+        self.request = bytes(request_bytes)
+        self.requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.replies = self.channel.stream_stream("/bench.Bare/Stream")(
+            iter(self.requests.get, None))
+
+    def round_trip(self, _: int) -> None:
+        self.requests.put(self.request)
+        next(self.replies)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.channel.close()
+        self.child.terminate()
+        self.child.wait(timeout=10)
+
+
 def measure_latency(address: str, shm_name: str, shm_dir: Path,
                     args: argparse.Namespace) -> dict[str, object]:
     """One decode step's lookup through shared memory, over a LookupStream and by unary
-    Lookup calls, an empty gRPC call on the unary client's channel and a bare loopback
-    round trip, interleaved round by round; medians over rounds."""
+    Lookup calls, the same bytes over a bare grpcio stream, an empty gRPC call on the unary
+    client's channel and a bare loopback round trip, interleaved round by round; medians
+    over rounds."""
     reader = SharedTableReader(shm_name, shm_dir=shm_dir)
     rng = np.random.default_rng(4)
     steps = [rng.integers(0, reader.header.num_rows, (args.decode_tokens, HEADS))
@@ -225,10 +287,16 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
     stream_client = PleTableClient(address, allow_shared_memory=False)
     unary_client = PleTableClient(address, allow_shared_memory=False, lookup_stream=False)
     echo = LoopbackEcho()
+    num_ids = args.decode_tokens * HEADS
+    bare_stream = BareGrpcStream(
+        ple_pb2.LookupRequest(row_ids_le_i64=bytes(8 * num_ids)).ByteSize(),
+        ple_pb2.LookupResponse(rows=bytes(num_ids * reader.header.row_bytes),
+                               generation=1).ByteSize())
     calls: dict[str, Callable[[int], object]] = {
         "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
         "grpc_stream_step": lambda i: stream_client.gather(steps[i % len(steps)]),
         "grpc_step": lambda i: unary_client.gather(steps[i % len(steps)]),
+        "bare_stream": bare_stream.round_trip,
         "grpc_empty": lambda i: unary_client.describe(),
         "tcp_echo": echo.round_trip,
     }
@@ -239,6 +307,7 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
             rounds.setdefault(f"{name}_p50_ms", []).append(p50)
             rounds.setdefault(f"{name}_p99_ms", []).append(p99)
     echo.close()
+    bare_stream.close()
     stream_client.close()
     unary_client.close()
     reader.close()
@@ -407,9 +476,10 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
     for key, label in (("shm_step", "shm lookup"),
                        ("grpc_stream_step", "gRPC LookupStream (loopback)"),
                        ("grpc_step", "gRPC unary Lookup (loopback)"),
+                       ("bare_stream", "bare grpcio stream, same bytes"),
                        ("grpc_empty", "empty gRPC call (Describe)"),
                        ("tcp_echo", "1-byte TCP echo, 2 processes")):
-        print(f"  {label:29s} p50 {r[f'{key}_p50_ms']:.3f} ms, p99 {r[f'{key}_p99_ms']:.3f} ms")
+        print(f"  {label:30s} p50 {r[f'{key}_p50_ms']:.3f} ms, p99 {r[f'{key}_p99_ms']:.3f} ms")
     print(json.dumps(results))
 
 
