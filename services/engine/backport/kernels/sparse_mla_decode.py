@@ -36,6 +36,7 @@ side, so the K rows they share come from L2.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -356,6 +357,46 @@ def resident_programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@dataclass(frozen=True)
+class DecodeOperands:
+    """A decode call's q and slot lists in [T, ...] form, checked, and where the caches'
+    pages are. Without an extra cache, extra_indices is None and extra_geometry repeats
+    geometry."""
+
+    q: torch.Tensor
+    indices: torch.Tensor
+    extra_indices: torch.Tensor | None
+    geometry: layout.CacheGeometry
+    extra_geometry: layout.CacheGeometry
+
+
+def decode_operands(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    extra_k_cache: torch.Tensor | None,
+    extra_indices: torch.Tensor | None,
+    block_size: int | None,
+    extra_block_size: int | None,
+) -> DecodeOperands:
+    """Checks the shapes FlashMLA's sparse decode takes (see `sparse_mla_decode`)."""
+    q = as_token_major(q, "q")
+    indices = as_token_major(indices, "indices")
+    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
+    num_tokens = q.shape[0]
+    if indices.dim() != 2 or indices.shape[0] != num_tokens or indices.stride(-1) != 1:
+        raise ValueError(f"indices must be [T, K] with contiguous rows, got {tuple(indices.shape)}")
+    geometry = layout.cache_geometry(k_cache, block_size)
+    if extra_k_cache is None:
+        return DecodeOperands(q, indices, None, geometry, geometry)
+    extra_indices = as_token_major(extra_indices, "indices")
+    if extra_indices is None or extra_indices.shape[0] != num_tokens:
+        raise ValueError("extra_k_cache needs extra_indices [T, K2]")
+    extra_geometry = layout.cache_geometry(extra_k_cache, extra_block_size)
+    return DecodeOperands(q, indices, extra_indices, geometry, extra_geometry)
+
+
 def choose_num_splits(
     num_tokens: int, num_head_blocks: int, longest_list: int, wave: int
 ) -> int:
@@ -389,21 +430,13 @@ def sparse_mla_decode(
     q [T, H, 512] (or [T, 1, H, 512]); caches uint8 (`ds_mla_cache`); indices [T, K]
     (or [T, 1, K]) int32/int64 global slots; lengths [T] int32. Extra cache optional.
     """
-    q = as_token_major(q, "q")
-    indices = as_token_major(indices, "indices")
-    extra_indices = as_token_major(extra_indices, "indices")
-    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
-        raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
-    num_tokens, num_heads, _ = q.shape
-    if indices.dim() != 2 or indices.shape[0] != num_tokens or indices.stride(-1) != 1:
-        raise ValueError(f"indices must be [T, K] with contiguous rows, got {tuple(indices.shape)}")
-    has_extra = extra_k_cache is not None
-    if has_extra and (extra_indices is None or extra_indices.shape[0] != num_tokens):
-        raise ValueError("extra_k_cache needs extra_indices [T, K2]")
-    geometry = layout.cache_geometry(k_cache, block_size)
-    extra_geometry = (
-        layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
+    operands = decode_operands(
+        q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
     )
+    q, indices, extra_indices = operands.q, operands.indices, operands.extra_indices
+    geometry, extra_geometry = operands.geometry, operands.extra_geometry
+    has_extra = extra_indices is not None
+    num_tokens, num_heads, _ = q.shape
 
     if heads_per_program is None:
         heads_per_program = DEFAULT_HEADS_PER_PROGRAM

@@ -21,7 +21,11 @@ import triton
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.cuda_module import CudaKernel, compile_ptx, device_arch
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, combine_splits
-from services.engine.backport.kernels.sparse_mla_decode import MAX_SPLITS, as_token_major
+from services.engine.backport.kernels.sparse_mla_decode import (
+    MAX_SPLITS,
+    as_token_major,
+    decode_operands,
+)
 
 SOURCE = Path(__file__).with_name("sparse_mla_decode_sm80.cu")
 KERNEL_NAME = "sparse_mla_decode_sm80"
@@ -137,25 +141,18 @@ def sparse_mla_decode_cuda(
     `arch` picks the instruction set the kernel is built for ("sm80", "sm86", ...;
     default: the card's own); `stages` how many steps of rows shared memory holds.
     """
-    q = as_token_major(q, "q")
-    indices = _int32_rows(as_token_major(indices, "indices"))
-    extra_indices = _int32_rows(as_token_major(extra_indices, "indices"))
-    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
-        raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
+    operands = decode_operands(
+        q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
+    )
+    q, geometry, extra_geometry = operands.q, operands.geometry, operands.extra_geometry
+    indices = _int32_rows(operands.indices)
+    extra_indices = _int32_rows(operands.extra_indices)
+    has_extra = extra_indices is not None
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be bfloat16, got {q.dtype}")
     if q.stride(0) % 4 or q.stride(1) % 4:
         raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
     num_tokens, num_heads, _ = q.shape
-    if indices.dim() != 2 or indices.shape[0] != num_tokens:
-        raise ValueError(f"indices must be [T, K], got {tuple(indices.shape)}")
-    has_extra = extra_k_cache is not None
-    if has_extra and (extra_indices is None or extra_indices.shape[0] != num_tokens):
-        raise ValueError("extra_k_cache needs extra_indices [T, K2]")
-    geometry = layout.cache_geometry(k_cache, block_size)
-    extra_geometry = (
-        layout.cache_geometry(extra_k_cache, extra_block_size) if has_extra else geometry
-    )
     lengths = _int32_rows(topk_length)
     extra_lengths = _int32_rows(extra_topk_length) if has_extra else None
 
