@@ -76,6 +76,19 @@ def filled_cache(num_rows: int) -> torch.Tensor:
     return cache
 
 
+def decode_function(backend: str, cuda_arch: str | None) -> Callable[..., object]:
+    """The Triton decode (sparse_mla_decode.py) for "triton", the CUDA one built for
+    `cuda_arch` (None: the card's own) for "cuda"."""
+    import functools
+
+    from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
+    from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
+
+    if backend == "cuda":
+        return functools.partial(sparse_mla_decode_cuda, arch=cuda_arch)
+    return sparse_mla_decode
+
+
 def decode_case(
     batch: int,
     topk: int,
@@ -85,19 +98,13 @@ def decode_case(
     swa_cache: torch.Tensor,
     bandwidth: float,
     backend: str = "triton",
-    **config: int | str | None,
+    cuda_arch: str | None = None,
+    **config: int | None,
 ) -> dict[str, object]:
-    """One decode shape; `backend` "triton" (sparse_mla_decode.py) or "cuda" (the CUDA
-    kernel built for the `cuda_arch` config entry)."""
-    import functools
-
+    """One decode shape with `decode_function(backend, cuda_arch)`."""
     from services.engine.backport.kernels import ds_mla_cache as layout
-    from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
-    from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
 
-    decode: Callable[..., object] = sparse_mla_decode
-    if backend == "cuda":
-        decode = functools.partial(sparse_mla_decode_cuda, arch=config.pop("cuda_arch"))
+    decode = decode_function(backend, cuda_arch)
 
     rows_per_seq = context // COMPRESS_RATIO
     # Sequence b owns compressed rows [b * rows_per_seq, (b + 1) * rows_per_seq).
@@ -165,15 +172,9 @@ def decode_case(
 def profile_decode(heads: int, backend: str, cuda_arch: str | None) -> None:
     """Three launches of one large decode (batch 64, top-k 2048), nothing else, so a
     profiler sees only it."""
-    import functools
-
     from services.engine.backport.kernels import ds_mla_cache as layout
-    from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
-    from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
 
-    decode: Callable[..., object] = sparse_mla_decode
-    if backend == "cuda":
-        decode = functools.partial(sparse_mla_decode_cuda, arch=cuda_arch)
+    decode = decode_function(backend, cuda_arch)
 
     batch, topk, rows_per_seq = 64, 2048, 32768 // COMPRESS_RATIO
     cache = filled_cache(batch * rows_per_seq)

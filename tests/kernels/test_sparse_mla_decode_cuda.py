@@ -1,9 +1,9 @@
 """The CUDA sparse MLA decode against the same plain-torch reference as the Triton one.
 
 CUDA C++ cannot run under Triton's interpreter, so on a machine without a GPU only the
-build check runs (where a CUDA compiler and ptxas exist): the source must assemble for sm80
-and sm86 without spills. On a CUDA card, `--gpu-arch` builds the kernel for that arch's instruction set
-(compute_80 PTX, JIT-compiled for the card present).
+build check runs (where a CUDA compiler and ptxas exist): the PTX the launcher loads must
+assemble for sm80 and sm86 without spills. On a CUDA card, `--gpu-arch` builds the kernel
+for that arch's instruction set (compute_80 PTX, JIT-compiled for the card present).
 """
 
 from __future__ import annotations
@@ -17,15 +17,10 @@ import pytest
 import torch
 
 from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
-from services.engine.backport.kernels.cuda_module import (
-    CudaBuildError,
-    compile_ptx,
-    device_arch,
-    ptxas_path,
-)
+from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch, ptxas_path
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     KERNEL_NAME,
-    SOURCE,
+    decode_ptx,
     load_decode,
     sparse_mla_decode_cuda,
 )
@@ -41,8 +36,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _ptx_or_skip(arch: str) -> bytes:
+    """The PTX the launcher loads for `arch`; skips without a CUDA compiler."""
     try:
-        return compile_ptx(SOURCE, arch)
+        return decode_ptx(arch)
     except CudaBuildError as exc:
         if "needs NVRTC" in str(exc):
             pytest.skip(str(exc))
@@ -72,8 +68,9 @@ def test_cuda_decode_assembles_for_ampere_without_spills(arch: str, tmp_path: Pa
 def cuda_arch(gpu_arch: str | None) -> str:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA card")
-    _ptx_or_skip(gpu_arch or device_arch(torch.device("cuda")))
-    return gpu_arch or device_arch(torch.device("cuda"))
+    arch = gpu_arch or device_arch(torch.device("cuda"))
+    _ptx_or_skip(arch)
+    return arch
 
 
 @needs_cuda

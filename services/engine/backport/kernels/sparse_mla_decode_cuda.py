@@ -80,13 +80,17 @@ class LoadedDecode:
     sm_count: int
 
 
+def decode_ptx(arch: str, stages: int = DEFAULT_STAGES) -> bytes:
+    """The kernel's PTX for `arch`'s instruction set (cached on disk by `compile_ptx`)."""
+    return compile_ptx(SOURCE, arch, {"SPARSE_MLA_DECODE_STAGES": stages})
+
+
 @functools.cache
 def load_decode(arch: str, device_index: int, stages: int = DEFAULT_STAGES) -> LoadedDecode:
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`.
     Load before capturing a CUDA graph: loading reads a constant back from the GPU."""
     device = torch.device("cuda", device_index)
-    ptx = compile_ptx(SOURCE, arch, {"SPARSE_MLA_DECODE_STAGES": stages})
-    kernel = CudaKernel(ptx, KERNEL_NAME, device)
+    kernel = CudaKernel(decode_ptx(arch, stages), KERNEL_NAME, device)
     shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     return LoadedDecode(

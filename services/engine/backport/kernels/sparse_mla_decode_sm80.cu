@@ -506,8 +506,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 4)
     float* out = p.partial_out + (partial_row + head) * kHeadDim + warp * kDimsPerWarp;
 #pragma unroll
     for (int big = 0; big < 4; ++big) {
-      const float4 first = make_float4(acc[4 * big][2 * r] * inverse, acc[4 * big + 1][2 * r] * inverse,
-                                       acc[4 * big + 2][2 * r] * inverse, acc[4 * big + 3][2 * r] * inverse);
+      const float4 first =
+          make_float4(acc[4 * big][2 * r] * inverse, acc[4 * big + 1][2 * r] * inverse,
+                      acc[4 * big + 2][2 * r] * inverse, acc[4 * big + 3][2 * r] * inverse);
       const float4 second =
           make_float4(acc[4 * big][2 * r + 1] * inverse, acc[4 * big + 1][2 * r + 1] * inverse,
                       acc[4 * big + 2][2 * r + 1] * inverse, acc[4 * big + 3][2 * r + 1] * inverse);
