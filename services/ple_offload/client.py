@@ -46,7 +46,7 @@ class PleTableClient:
         """`connect_timeout_s` waits for a service that is still starting or loading;
         `gather_threads` split large shared-memory gathers. Gathers over gRPC use
         LookupStream (see `LookupStreams`), or unary Lookup calls with `lookup_stream=False`
-        (a service that predates LookupStream answers it with UNIMPLEMENTED)."""
+        or once the service answers LookupStream with UNIMPLEMENTED (it predates it)."""
         self.address = address
         self.allow_shared_memory = allow_shared_memory
         self.reattach_timeout_s = reattach_timeout_s
@@ -212,10 +212,7 @@ class PleTableClient:
         flat = np.ascontiguousarray(row_ids, dtype="<i8")
         request = ple_pb2.LookupRequest(row_ids_le_i64=flat.tobytes())
         try:
-            if self._lookup_streams is not None:
-                reply = self._lookup_streams.lookup(request, self.rpc_timeout_s)
-            else:
-                reply = self._lookup(request, timeout=self.rpc_timeout_s)
+            reply = self._request_rows(request)
         except grpc.RpcError as exc:
             raise _rpc_error(self.address, exc) from exc
         generation, rows = decode_lookup_reply(reply)
@@ -223,6 +220,25 @@ class PleTableClient:
             raise TableClosedError(f"PLE service at {self.address} restarted (generation "
                                    f"{self.info.generation:x} -> {generation:x})")
         return rows.reshape(*np.shape(row_ids), self.info.row_bytes)
+
+    def _request_rows(self, request: ple_pb2.LookupRequest) -> bytes:
+        """LookupResponse wire bytes over LookupStream, or unary Lookup once the service
+        has answered LookupStream with UNIMPLEMENTED (it predates LookupStream)."""
+        streams = self._lookup_streams
+        if streams is not None:
+            try:
+                return streams.lookup(request, self.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                if not (isinstance(exc, grpc.Call)
+                        and exc.code() == grpc.StatusCode.UNIMPLEMENTED):
+                    raise
+            # For the rest of this client's life: asking again on every gather would add
+            # a failed call to each, and a restart rarely upgrades the service.
+            logger.warning("PLE service at %s has no LookupStream (an older version); "
+                           "using unary Lookup calls", self.address)
+            self._lookup_streams = None
+            streams.close()
+        return self._lookup(request, timeout=self.rpc_timeout_s)
 
     def _reattach(self, lost_generation: int, cause: PleError) -> None:
         with self._lock:
