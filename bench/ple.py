@@ -4,6 +4,7 @@ and unary Lookup, beside the same bytes over a bare grpcio stream, an empty gRPC
 bare loopback TCP round trip.
 
     python bench/ple.py [--table-gib 2] [--threads 8] [--rounds 5] [--shm-dir /dev/shm]
+    python bench/ple.py --service-cpus 2 --client-cpus 3   # each side on its own core
     python bench/ple.py --gpu [--table-gib 8]
 
 --gpu measures the GPU path instead: the table registered with CUDA in place, rows
@@ -74,12 +75,30 @@ def _child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([*sys.path[:2], os.environ.get("PYTHONPATH", "")]))
 
 
-def start_service(table: Path, shm_name: str, shm_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def cpu_set(text: str) -> set[int]:
+    """CPUs written as taskset does: "2", "2-3", "0,4-5"."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def pinned(child: subprocess.Popen[bytes], cpus: set[int]) -> subprocess.Popen[bytes]:
+    """`child` moved to `cpus`, with every thread it starts later. Popen returns once the
+    child has exec'd, tens of ms before the interpreter could start a thread. (A preexec_fn
+    would fork this process with grpc's threads running, which grpc logs as an error.)"""
+    os.sched_setaffinity(child.pid, cpus)
+    return child
+
+
+def start_service(table: Path, shm_name: str, shm_dir: Path,
+                  cpus: set[int]) -> tuple[subprocess.Popen[bytes], str]:
     address = _free_address()
-    process = subprocess.Popen(
+    process = pinned(subprocess.Popen(
         [sys.executable, "-m", "services.ple_offload", "--table-path", str(table), "--address",
          address, "--shm-name", shm_name, "--shm-dir", str(shm_dir), "--no-show-progress"],
-        cwd=REPO_ROOT, env=_child_env())
+        cwd=REPO_ROOT, env=_child_env()), cpus)
     while not wait_until_serving(address, 5):
         if process.poll() is not None:
             raise SystemExit(f"PLE service exited with {process.returncode}")
@@ -207,11 +226,11 @@ class LoopbackEcho:
     """One byte to a child process and back over loopback TCP: the round trip that any
     RPC between two processes on this machine pays before gRPC does anything."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: set[int]) -> None:
         with socket.create_server(("127.0.0.1", 0)) as listener:
             listener.settimeout(60)  # a child that never connects fails the run, not hangs it
-            self.child = subprocess.Popen(
-                [sys.executable, "-c", _ECHO_CHILD, str(listener.getsockname()[1])])
+            self.child = pinned(subprocess.Popen(
+                [sys.executable, "-c", _ECHO_CHILD, str(listener.getsockname()[1])]), cpus)
             self.connection, _ = listener.accept()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -250,11 +269,11 @@ class BareGrpcStream:
     grpcio stream to a child process that only answers: grpcio's floor under LookupStream,
     so the difference is the lookup's own cost (parsing, id check, gather, reply)."""
 
-    def __init__(self, request_bytes: int, reply_bytes: int) -> None:
+    def __init__(self, request_bytes: int, reply_bytes: int, cpus: set[int]) -> None:
         address = _free_address()
-        self.child = subprocess.Popen(
+        self.child = pinned(subprocess.Popen(
             [sys.executable, "-c", _BARE_STREAM_CHILD, address, str(reply_bytes)],
-            cwd=REPO_ROOT, env=_child_env())
+            cwd=REPO_ROOT, env=_child_env()), cpus)
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         grpc.channel_ready_future(self.channel).result(timeout=60)
         self.request = bytes(request_bytes)
@@ -286,12 +305,13 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
     out = np.empty((args.decode_tokens, HEADS, reader.header.row_bytes), np.uint8)
     stream_client = PleTableClient(address, allow_shared_memory=False)
     unary_client = PleTableClient(address, allow_shared_memory=False, lookup_stream=False)
-    echo = LoopbackEcho()
+    # The children answering the echo and the bare stream run where the service does.
+    echo = LoopbackEcho(args.service_cpus)
     num_ids = args.decode_tokens * HEADS
     bare_stream = BareGrpcStream(
         ple_pb2.LookupRequest(row_ids_le_i64=bytes(8 * num_ids)).ByteSize(),
         ple_pb2.LookupResponse(rows=bytes(num_ids * reader.header.row_bytes),
-                               generation=1).ByteSize())
+                               generation=1).ByteSize(), args.service_cpus)
     calls: dict[str, Callable[[int], object]] = {
         "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
         "grpc_stream_step": lambda i: stream_client.gather(steps[i % len(steps)]),
@@ -452,6 +472,10 @@ def report_gpu(results: dict[str, object], args: argparse.Namespace, table_gib: 
     print(json.dumps(results))
 
 
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 def report(results: dict[str, object], args: argparse.Namespace, table_gib: float) -> None:
     n = args.threads
     r = results
@@ -460,6 +484,7 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
           f"{'/'.join(f'{x:.2f}' for x in r['load_after'])}")
     print(f"table {table_gib:.2f} GiB of {args.row_bytes} B rows in {args.shm_dir}, {HEADS} rows "
           f"per token; {r['table_huge_page_bytes'] / 2**30:.2f} GiB of it in huge pages")
+    print(f"CPUs: service {_cpu_list(args.service_cpus)}, clients {_cpu_list(os.sched_getaffinity(0))}")
     print(f"memcpy baseline: {MEMCPY_BYTES >> 20} MiB contiguous copy out of the table, best of 5: "
           f"{r['memcpy_1t_gb_s']:.2f} GB/s with 1 thread, {r['memcpy_nt_gb_s']:.2f} GB/s with "
           f"{n}; medians of {args.rounds} rounds")
@@ -496,15 +521,25 @@ def main() -> None:
                         help="threads for the parallel gather and memcpy")
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"),
                         help="tmpfs for the table (one mounted with huge=within_size: huge pages)")
+    parser.add_argument("--service-cpus", type=cpu_set,
+                        help="CPUs for the service (and the echo and bare-stream children), "
+                        "e.g. 2 or 2-3; default: all this process may use")
+    parser.add_argument("--client-cpus", type=cpu_set,
+                        help="CPUs for this process (the clients and the gathers), e.g. 3")
     parser.add_argument("--gpu", action="store_true",
                         help="measure GPU gathers from the registered shared table instead")
     args = parser.parse_args()
+    if args.service_cpus is None:
+        args.service_cpus = os.sched_getaffinity(0)  # before --client-cpus narrows it
+    if args.client_cpus is not None:
+        # Before grpc starts a thread, so that its threads inherit it too.
+        os.sched_setaffinity(0, args.client_cpus)
     num_rows = int(args.table_gib * 2**30) // args.row_bytes
     shm_name = f"backport-ple-bench-{os.getpid()}"
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "table.safetensors"
         write_table(table, num_rows, args.row_bytes)
-        process, address = start_service(table, shm_name, args.shm_dir)
+        process, address = start_service(table, shm_name, args.shm_dir, args.service_cpus)
         try:
             if args.gpu:
                 report_gpu(measure_gpu(shm_name, args.shm_dir, args), args,
