@@ -135,12 +135,17 @@ def record_max_error() -> Callable[[str, float], None]:
 
 @pytest.fixture
 def record_cuda_kernel() -> Callable[[str, int, int, int], None]:
-    """Record a CUDA C++ kernel's shared memory, registers and spilled bytes for the table."""
+    """Record a build of a CUDA C++ kernel (shared memory, registers, spilled bytes) for the
+    table; several builds of one kernel count as its variants, with the largest figures."""
 
     def record(kernel_name: str, shared_bytes: int, registers: int, spill_bytes: int) -> None:
-        _state.cuda_resources[kernel_name] = {
-            "variants": 1, "shared": shared_bytes, "registers": registers, "spills": spill_bytes
-        }
+        row = _state.cuda_resources.setdefault(
+            kernel_name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0}
+        )
+        row["variants"] += 1
+        row["shared"] = max(row["shared"], shared_bytes)
+        row["registers"] = max(row["registers"], registers)
+        row["spills"] = max(row["spills"], spill_bytes)
 
     return record
 

@@ -32,11 +32,14 @@ KERNEL_NAME = "sparse_mla_decode_sm80"
 THREADS = 128
 HEADS_PER_BLOCK = 16
 DEFAULT_STAGES = 2
-# Keys a split walks, at least: 4 steps once the grid has a block per SM (B=8, 16 heads,
-# top-k 2048 + 128 on the H200 in sm80 mode: 16 splits 0.020 ms, 64 splits 0.030 ms), 1 step
-# while it has fewer (B=1, same lists: 64 splits 0.013 ms, 16 splits 0.018 ms).
+# Keys a split walks, at least: 128 once the grid has a block per SM (B=8, 16 heads,
+# top-k 2048 + 128 on the H200 in sm80 mode: 16 splits 0.020 ms, 64 splits 0.030 ms), 32
+# while it has fewer (B=1, same lists: 64 splits 0.013 ms, 16 splits 0.018 ms); measured
+# with the kernel's first version (32-key steps, 4 blocks an SM).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
+# Grids below this many (token, head block) pairs build the kernel for 3 blocks an SM.
+SMALL_GRID_PROGRAMS = 64
 
 
 class DecodeParams(ctypes.Structure):
@@ -80,17 +83,32 @@ class LoadedDecode:
     sm_count: int
 
 
-def decode_ptx(arch: str, stages: int = DEFAULT_STAGES) -> bytes:
+def min_blocks_per_sm(programs: int) -> int:
+    """The blocks an SM must hold, which sets the registers a thread may use, for a grid of
+    `programs` (token, head block) pairs. Small grids run faster with 3 blocks of up to 168
+    registers, large ones with 4 of up to 128 and the larger wave (H200 in sm80 mode, top-k
+    2048 + 128, 3 against 4 blocks: B=8 H=16 0.0235 / 0.0256 ms, B=8 H=64 0.0377 / 0.0420,
+    B=64 H=16 0.0580 / 0.0578, B=128 H=16 0.0909 / 0.0885, B=64 H=64 0.183 / 0.156)."""
+    return 3 if programs < SMALL_GRID_PROGRAMS else 4
+
+
+def decode_ptx(arch: str, stages: int = DEFAULT_STAGES, min_blocks: int = 4) -> bytes:
     """The kernel's PTX for `arch`'s instruction set (cached on disk by `compile_ptx`)."""
-    return compile_ptx(SOURCE, arch, {"SPARSE_MLA_DECODE_STAGES": stages})
+    return compile_ptx(
+        SOURCE,
+        arch,
+        {"SPARSE_MLA_DECODE_STAGES": stages, "SPARSE_MLA_DECODE_MIN_BLOCKS": min_blocks},
+    )
 
 
 @functools.cache
-def load_decode(arch: str, device_index: int, stages: int = DEFAULT_STAGES) -> LoadedDecode:
+def load_decode(
+    arch: str, device_index: int, stages: int = DEFAULT_STAGES, min_blocks: int = 4
+) -> LoadedDecode:
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`.
     Load before capturing a CUDA graph: loading reads a constant back from the GPU."""
     device = torch.device("cuda", device_index)
-    kernel = CudaKernel(decode_ptx(arch, stages), KERNEL_NAME, device)
+    kernel = CudaKernel(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     return LoadedDecode(
@@ -139,11 +157,13 @@ def sparse_mla_decode_cuda(
     num_splits: int | None = None,
     arch: str | None = None,
     stages: int = DEFAULT_STAGES,
+    min_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode; returns (out [T, H, 512], lse [T, H] natural log).
 
     `arch` picks the instruction set the kernel is built for ("sm80", "sm86", ...;
-    default: the card's own); `stages` how many steps of rows shared memory holds.
+    default: the card's own); `stages` how many steps of rows shared memory holds;
+    `min_blocks` the blocks an SM must hold (3 or 4; default: `min_blocks_per_sm`).
     """
     operands = decode_operands(
         q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
@@ -162,8 +182,10 @@ def sparse_mla_decode_cuda(
 
     device = q.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
-    loaded = load_decode(arch or device_arch(device), device_index, stages)
     num_head_blocks = triton.cdiv(num_heads, HEADS_PER_BLOCK)
+    if min_blocks is None:
+        min_blocks = min_blocks_per_sm(num_tokens * num_head_blocks)
+    loaded = load_decode(arch or device_arch(device), device_index, stages, min_blocks)
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
