@@ -38,7 +38,7 @@ DEFAULT_STAGES = 2
 # with the kernel's first version (32-key steps, 4 blocks an SM).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
-# Grids below this many (token, head block) pairs build the kernel for 3 blocks an SM.
+# Grids of up to this many (token, head block) pairs build the kernel for 3 blocks an SM.
 SMALL_GRID_PROGRAMS = 64
 
 
@@ -88,8 +88,9 @@ def min_blocks_per_sm(programs: int) -> int:
     `programs` (token, head block) pairs. Small grids run faster with 3 blocks of up to 168
     registers, large ones with 4 of up to 128 and the larger wave (H200 in sm80 mode, top-k
     2048 + 128, 3 against 4 blocks: B=8 H=16 0.0235 / 0.0256 ms, B=8 H=64 0.0377 / 0.0420,
-    B=64 H=16 0.0580 / 0.0578, B=128 H=16 0.0909 / 0.0885, B=64 H=64 0.183 / 0.156)."""
-    return 3 if programs < SMALL_GRID_PROGRAMS else 4
+    B=64 H=16 0.0580 / 0.0578 (top-k 512 + 128: 0.0307 / 0.0322), B=128 H=16 0.0909 /
+    0.0885, B=64 H=64 0.183 / 0.156)."""
+    return 3 if programs <= SMALL_GRID_PROGRAMS else 4
 
 
 def decode_ptx(arch: str, stages: int = DEFAULT_STAGES, min_blocks: int = 4) -> bytes:
@@ -121,7 +122,9 @@ def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
     wave of blocks, and combining more partials than needed costs (B=64, 16 heads, top-k
     512 + 128: 4 splits 0.028 ms, 16 splits 0.054 ms)."""
     splits = min(loaded.wave // programs, MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT))
-    if programs * splits < loaded.sm_count:
+    if programs * splits < 2 * loaded.sm_count:
+        # Under two blocks an SM, a few SMs with two would set the pace: one an SM instead
+        # (B=8, 16 heads, top-k 2048 + 128: 16 splits 0.0200 ms, 17 splits 0.0238 ms).
         splits = min(MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT_SMALL_GRID),
                      loaded.sm_count // programs)
     return max(1, splits)
