@@ -54,8 +54,8 @@ constexpr int kTilesPerWarp = kDimsPerWarp / 64;
 #ifndef SPARSE_MLA_DECODE_STAGES
 #define SPARSE_MLA_DECODE_STAGES 2
 #endif
-// Steps of rows in shared memory: the rows of the next kStages - 1 steps load while a
-// step computes.
+// Steps of rows in shared memory: a step's rows are requested kStages steps ahead and
+// must land within kStages - 1 steps (2 measured best: docs/kernels.md).
 constexpr int kStages = SPARSE_MLA_DECODE_STAGES;
 // 576 = 4.5 x 128 bytes: keys k and k + 1 start 16 banks apart, so a quarter-warp's
 // 16-byte loads (two keys x 64 bytes) are conflict-free.
