@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 async def serve(settings: PleSettings) -> None:
     """Serves one table until SIGTERM/SIGINT; the segment is removed on every exit path."""
+    if settings.cpus:
+        _run_on_cpus(settings.cpus)
     source = find_table(settings.table_path, settings.tensor_name, settings.expectation())
     logger.info("table %s: %d rows x %d (%s), %.2f GiB, header sha256 %s", source.tensor_name,
                 source.num_rows, source.row_width, source.dtype.name,
@@ -44,6 +47,14 @@ async def serve(settings: PleSettings) -> None:
         await server.serve_until_signal(on_stop=close_for_readers)
     finally:
         segment.unmap()
+
+
+def _run_on_cpus(cpus: list[int]) -> None:
+    """Pins every thread of this process to `cpus`; threads started later inherit it. The
+    threads that exist already (numpy's BLAS pool starts at import) are pinned one by one."""
+    for thread_id in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread_id), cpus)
+    logger.info("running on CPUs %s", sorted(cpus))
 
 
 async def _load_until_signal(segment: TableSegment, show_progress: bool) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.mesh.settings import ServiceSettings
@@ -29,6 +30,18 @@ class PleSettings(ServiceSettings):
         None, description="refuse a file whose header fingerprint (hex SHA-256) differs")
     show_progress: bool = Field(True, description="draw a progress bar while loading")
     grace_s: float = Field(5.0, ge=0, description="seconds in-flight lookups get on shutdown")
+    cpus: list[int] = Field(
+        default_factory=list, description="CPUs the service and all its threads run on; a CPU "
+        "of its own shortens LookupStream's tail (docs/ple.md); default: any")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_available(cls, cpus: list[int]) -> list[int]:
+        allowed = os.sched_getaffinity(0)
+        if unavailable := sorted(set(cpus) - allowed):
+            raise ValueError(f"CPUs {unavailable} are not available here (allowed: "
+                             f"{sorted(allowed)})")
+        return cpus
 
     def expectation(self) -> TableExpectation:
         return TableExpectation(
