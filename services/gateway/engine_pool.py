@@ -87,6 +87,15 @@ class EnginePool:
                 self._retired.append(engine)
         self._close_idle_retired()
 
+    def restart_absence_clocks(self, now: float | None = None) -> None:
+        """The registry was unreachable until now, so nothing was seen missing: a Redis that
+        restarted empty gets a whole TTL from now for the engines to write their records
+        again. Counting from before the outage dropped serving engines for a moment."""
+        now = time.monotonic() if now is None else now
+        for engine in self.engines.values():
+            if not engine.is_static:
+                engine.last_seen = now
+
     def _close_idle_retired(self) -> None:
         for engine in [e for e in self._retired if e.num_in_flight == 0]:
             self._retired.remove(engine)

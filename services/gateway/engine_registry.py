@@ -40,6 +40,7 @@ class RegistryWatcher:
             return
         if not self._is_reachable:
             logger.info("engine registry reachable again")
+            self.pool.restart_absence_clocks()
         self._is_reachable = True
         self.metrics.registry_reachable.set(1)
         self.pool.sync_registry(records)
