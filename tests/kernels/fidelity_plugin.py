@@ -139,15 +139,19 @@ def record_cuda_kernel() -> Callable[[str, int, int, int], None]:
     table; several builds of one kernel count as its variants, with the largest figures."""
 
     def record(kernel_name: str, shared_bytes: int, registers: int, spill_bytes: int) -> None:
-        row = _state.cuda_resources.setdefault(
-            kernel_name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0}
-        )
-        row["variants"] += 1
-        row["shared"] = max(row["shared"], shared_bytes)
-        row["registers"] = max(row["registers"], registers)
-        row["spills"] = max(row["spills"], spill_bytes)
+        _add_variant(_state.cuda_resources, kernel_name, shared_bytes, registers, spill_bytes)
 
     return record
+
+
+def _add_variant(rows: dict[str, dict[str, Any]], name: str, shared_bytes: int,
+                 registers: int, spill_bytes: int) -> None:
+    """Counts one compiled variant of kernel `name` in `rows`, keeping the largest figures."""
+    row = rows.setdefault(name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0})
+    row["variants"] += 1
+    row["shared"] = max(row["shared"], shared_bytes)
+    row["registers"] = max(row["registers"], registers)
+    row["spills"] = max(row["spills"], spill_bytes)
 
 
 @pytest.fixture(autouse=True)
@@ -187,13 +191,8 @@ def fidelity_table() -> list[dict[str, str]]:
         from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
 
         for report in compiled_kernel_reports(_kernel_modules()):
-            row = rows.setdefault(
-                report.name, {"variants": 0, "shared": 0, "registers": 0, "spills": 0}
-            )
-            row["variants"] += 1
-            row["shared"] = max(row["shared"], report.shared_bytes)
-            row["registers"] = max(row["registers"], report.registers)
-            row["spills"] = max(row["spills"], report.spills)
+            _add_variant(rows, report.name, report.shared_bytes, report.registers,
+                         report.spills)
     rows.update(_state.cuda_resources)
     for name in _state.max_errors:
         rows.setdefault(name, {})
