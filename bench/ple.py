@@ -95,10 +95,11 @@ def pinned(child: subprocess.Popen[bytes], cpus: set[int]) -> subprocess.Popen[b
 def start_service(table: Path, shm_name: str, shm_dir: Path,
                   cpus: set[int]) -> tuple[subprocess.Popen[bytes], str]:
     address = _free_address()
-    process = pinned(subprocess.Popen(
+    cpu_flags = [arg for cpu in sorted(cpus) for arg in ("--cpus", str(cpu))]
+    process = subprocess.Popen(
         [sys.executable, "-m", "services.ple_offload", "--table-path", str(table), "--address",
-         address, "--shm-name", shm_name, "--shm-dir", str(shm_dir), "--no-show-progress"],
-        cwd=REPO_ROOT, env=_child_env()), cpus)
+         address, "--shm-name", shm_name, "--shm-dir", str(shm_dir), "--no-show-progress",
+         *cpu_flags], cwd=REPO_ROOT, env=_child_env())
     while not wait_until_serving(address, 5):
         if process.poll() is not None:
             raise SystemExit(f"PLE service exited with {process.returncode}")
