@@ -210,6 +210,14 @@ def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
     cache = filled_cache(64 * context // COMPRESS_RATIO)
     swa_cache = filled_cache(64 * SWA_WINDOW)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; graph-replay ms, context {context // 1024}k")
+    from services.engine.backport.kernels.cuda_module import device_arch
+    from services.engine.backport.kernels.sparse_mla_decode_cuda import decode_for_grid
+
+    arch = cuda_arch or device_arch(torch.device("cuda"))
+    for programs in (8, 64, 256):
+        loaded = decode_for_grid(arch, torch.cuda.current_device(), programs)
+        print(f"CUDA decode for {arch}, {programs} (token, head block) pairs: "
+              f"{loaded.blocks_per_sm} blocks an SM, {loaded.kernel.resources.registers} registers")
     print("| shape | Triton ms | CUDA ms | Triton / CUDA | CUDA of copy |")
     print("|---|---|---|---|---|")
     for heads in (16, 64):

@@ -17,12 +17,15 @@ import pytest
 import torch
 
 from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
+from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
 from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch, ptxas_path
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     KERNEL_NAME,
     THREADS,
+    decode_for_grid,
     decode_ptx,
     load_decode,
+    min_blocks_per_sm,
     sparse_mla_decode_cuda,
 )
 from tests.kernels.test_sparse_mla_decode import (
@@ -47,7 +50,7 @@ def _ptx_or_skip(arch: str, min_blocks: int = 4) -> bytes:
         raise
 
 
-@pytest.mark.parametrize("min_blocks", [3, 4])
+@pytest.mark.parametrize("min_blocks", [2, 3, 4])
 @pytest.mark.parametrize("arch", ["sm80", "sm86"])
 def test_cuda_decode_assembles_for_ampere_without_spills(
     arch: str, min_blocks: int, tmp_path: Path
@@ -89,7 +92,7 @@ def test_cuda_decode_matches_reference(case_index: int, cuda_arch: str, record_m
 
 
 @needs_cuda
-@pytest.mark.parametrize("min_blocks", [3, 4])
+@pytest.mark.parametrize("min_blocks", [2, 3, 4])
 def test_cuda_decode_fits_the_arch(cuda_arch: str, min_blocks: int, record_cuda_kernel) -> None:
     loaded = load_decode(cuda_arch, torch.cuda.current_device(), min_blocks=min_blocks)
     resources = loaded.kernel.resources
@@ -99,3 +102,21 @@ def test_cuda_decode_fits_the_arch(cuda_arch: str, min_blocks: int, record_cuda_
     if limit is not None:
         assert loaded.shared_bytes <= limit
     assert resources.local_bytes == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("programs", [8, 64, 1024])
+def test_cuda_decode_runs_as_many_blocks_an_sm_as_the_target_holds(
+    cuda_arch: str, programs: int
+) -> None:
+    """On a card with more shared memory an SM than the target (the H200 in sm80 mode),
+    launches are padded so that the card holds no more blocks than the target would."""
+    loaded = decode_for_grid(cuda_arch, torch.cuda.current_device(), programs)
+    present = loaded.kernel.blocks_per_sm(THREADS, loaded.launch_shared_bytes)
+    assert present == loaded.blocks_per_sm
+    if cuda_arch in CARD_LIMITS:
+        target = resident_blocks(cuda_arch, THREADS, loaded.shared_bytes,
+                                 loaded.kernel.resources.registers)
+        assert loaded.blocks_per_sm == min(target, loaded.kernel.blocks_per_sm(
+            THREADS, loaded.shared_bytes))
+        assert loaded.blocks_per_sm <= min_blocks_per_sm(programs)

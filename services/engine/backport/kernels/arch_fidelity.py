@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-SHARED_MEMORY_LIMIT_BYTES = {"sm80": 166_912, "sm86": 101_376, "sm89": 101_376}
+from services.engine.backport.kernels.card_limits import CARD_LIMITS
+
+SHARED_MEMORY_LIMIT_BYTES = {arch: limits.shared_per_block for arch, limits in CARD_LIMITS.items()}
 ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
 _MATMUL_FUNCTIONS = frozenset(
     {

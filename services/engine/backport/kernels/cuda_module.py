@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
-# CUfunction_attribute / CUresult values from cuda.h.
+# CUfunction_attribute / CUdevice_attribute / CUresult values from cuda.h.
+_ATTRIBUTE_SHARED_SIZE_BYTES = 1  # static shared memory
 _ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 _ATTRIBUTE_NUM_REGS = 4
 _ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_DEVICE_MAX_SHARED_PER_BLOCK_OPTIN = 97
 _CUDA_SUCCESS = 0
 
 
@@ -212,6 +214,33 @@ class CudaKernel:
             ctypes.byref(blocks), self._function, threads, ctypes.c_size_t(dynamic_shared_bytes)),
             "computing occupancy")
         return blocks.value
+
+    def shared_bytes_for_blocks(self, threads: int, blocks: int, at_least: int) -> int:
+        """The least dynamic shared memory, from `at_least` up, at which an SM of the card
+        present holds at most `blocks` blocks of `threads`: launching with it holds a newer
+        card to an older one's residency."""
+        if self.blocks_per_sm(threads, at_least) <= blocks:
+            return at_least
+        low, high = at_least, self._max_dynamic_shared()
+        if self.blocks_per_sm(threads, high) > blocks:
+            raise ValueError(f"{self.name}: no shared memory size holds an SM to {blocks} blocks")
+        while high - low > 1:  # residency only falls as the shared memory grows
+            middle = (low + high) // 2
+            if self.blocks_per_sm(threads, middle) > blocks:
+                low = middle
+            else:
+                high = middle
+        return high
+
+    def _max_dynamic_shared(self) -> int:
+        value, device = ctypes.c_int(), ctypes.c_int()
+        ordinal = self.device.index if self.device.index is not None else 0
+        _check(self._driver, self._driver.cuDeviceGet(ctypes.byref(device), ordinal),
+               "finding the device")
+        _check(self._driver, self._driver.cuDeviceGetAttribute(
+            ctypes.byref(value), _DEVICE_MAX_SHARED_PER_BLOCK_OPTIN, device),
+            "reading the shared memory limit")
+        return value.value - self.attribute(_ATTRIBUTE_SHARED_SIZE_BYTES)
 
     def launch(self, grid: tuple[int, int, int], threads: int, dynamic_shared_bytes: int,
                params: ctypes.Structure) -> None:

@@ -19,6 +19,7 @@ import torch
 import triton
 
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
 from services.engine.backport.kernels.cuda_module import CudaKernel, compile_ptx, device_arch
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, combine_splits
 from services.engine.backport.kernels.sparse_mla_decode import (
@@ -79,17 +80,24 @@ class LoadedDecode:
 
     kernel: CudaKernel
     shared_bytes: int  # dynamic shared memory a block uses (the source's own constant)
-    wave: int  # blocks resident at once on the whole GPU
+    launch_shared_bytes: int  # what launches ask for: more on a card with more per SM
+    blocks_per_sm: int  # resident at once: the target card's figure, where it is known
     sm_count: int
+
+    @property
+    def wave(self) -> int:
+        """Blocks resident at once on the whole GPU."""
+        return self.blocks_per_sm * self.sm_count
 
 
 def min_blocks_per_sm(programs: int) -> int:
     """The blocks an SM must hold, which sets the registers a thread may use, for a grid of
-    `programs` (token, head block) pairs. Small grids run faster with 3 blocks of up to 168
-    registers, large ones with 4 of up to 128 and the larger wave (H200 in sm80 mode, top-k
-    2048 + 128, 3 against 4 blocks: B=8 H=16 0.0235 / 0.0256 ms, B=8 H=64 0.0377 / 0.0420,
-    B=64 H=16 0.0580 / 0.0578 (top-k 512 + 128: 0.0307 / 0.0322), B=128 H=16 0.0909 /
-    0.0885, B=64 H=64 0.183 / 0.156)."""
+    `programs` (token, head block) pairs, where the card has the shared memory for them.
+    Small grids run faster with 3 blocks of up to 168 registers, large ones with 4 of up to
+    128 and the larger wave (H200 in sm80 mode, before launches were held to the A100's
+    3 blocks an SM; top-k 2048 + 128, 3 against 4 blocks: B=8 H=16 0.0235 / 0.0256 ms, B=8
+    H=64 0.0377 / 0.0420, B=64 H=16 0.0580 / 0.0578 (top-k 512 + 128: 0.0307 / 0.0322),
+    B=128 H=16 0.0909 / 0.0885, B=64 H=64 0.183 / 0.156)."""
     return 3 if programs <= SMALL_GRID_PROGRAMS else 4
 
 
@@ -106,15 +114,34 @@ def decode_ptx(arch: str, stages: int = DEFAULT_STAGES, min_blocks: int = 4) -> 
 def load_decode(
     arch: str, device_index: int, stages: int = DEFAULT_STAGES, min_blocks: int = 4
 ) -> LoadedDecode:
-    """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`.
-    Load before capturing a CUDA graph: loading reads a constant back from the GPU."""
+    """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
+    launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
+    holds more. Load before capturing a CUDA graph: loading reads a constant back from the
+    GPU."""
     device = torch.device("cuda", device_index)
     kernel = CudaKernel(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
+    blocks = kernel.blocks_per_sm(THREADS, shared)
+    launch_shared = shared
+    if arch in CARD_LIMITS:
+        target = resident_blocks(arch, THREADS, shared, kernel.resources.registers)
+        if target < blocks:
+            blocks = target
+            launch_shared = kernel.shared_bytes_for_blocks(THREADS, target, shared)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    return LoadedDecode(
-        kernel, shared, kernel.blocks_per_sm(THREADS, shared) * sm_count, sm_count
-    )
+    return LoadedDecode(kernel, shared, launch_shared, blocks, sm_count)
+
+
+def decode_for_grid(arch: str, device_index: int, programs: int,
+                    stages: int = DEFAULT_STAGES) -> LoadedDecode:
+    """The build for a grid of `programs`: registers capped for `min_blocks_per_sm` blocks
+    an SM, or for as many as the card holds when that is fewer (the A100's shared memory
+    holds 3, the sm86/89 cards' 2), so no register is given up for blocks that cannot run."""
+    wanted = min_blocks_per_sm(programs)
+    loaded = load_decode(arch, device_index, stages, wanted)
+    if loaded.blocks_per_sm < wanted:
+        loaded = load_decode(arch, device_index, stages, max(1, loaded.blocks_per_sm))
+    return loaded
 
 
 def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
@@ -166,7 +193,7 @@ def sparse_mla_decode_cuda(
 
     `arch` picks the instruction set the kernel is built for ("sm80", "sm86", ...;
     default: the card's own); `stages` how many steps of rows shared memory holds;
-    `min_blocks` the blocks an SM must hold (3 or 4; default: `min_blocks_per_sm`).
+    `min_blocks` the blocks an SM must hold (2 to 4; default: `decode_for_grid`).
     """
     operands = decode_operands(
         q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
@@ -186,9 +213,11 @@ def sparse_mla_decode_cuda(
     device = q.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
     num_head_blocks = triton.cdiv(num_heads, HEADS_PER_BLOCK)
+    arch = arch or device_arch(device)
     if min_blocks is None:
-        min_blocks = min_blocks_per_sm(num_tokens * num_head_blocks)
-    loaded = load_decode(arch or device_arch(device), device_index, stages, min_blocks)
+        loaded = decode_for_grid(arch, device_index, num_tokens * num_head_blocks, stages)
+    else:
+        loaded = load_decode(arch, device_index, stages, min_blocks)
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
@@ -235,7 +264,7 @@ def sparse_mla_decode_cuda(
         qk_scale_log2=softmax_scale * LOG2E,
     )
     loaded.kernel.launch(
-        (num_head_blocks, num_splits, num_tokens), THREADS, loaded.shared_bytes, params
+        (num_head_blocks, num_splits, num_tokens), THREADS, loaded.launch_shared_bytes, params
     )
     combine_splits(partial_out, partial_lse, attn_sink, out, lse)
     return out, lse

@@ -20,6 +20,8 @@
 //   4. movmatrix.trans turns each 8x8 (keys x dims) block of the dequantized K into an
 //      (dims x keys) block: PV's B fragments for the same dims. So PV needs no loads, and
 //      its output dims come out in the permuted order, 16 consecutive dims a thread.
+//   With 2 blocks an SM (sm86/89's shared memory holds no more), the next step's 2 and 3
+//   up to the barrier overlap this step's softmax (kOverlapNextStep).
 // fp8 -> bf16 without fp8 instructions: prmt sign-extends a byte per 16-bit half, a shift
 // and mask leave sign, exponent and mantissa in bf16's fields (value * 2^-120), and one
 // bf16x2 fma by 2^(120 + exponent) applies the power-of-two scale; exact (as
@@ -214,11 +216,17 @@ struct SlotRun {
 
 }  // namespace
 
-// Blocks an SM must hold: 4 caps a thread at 128 registers; 3 allows 168 (the launcher
-// picks; sparse_mla_decode_cuda.min_blocks_per_sm).
+// Blocks an SM must hold: 4 caps a thread at 128 registers, 3 at 168, 2 at 255 (the
+// launcher picks; sparse_mla_decode_cuda.decode_for_grid).
 #ifndef SPARSE_MLA_DECODE_MIN_BLOCKS
 #define SPARSE_MLA_DECODE_MIN_BLOCKS 4
 #endif
+// With 2 blocks (8 warps) an SM, as on sm86/89, a warp's own chains must hide its latencies:
+// the next step's dequantization and QK^T then overlap this step's softmax, in 32 more
+// registers (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765 against 0.0929 ms). With
+// 3 blocks the 168-register budget leaves that schedule no room (sm80 mode: 0.0565 against
+// 0.0582 ms there, but 0.2020 against 0.1857 ms at 64 heads), so steps run one after another.
+constexpr bool kOverlapNextStep = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
 extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLOCKS)
     sparse_mla_decode_sm80(const DecodeParams p) {
   extern __shared__ __align__(16) uint8_t shared[];
@@ -335,14 +343,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   const int fragment_row = (lane % 8) + 8 * ((lane / 8) % 2);
   const uint32_t q_address = shared_address(q_tile + fragment_row * kQStride + 8 * (lane / 16));
 
-  for (int step = 0; step < num_steps; ++step) {
+  // K of this warp's dims for one step's 16 keys, as QK^T's B fragments:
+  // k[j][t][n] = {b0, b1} of tile j, k16 chunk t, n8 tile n (keys 8n..8n+7).
+  auto dequantize_step = [&](int step, uint32_t (&k)[kTilesPerWarp][4][2][2]) {
     const int stage = step % kStages;
     const uint8_t* stage_rows_base = rows + stage * kKeys * kRowStride;
     const uint8_t* stage_scales = scales + stage * kKeys * kScaleBytes;
-
-    // K of this warp's dims for the step's 16 keys, as QK^T's B fragments:
-    // k_frag[j][t][n] = {b0, b1} of tile j, k16 chunk t, n8 tile n (keys 8n..8n+7).
-    uint32_t k_frag[kTilesPerWarp][4][2][2];
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
       const int tile = kTilesPerWarp * warp + j;
@@ -357,27 +363,29 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
           const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            k_frag[j][t][n][0] = dequantize_pair(words[t], 0, 0x9180, multiplier);
-            k_frag[j][t][n][1] = dequantize_pair(words[t], 0, 0xB3A2, multiplier);
+            k[j][t][n][0] = dequantize_pair(words[t], 0, 0x9180, multiplier);
+            k[j][t][n][1] = dequantize_pair(words[t], 0, 0xB3A2, multiplier);
           }
         } else {
           // RoPE dims 448..511 are bf16 already: dims 448 + 16c + 4t + {0..3} = 8 bytes.
           const uint4 low = *reinterpret_cast<const uint4*>(row + kNopeDim + 32 * quad);
           const uint4 high = *reinterpret_cast<const uint4*>(row + kNopeDim + 32 * quad + 16);
-          k_frag[j][0][n][0] = low.x;
-          k_frag[j][0][n][1] = low.y;
-          k_frag[j][1][n][0] = low.z;
-          k_frag[j][1][n][1] = low.w;
-          k_frag[j][2][n][0] = high.x;
-          k_frag[j][2][n][1] = high.y;
-          k_frag[j][3][n][0] = high.z;
-          k_frag[j][3][n][1] = high.w;
+          k[j][0][n][0] = low.x;
+          k[j][0][n][1] = low.y;
+          k[j][1][n][0] = low.z;
+          k[j][1][n][1] = low.w;
+          k[j][2][n][0] = high.x;
+          k[j][2][n][1] = high.y;
+          k[j][3][n][0] = high.z;
+          k[j][3][n][1] = high.w;
         }
       }
     }
-
-    // QK^T over this warp's dims: partial scores of both n8 tiles (rows group, group + 8;
-    // key columns 8n + 2c, +1).
+  };
+  // QK^T over this warp's dims into the step's partial-score slot; returns the keys'
+  // validity (columns 2c, 2c + 1 of each n8 tile), read before the stage is reused.
+  auto partial_scores = [&](int step, const uint32_t (&k)[kTilesPerWarp][4][2][2],
+                            bool (&valid)[2][2]) {
     float partial[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
@@ -385,32 +393,28 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       for (int t = 0; t < 4; ++t) {
         uint32_t a[4];
         load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
-        mma_bf16(partial[0], a, k_frag[j][t][0][0], k_frag[j][t][0][1]);
-        mma_bf16(partial[1], a, k_frag[j][t][1][0], k_frag[j][t][1][1]);
+        mma_bf16(partial[0], a, k[j][t][0][0], k[j][t][0][1]);
+        mma_bf16(partial[1], a, k[j][t][1][0], k[j][t][1][1]);
       }
     }
-    const uint8_t* stage_valid = valid_keys + stage * kKeys;
-    const bool valid[2][2] = {{stage_valid[2 * quad] != 0, stage_valid[2 * quad + 1] != 0},
-                              {stage_valid[8 + 2 * quad] != 0, stage_valid[9 + 2 * quad] != 0}};
+    const uint8_t* stage_valid = valid_keys + (step % kStages) * kKeys;
+    valid[0][0] = stage_valid[2 * quad] != 0;
+    valid[0][1] = stage_valid[2 * quad + 1] != 0;
+    valid[1][0] = stage_valid[8 + 2 * quad] != 0;
+    valid[1][1] = stage_valid[9 + 2 * quad] != 0;
     float4* step_partials = partials + (step % 2) * (kWarps * 2 * 32);
     step_partials[(warp * 2 + 0) * 32 + lane] =
         make_float4(partial[0][0], partial[0][1], partial[0][2], partial[0][3]);
     step_partials[(warp * 2 + 1) * 32 + lane] =
         make_float4(partial[1][0], partial[1][1], partial[1][2], partial[1][3]);
+  };
 
-    // The one barrier of a step: every warp's partial scores are in, every warp is done
-    // with this stage's rows, and (each thread having waited for its own copies) the next
-    // step's rows are in.
-    wait_copies<kStages - 2>();
-    __syncthreads();
-    {
-      const int ahead = step + kStages;
-      if (ahead < num_steps) stage_rows(ahead, next_slot, next_is_extra);
-      commit_copies();
-      next_slot = run.slot((ahead + 1) * kKeys + copy_key, next_is_extra);
-    }
-
-    // Scores of all 512 dims, the four warps' partials added in a fixed order.
+  // Online softmax (base 2) of one step from the four warps' partial scores, added in a
+  // fixed order; row r is head group + 8r. Returns the accumulators' rescale factors and
+  // leaves P, PV's A fragment (rows group / group + 8, 16 keys), in `probabilities`.
+  auto softmax_step = [&](int step, const bool (&valid)[2][2], float (&alpha)[2],
+                          uint32_t (&probabilities)[4]) {
+    const float4* step_partials = partials + (step % 2) * (kWarps * 2 * 32);
     float scores[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -430,10 +434,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       scores[n][2] = valid[n][0] ? sum.z * p.qk_scale_log2 : negative_infinity();
       scores[n][3] = valid[n][1] ? sum.w * p.qk_scale_log2 : negative_infinity();
     }
-
-    // Online softmax (base 2); row r is head group + 8r: scores[n][2r], scores[n][2r + 1].
-    float alpha[2];
-    uint32_t probabilities[4];  // PV's A fragment: P of rows group / group + 8, 16 keys
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float step_max = quad_max(fmaxf(fmaxf(scores[0][2 * r], scores[0][2 * r + 1]),
@@ -456,6 +456,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       }
       row_sum[r] = row_sum[r] * alpha[r] + sum;
     }
+  };
+  // acc = acc * alpha + P V. PV's B fragment of output dims (tile j, chunk t, half h) is the
+  // transpose of QK^T's fragment half h for keys 0-7 (b0) and keys 8-15 (b1).
+  auto accumulate = [&](const float (&alpha)[2], const uint32_t (&probabilities)[4],
+                        const uint32_t (&k)[kTilesPerWarp][4][2][2]) {
     // Once the running maxima settle, most steps leave them unchanged (alpha = 1).
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -470,18 +475,63 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
             acc[j][t][h][3] *= alpha[1];
           }
     }
-
-    // PV: the B fragment of output dims (tile j, chunk t, half h) is the transpose of
-    // QK^T's fragment half h for keys 0-7 (b0) and keys 8-15 (b1).
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j)
 #pragma unroll
       for (int t = 0; t < 4; ++t)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          mma_bf16(acc[j][t][h], probabilities, transpose_8x8(k_frag[j][t][0][h]),
-                   transpose_8x8(k_frag[j][t][1][h]));
+          mma_bf16(acc[j][t][h], probabilities, transpose_8x8(k[j][t][0][h]),
+                   transpose_8x8(k[j][t][1][h]));
         }
+  };
+
+  uint32_t k_frag[kTilesPerWarp][4][2][2];
+  bool valid[2][2];
+  if constexpr (kOverlapNextStep) {
+    dequantize_step(0, k_frag);
+    partial_scores(0, k_frag, valid);
+  }
+
+  for (int step = 0; step < num_steps; ++step) {
+    if constexpr (!kOverlapNextStep) {
+      dequantize_step(step, k_frag);
+      partial_scores(step, k_frag, valid);
+    }
+    // The one barrier of a step: every warp's partial scores of this step are in, every
+    // warp is done with this stage's rows (dequantized before the barrier), and (each
+    // thread having waited for its own copies) the next step's rows are in.
+    wait_copies<kStages - 2>();
+    __syncthreads();
+    {
+      const int ahead = step + kStages;
+      if (ahead < num_steps) stage_rows(ahead, next_slot, next_is_extra);
+      commit_copies();
+      next_slot = run.slot((ahead + 1) * kKeys + copy_key, next_is_extra);
+    }
+
+    float alpha[2];
+    uint32_t probabilities[4];
+    softmax_step(step, valid, alpha, probabilities);
+    if constexpr (kOverlapNextStep) {
+      // The next step's K and partial scores in the same basic block as this step's
+      // softmax, so the scheduler interleaves the two chains. After the last step the
+      // stage holds stale rows: those results are never read.
+      uint32_t next_k[kTilesPerWarp][4][2][2];
+      dequantize_step(step + 1, next_k);
+      partial_scores(step + 1, next_k, valid);
+      accumulate(alpha, probabilities, k_frag);
+#pragma unroll
+      for (int j = 0; j < kTilesPerWarp; ++j)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) k_frag[j][t][n][h] = next_k[j][t][n][h];
+    } else {
+      accumulate(alpha, probabilities, k_frag);
+    }
   }
 
   // Every warp ran the same softmax, so its row sums are already those of all keys.
