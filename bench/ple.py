@@ -45,6 +45,7 @@ from backport.v1 import ple_pb2  # noqa: E402
 
 from services.mesh.channels import GRPC_OPTIONS, wait_until_serving  # noqa: E402
 from services.ple_offload.client import PleTableClient  # noqa: E402
+from services.ple_offload.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO  # noqa: E402
 from services.ple_offload.table_reader import SharedTableReader  # noqa: E402
 
 HEADS = 16
@@ -245,9 +246,12 @@ class LoopbackEcho:
 
 
 # A child process serving one bidirectional stream whose handler answers every message with
-# the same prebuilt bytes (no serializers: bytes in, bytes out), with the service's options.
+# the same prebuilt bytes (no serializers: bytes in, bytes out), with the service's options
+# and its choice of grpc I/O threads.
 _BARE_STREAM_CHILD = """
 import asyncio, sys
+from services.ple_offload.grpc_io import prefer_polling_thread_io
+prefer_polling_thread_io()
 import grpc
 from services.mesh.channels import GRPC_OPTIONS
 reply = bytes(int(sys.argv[2]))
@@ -486,6 +490,10 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
     print(f"table {table_gib:.2f} GiB of {args.row_bytes} B rows in {args.shm_dir}, {HEADS} rows "
           f"per token; {r['table_huge_page_bytes'] / 2**30:.2f} GiB of it in huge pages")
     print(f"CPUs: service {_cpu_list(args.service_cpus)}, clients {_cpu_list(os.sched_getaffinity(0))}")
+    # The service and the bare stream's server set this themselves unless it is given.
+    print(f"{GRPC_EXPERIMENTS_ENV}: service "
+          f"{os.environ.get(GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO)!r}, clients "
+          f"{os.environ.get(GRPC_EXPERIMENTS_ENV, '(unset: grpcio default)')!r}")
     print(f"memcpy baseline: {MEMCPY_BYTES >> 20} MiB contiguous copy out of the table, best of 5: "
           f"{r['memcpy_1t_gb_s']:.2f} GB/s with 1 thread, {r['memcpy_nt_gb_s']:.2f} GB/s with "
           f"{n}; medians of {args.rounds} rounds")

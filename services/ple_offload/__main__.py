@@ -6,11 +6,14 @@ import argparse
 import asyncio
 
 from services.mesh.logs import configure_logging
-from services.ple_offload.server import serve
+from services.ple_offload.grpc_io import prefer_polling_thread_io
 from services.ple_offload.settings import PleSettings
 
 
 def main() -> None:
+    prefer_polling_thread_io()  # before the server's import loads grpc
+    from services.ple_offload.server import serve
+
     parser = argparse.ArgumentParser(prog="python -m services.ple_offload", description=__doc__)
     PleSettings.add_arguments(parser)
     settings = PleSettings.from_namespace(parser.parse_args())

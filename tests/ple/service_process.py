@@ -26,25 +26,34 @@ def service_env() -> dict[str, str]:
     return env
 
 
+# The two ways to start the service: `python -m services.ple_offload` and `backport ple`.
+MODULE_ENTRY = ("-m", "services.ple_offload")
+CLI_ENTRY = ("-m", "services.cli", "ple")
+
+
 class ServiceProcess:
-    """One `python -m services.ple_offload` child; `stop()` sends SIGTERM like an operator."""
+    """One PLE service child (`python -m services.ple_offload` unless `entry` says
+    otherwise); `stop()` sends SIGTERM like an operator."""
 
     def __init__(self, table_path: Path, *, shm_name: str | None = None, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), entry: tuple[str, ...] = MODULE_ENTRY,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.table_path = table_path
         self.shm_name = shm_name or unique_shm_name()
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.extra_args = extra_args
+        self.entry = entry
+        self.extra_env = extra_env or {}
         self.process: subprocess.Popen[str] | None = None
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.ple_offload", "--table-path", str(self.table_path),
+            [sys.executable, *self.entry, "--table-path", str(self.table_path),
              "--address", self.address, "--shm-name", self.shm_name, "--no-show-progress",
              "--grace-s", "1", *self.extra_args],
-            cwd=REPO_ROOT, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+            cwd=REPO_ROOT, env=service_env() | self.extra_env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
         if not wait_until_serving(self.address, timeout_s):
             output = self.stop()
             raise RuntimeError(f"PLE service did not start:\n{output}")
