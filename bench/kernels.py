@@ -425,6 +425,9 @@ def main() -> None:
         help="the decode --profile-decode and --sweep-decode run (cuda: sparse_mla_decode_sm80.cu)",
     )
     parser.add_argument(
+        "--quantizers", action="store_true", help="only time the quantizers and gathers"
+    )
+    parser.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only time the decode's tiling choices (--decode-backend picks which decode)",
@@ -446,6 +449,11 @@ def main() -> None:
         return
     if args.compare_decode:
         compare_decode(copy_bandwidth(), cuda_arch)
+        return
+    if args.quantizers:
+        bandwidth = copy_bandwidth()
+        print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+        print(markdown(quantizer_cases(bandwidth, args.quick)))
         return
     bandwidth = copy_bandwidth()
     print(

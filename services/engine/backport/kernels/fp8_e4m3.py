@@ -1,8 +1,9 @@
 """fp8 e4m3 (OCP `float8_e4m3fn`) encode/decode as Triton device functions over uint8.
 
 Triton emits `tl.float8e4nv` only on sm89+, so on sm80/86 fp8 data must be read and
-written as bytes and converted in software. These helpers use integer bit tricks only,
-so they lower to plain ALU instructions on every architecture.
+written as bytes and converted in software. These helpers use integer bit tricks and,
+for the encoder's subnormals, one fp32 multiply-add whose rounding does the work, so
+they lower to plain ALU instructions on every architecture.
 
 Format: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits. Largest finite value
 448 (0x7E), NaN is 0x7F/0xFF, there is no infinity. Subnormals are m * 2**-9, m in 1..7.
@@ -29,13 +30,6 @@ import triton
 import triton.language as tl
 
 E4M3_MAX = 448.0
-# fp32 bit patterns used by the encoder.
-_FP32_ABS_MASK = 0x7FFFFFFF
-_FP32_INF_BITS = 0x7F800000
-_FP32_448_BITS = 0x43E00000  # 448.0, the largest finite e4m3 value
-_FP32_MIN_NORMAL_E4M3_BITS = 0x3C800000  # 2**-6, the smallest normal e4m3 value
-_FP32_HALF_MIN_SUBNORMAL_BITS = 0x3A800000  # 2**-10: at or below this rounds to 0
-_EXPONENT_REBIAS = (127 - 7) << 3  # fp32 bias 127 -> e4m3 bias 7, in e4m3 bit units
 BLOCK_ELEMENTS = 1024  # elements per program in the element-wise test launchers
 
 
@@ -55,19 +49,13 @@ def e4m3_encode(x):
     lsb = (abs_bits >> 20) & 1
     normal = ((abs_bits + 0x7FFFF + lsb) >> 20) - 960
 
-    # Subnormal range (2**-10 < |x| < 2**-6): value / 2**-9 rounded to nearest even.
-    # The 24-bit significand (implicit 1 restored) is shifted right by 141 - exponent.
-    exponent = abs_bits >> 23
-    significand = (abs_bits & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum(141 - exponent.to(tl.int32), 1), 31).to(tl.uint32)
-    quotient = significand >> shift
-    remainder = significand & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
-    subnormal = quotient + round_up.to(tl.uint32)
+    # Below 2**-6 (subnormals, and values that round to zero): value / 2**-9 rounded to
+    # nearest even by fp32's own rounding. The product is exact (a power of two), and
+    # adding 2**23 leaves no fraction bits, so the low bits of the sum are the result.
+    abs_value = abs_bits.to(tl.float32, bitcast=True)
+    subnormal = (abs_value * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
 
     magnitude = tl.where(abs_bits >= 0x3C800000, normal, subnormal)
-    magnitude = tl.where(abs_bits <= 0x3A800000, 0, magnitude)
     magnitude = tl.where(is_nan, 0x7F, magnitude)
     return (magnitude | sign).to(tl.uint8)
 

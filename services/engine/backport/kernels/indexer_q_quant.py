@@ -60,19 +60,18 @@ def _indexer_q_kernel(
     head_mask = heads < num_heads
     nope = tl.arange(0, NOPE_DIM)
     pair = tl.arange(0, HALF_ROPE)
+    rope = tl.arange(0, 2 * HALF_ROPE)
 
-    # RoPE on the interleaved pairs of the last 2 * HALF_ROPE dims, fp32 then bf16.
+    # RoPE on the interleaved pairs of the last 2 * HALF_ROPE dims, fp32 then bf16. The
+    # pairs are loaded and stored as whole rows and split/joined in registers: loads and
+    # stores with a stride of 2 elements ran 8% of copy bandwidth.
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin + pair)
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + pair)
     row = q_ptr + token * stride_q_token + heads[:, None] * stride_q_head
     x_nope = tl.load(row + nope[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-    x_even = tl.load(row + NOPE_DIM + 2 * pair[None, :], mask=head_mask[:, None], other=0.0).to(
-        tl.float32
-    )
-    x_odd = tl.load(row + NOPE_DIM + 2 * pair[None, :] + 1, mask=head_mask[:, None], other=0.0).to(
-        tl.float32
-    )
+    x_rope = tl.load(row + NOPE_DIM + rope[None, :], mask=head_mask[:, None], other=0.0)
+    x_even, x_odd = tl.split(tl.reshape(x_rope.to(tl.float32), (HEAD_BLOCK, HALF_ROPE, 2)))
     r_even = round_to_bf16(x_even * cos[None, :] - x_odd * sin[None, :])
     r_odd = round_to_bf16(x_odd * cos[None, :] + x_even * sin[None, :])
 
@@ -84,17 +83,13 @@ def _indexer_q_kernel(
     exponent = e4m3_scale_exponent(tl.maximum(amax, AMAX_FLOOR))
     inverse_scale = exp2_int(-exponent)[:, None]
 
-    # Write-back: fp8 bytes (pairs stored back interleaved) and the folded weights.
+    # Write-back: fp8 bytes (pairs joined back interleaved) and the folded weights.
     out = q_fp8_ptr + token * stride_out_token + heads[:, None] * stride_out_head
     tl.store(out + nope[None, :], e4m3_encode(x_nope * inverse_scale), mask=head_mask[:, None])
+    rotated = tl.join(e4m3_encode(r_even * inverse_scale), e4m3_encode(r_odd * inverse_scale))
     tl.store(
-        out + NOPE_DIM + 2 * pair[None, :],
-        e4m3_encode(r_even * inverse_scale),
-        mask=head_mask[:, None],
-    )
-    tl.store(
-        out + NOPE_DIM + 2 * pair[None, :] + 1,
-        e4m3_encode(r_odd * inverse_scale),
+        out + NOPE_DIM + rope[None, :],
+        tl.reshape(rotated, (HEAD_BLOCK, 2 * HALF_ROPE)),
         mask=head_mask[:, None],
     )
     weights = tl.load(weights_ptr + token * stride_w_token + heads, mask=head_mask, other=0.0).to(

@@ -16,11 +16,14 @@ x_odd cos - x_even sin): the attention output is a mix of rows at many positions
 undoing the query's rotation gives what wo_a expects. Scale per 128 dims:
 2**ceil(log2(max(amax, 1e-10) / 448)). Contraction off, as in `indexer_q_quant`.
 
-Tiling: one program per (token, head): a 512-dim head row is four 128-dim quant
-groups; the grid also covers the scale buffer's padding rows, which get zeros.
+Tiling: one program per token and HEADS_PER_PROGRAM heads of one group (each 512-dim
+head row is four 128-dim quant groups); the grid also covers the scale buffer's padding
+rows, which get zeros.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -35,6 +38,9 @@ from services.engine.backport.kernels.fp8_e4m3 import (
 
 AMAX_FLOOR = tl.constexpr(1e-10)  # upstream's eps before picking a scale
 SCALE_ROW_ALIGNMENT = 4  # DeepGEMM's TMA alignment for fp32 scales: 16 B / 4 B
+# Heads a program rotates and quantizes (fewer where a group has fewer): one head, 1 KB
+# in and 512 B out, was too little work a program (23% of copy bandwidth on the H200).
+HEADS_PER_PROGRAM = 4
 
 
 @triton.jit
@@ -53,6 +59,7 @@ def _inv_rope_quant_kernel(
     stride_out_token,
     stride_scale_group,
     stride_scale_block,
+    HEADS: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     HALF_ROPE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -60,50 +67,56 @@ def _inv_rope_quant_kernel(
     QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    group = head // heads_per_group
-    head_in_group = head % heads_per_group
-    first_block = head_in_group * GROUPS_PER_HEAD
-    blocks = tl.arange(0, GROUPS_PER_HEAD)
-    scale_ptrs = (
-        scale_ptr + group * stride_scale_group + token + (first_block + blocks) * stride_scale_block
-    )
+    first_head = tl.program_id(1) * HEADS
+    group = first_head // heads_per_group
+    heads = tl.arange(0, HEADS)
+    # Scale blocks of these heads within the group's row: HEADS x GROUPS_PER_HEAD.
+    blocks = (first_head % heads_per_group + heads)[:, None] * GROUPS_PER_HEAD + tl.arange(
+        0, GROUPS_PER_HEAD
+    )[None, :]
+    scale_ptrs = scale_ptr + group * stride_scale_group + token + blocks * stride_scale_block
     if token >= num_tokens:
         # Padding rows of the aligned scale buffer.
         if QUANTIZE:
-            tl.store(scale_ptrs, tl.zeros((GROUPS_PER_HEAD,), dtype=tl.float32))
+            tl.store(scale_ptrs, tl.zeros((HEADS, GROUPS_PER_HEAD), dtype=tl.float32))
         return
 
-    # Inverse RoPE on the interleaved pairs after the NoPE dims.
+    # Inverse RoPE on the interleaved pairs after the NoPE dims. Each row is read once, as
+    # (even, odd) pairs split in registers; only pairs past the NoPE dims turn.
     HEAD_DIM: tl.constexpr = GROUPS_PER_HEAD * GROUP_SIZE
-    dims = tl.arange(0, HEAD_DIM)
-    row = o_ptr + token * stride_o_token + head * stride_o_head
-    x = tl.load(row + dims).to(tl.float32)
-    is_rope = dims >= NOPE_DIM
-    partner = tl.load(row + (dims ^ 1), mask=is_rope, other=0.0).to(tl.float32)
-    pair = tl.maximum(dims - NOPE_DIM, 0) >> 1
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    rows = o_ptr + token * stride_o_token + (first_head + heads)[:, None] * stride_o_head
+    x = tl.load(rows + dims).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (HEADS, HEAD_DIM // 2, 2)))
+    pair = tl.arange(0, HEAD_DIM // 2)
+    is_rope = pair >= NOPE_DIM // 2
+    rope_pair = tl.maximum(pair - NOPE_DIM // 2, 0)
     position = tl.load(positions_ptr + token)
-    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + pair, mask=is_rope, other=1.0)
+    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + rope_pair, mask=is_rope, other=1.0)
     sin = tl.load(
-        cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + pair, mask=is_rope, other=0.0
+        cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + rope_pair, mask=is_rope, other=0.0
     )
-    is_even = (dims & 1) == 0
-    rotated = tl.where(is_even, x * cos + partner * sin, x * cos - partner * sin)
-    x = tl.where(is_rope, rotated, x)
+    turn = is_rope[None, :]
+    x = tl.reshape(
+        tl.join(tl.where(turn, even * cos[None, :] + odd * sin[None, :], even),
+                tl.where(turn, odd * cos[None, :] - even * sin[None, :], odd)),
+        (HEADS, HEAD_DIM),
+    )
 
+    # The group's heads are consecutive in its output row.
     out = (
         out_ptr
         + group * stride_out_group
         + token * stride_out_token
-        + first_block * GROUP_SIZE
+        + (first_head % heads_per_group + heads)[:, None] * HEAD_DIM
         + dims
     )
     if QUANTIZE:
         # One power-of-two scale per 128 dims.
-        x_blocks = tl.reshape(x, (GROUPS_PER_HEAD, GROUP_SIZE))
-        exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(x_blocks), axis=1), AMAX_FLOOR))
-        scaled = x_blocks * exp2_int(-exponent)[:, None]
-        tl.store(out, tl.reshape(e4m3_encode(scaled), (HEAD_DIM,)))
+        x_blocks = tl.reshape(x, (HEADS, GROUPS_PER_HEAD, GROUP_SIZE))
+        exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(x_blocks), axis=2), AMAX_FLOOR))
+        scaled = x_blocks * exp2_int(-exponent)[:, :, None]
+        tl.store(out, tl.reshape(e4m3_encode(scaled), (HEADS, HEAD_DIM)))
         tl.store(scale_ptrs, exp2_int(exponent))
     else:
         tl.store(out, x.to(out_ptr.dtype.element_ty))
@@ -147,8 +160,9 @@ def fused_inv_rope_fp8_quant(
         )
     else:
         scale_buf = torch.empty(0, dtype=torch.float32, device=o.device)
+    heads = math.gcd(heads_per_group, HEADS_PER_PROGRAM)
     if aligned_tokens > 0:
-        _inv_rope_quant_kernel[(aligned_tokens, num_heads)](
+        _inv_rope_quant_kernel[(aligned_tokens, num_heads // heads)](
             o,
             positions,
             cos_sin_cache,
@@ -163,6 +177,7 @@ def fused_inv_rope_fp8_quant(
             out_buf.stride(1),
             num_scale_blocks * aligned_tokens if quantize else 0,
             aligned_tokens,
+            HEADS=heads,
             NOPE_DIM=nope_dim,
             HALF_ROPE=rope_dim // 2,
             GROUP_SIZE=quant_group_size,
