@@ -39,8 +39,10 @@ DEFAULT_STAGES = 2
 # with the kernel's first version (32-key steps, 4 blocks an SM).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
-# Grids of up to this many (token, head block) pairs build the kernel for 3 blocks an SM.
+# Grids of up to this many (token, head block) pairs build the kernel for 3 blocks an SM,
+# larger ones for LARGE_GRID_MIN_BLOCKS (the source's own default too).
 SMALL_GRID_PROGRAMS = 64
+LARGE_GRID_MIN_BLOCKS = 4
 
 
 class DecodeParams(ctypes.Structure):
@@ -98,10 +100,11 @@ def min_blocks_per_sm(programs: int) -> int:
     3 blocks an SM; top-k 2048 + 128, 3 against 4 blocks: B=8 H=16 0.0235 / 0.0256 ms, B=8
     H=64 0.0377 / 0.0420, B=64 H=16 0.0580 / 0.0578 (top-k 512 + 128: 0.0307 / 0.0322),
     B=128 H=16 0.0909 / 0.0885, B=64 H=64 0.183 / 0.156)."""
-    return 3 if programs <= SMALL_GRID_PROGRAMS else 4
+    return 3 if programs <= SMALL_GRID_PROGRAMS else LARGE_GRID_MIN_BLOCKS
 
 
-def decode_ptx(arch: str, stages: int = DEFAULT_STAGES, min_blocks: int = 4) -> bytes:
+def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,
+               min_blocks: int = LARGE_GRID_MIN_BLOCKS) -> bytes:
     """The kernel's PTX for `arch`'s instruction set (cached on disk by `compile_ptx`)."""
     return compile_ptx(
         SOURCE,
@@ -112,7 +115,8 @@ def decode_ptx(arch: str, stages: int = DEFAULT_STAGES, min_blocks: int = 4) -> 
 
 @functools.cache
 def load_decode(
-    arch: str, device_index: int, stages: int = DEFAULT_STAGES, min_blocks: int = 4
+    arch: str, device_index: int, stages: int = DEFAULT_STAGES,
+    min_blocks: int = LARGE_GRID_MIN_BLOCKS,
 ) -> LoadedDecode:
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
     launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
