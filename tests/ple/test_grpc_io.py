@@ -66,4 +66,4 @@ def test_an_operators_grpc_experiments_are_kept(small_fp8_table: TableFile) -> N
     with ServiceProcess(small_fp8_table.path,
                         extra_env={GRPC_EXPERIMENTS_ENV: "event_engine_client"}) as service:
         wakeups = _event_engine_wakeups_per_lookup(service)
-    assert wakeups > 2, wakeups
+    assert wakeups > 1, wakeups  # about 3 when idle; a busy machine's threads sleep less
