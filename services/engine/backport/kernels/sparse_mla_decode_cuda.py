@@ -153,9 +153,11 @@ def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
     wave of blocks, and combining more partials than needed costs (B=64, 16 heads, top-k
     512 + 128: 4 splits 0.028 ms, 16 splits 0.054 ms)."""
     splits = min(loaded.wave // programs, MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT))
-    if programs * splits < 2 * loaded.sm_count:
-        # Under two blocks an SM, a few SMs with two would set the pace: one an SM instead
-        # (B=8, 16 heads, top-k 2048 + 128: 16 splits 0.0200 ms, 17 splits 0.0238 ms).
+    if 2 * programs * splits < 3 * loaded.sm_count:
+        # Under 1.5 blocks an SM, the few SMs with two would set the pace: one an SM instead
+        # (B=8, 16 heads, top-k 2048 + 128: 16 splits 0.0200 ms, 17 splits 0.0238 ms). A
+        # grid of nearly two an SM keeps them (sm86 mode, wave of 2 an SM, B=64: 4 splits,
+        # 256 blocks, 0.0588 ms; cut to one an SM, 2 splits, 0.0761 ms).
         splits = min(MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT_SMALL_GRID),
                      loaded.sm_count // programs)
     return max(1, splits)
