@@ -1,5 +1,6 @@
-"""Resident blocks an SM from the target cards' limits, against the figures of NVIDIA's
-occupancy calculator for the same resources."""
+"""Resident blocks an SM from the target cards' limits, against figures worked out by hand
+with the occupancy rules (1 KB of shared memory kept per block, registers granted a warp
+in units of 256)."""
 
 from __future__ import annotations
 
