@@ -63,16 +63,10 @@ class Variant:
 
 
 def _siblings(cpu: int) -> set[int]:
+    from ple import cpu_set  # bench/ple.py imports grpc: not before the ping-pong (main)
+
     path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    return _cpu_list(path.read_text().strip()) if path.exists() else {cpu}
-
-
-def _cpu_list(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
+    return cpu_set(path.read_text().strip()) if path.exists() else {cpu}
 
 
 def _placement() -> tuple[int, int, list[int]]:

@@ -450,11 +450,6 @@ def main() -> None:
     if args.compare_decode:
         compare_decode(copy_bandwidth(), cuda_arch)
         return
-    if args.quantizers:
-        bandwidth = copy_bandwidth()
-        print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
-        print(markdown(quantizer_cases(bandwidth, args.quick)))
-        return
     bandwidth = copy_bandwidth()
     print(
         f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s"
@@ -462,6 +457,9 @@ def main() -> None:
         f"kernels compiled for {args.gpu_arch}",
         flush=True,
     )
+    if args.quantizers:
+        print(markdown(quantizer_cases(bandwidth, args.quick)))
+        return
     rows: list[dict[str, object]] = []
     contexts = [8192, 131072] if args.quick else [8192, 32768, 131072]
     max_batch = 64
