@@ -19,6 +19,19 @@ def unique_shm_name() -> str:
     return f"backport-ple-test-{uuid.uuid4().hex[:12]}"
 
 
+def thread_status(pid: int, field: str) -> list[tuple[str, str]]:
+    """(thread name, its `field` in /proc status) for each thread of `pid` still running."""
+    values = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended
+        fields = dict(line.split(":", 1) for line in status.splitlines())
+        values.append((fields["Name"].strip(), fields[field].strip()))
+    return values
+
+
 def service_env() -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(REPO_ROOT), str(REPO_ROOT / "protos")]

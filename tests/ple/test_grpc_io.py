@@ -13,7 +13,12 @@ import pytest
 
 from services.ple_offload.client import PleTableClient
 from services.ple_offload.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO
-from tests.ple.service_process import CLI_ENTRY, MODULE_ENTRY, ServiceProcess
+from tests.ple.service_process import (
+    CLI_ENTRY,
+    MODULE_ENTRY,
+    ServiceProcess,
+    thread_status,
+)
 from tests.ple.table_files import TableFile
 
 LOOKUPS = 300
@@ -21,17 +26,8 @@ LOOKUPS = 300
 
 def _event_engine_wakeups(pid: int) -> int:
     """Voluntary context switches of the process's threads that grpc names event_engine."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            if (task / "comm").read_text().strip() != "event_engine":
-                continue
-            status = (task / "status").read_text()
-        except FileNotFoundError:
-            continue  # the thread ended
-        total += next(int(line.split(":")[1]) for line in status.splitlines()
-                      if line.startswith("voluntary_ctxt_switches"))
-    return total
+    return sum(int(switches) for name, switches in thread_status(pid, "voluntary_ctxt_switches")
+               if name == "event_engine")
 
 
 def _event_engine_wakeups_per_lookup(service: ServiceProcess) -> float:
