@@ -1,12 +1,16 @@
 """Resident blocks an SM from the target cards' limits, against figures worked out by hand
 with the occupancy rules (1 KB of shared memory kept per block, registers granted a warp
-in units of 256)."""
+in units of 256), and the padding that holds an H200 to a target's blocks."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.engine.backport.kernels.card_limits import resident_blocks
+from services.engine.backport.kernels.card_limits import (
+    CardLimits,
+    holding_shared_bytes,
+    resident_blocks,
+)
 
 
 @pytest.mark.parametrize(
@@ -33,3 +37,44 @@ from services.engine.backport.kernels.card_limits import resident_blocks
 def test_resident_blocks(arch: str, threads: int, shared: int, registers: int | None,
                          blocks: int) -> None:
     assert resident_blocks(arch, threads, shared, registers) == blocks
+
+
+H200 = CardLimits(shared_per_block=232_448, shared_per_sm=233_472, reserved_shared_per_block=1_024,
+                  threads_per_sm=2_048, blocks_per_sm=32)
+
+
+@pytest.mark.parametrize(
+    ("arch", "threads", "shared", "registers"),
+    [
+        ("sm80", 128, 43_552, 128),  # the CUDA decode's 4-block build: 4 an SM unpadded, 3
+        ("sm86", 128, 43_552, 128),  # the same on an sm86 target: 2
+        ("sm86", 128, 0, None),      # 1,536 threads an SM: 12 blocks, where the H200 runs 16
+        ("sm80", 256, 40_000, None),
+    ],
+)
+def test_padding_holds_the_h200_to_the_target(arch: str, threads: int, shared: int,
+                                              registers: int | None) -> None:
+    target = resident_blocks(arch, threads, shared, registers)
+    assert H200.resident_blocks(threads, shared, registers) > target
+    padded = holding_shared_bytes(H200, threads, shared, target, registers)
+    assert H200.resident_blocks(threads, padded, registers) == target
+    assert H200.resident_blocks(threads, padded - 1, registers) == target + 1  # the least
+
+
+@pytest.mark.parametrize(
+    ("arch", "threads", "shared", "registers"),
+    [
+        ("sm86", 128, 43_552, 255),  # the 2-block build: its registers already hold it to 2
+        ("sm80", 128, 43_552, 168),  # the 3-block build: its registers hold it to 3
+        ("sm80", 128, 0, None),      # 16 blocks of 128 threads on both
+    ],
+)
+def test_no_padding_where_the_h200_holds_no_more(arch: str, threads: int, shared: int,
+                                                 registers: int | None) -> None:
+    target = resident_blocks(arch, threads, shared, registers)
+    assert holding_shared_bytes(H200, threads, shared, target, registers) == shared
+
+
+def test_padding_needs_a_block_to_hold() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        holding_shared_bytes(H200, 128, 200_000, 0)

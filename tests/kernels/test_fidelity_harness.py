@@ -1,5 +1,6 @@
 """The harness itself: fp8 hardware paths fail in sm80/sm86 mode, work (and agree with the
-software encoder) where the arch has them, and fp8 torch matmuls are refused."""
+software encoder) where the arch has them, fp8 torch matmuls are refused, and Triton
+launches keep the card present to the blocks an SM the target holds."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.backport.kernels.arch_fidelity import Fp8MatmulGuard
+from services.engine.backport.kernels.arch_fidelity import KERNEL_SHARED_KEY, Fp8MatmulGuard
+from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
 from services.engine.backport.kernels.fp8_e4m3 import encode_e4m3
 
 HARDWARE_FP8_BLOCK = 1024
+SQUARE_SIDE = 64  # a 64 x 64 bf16 tl.dot: its operands pass through shared memory
 
 
 @triton.jit
@@ -57,3 +60,44 @@ def test_fp8_matmul_guard_refuses_fp8_operands() -> None:
             torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()))
         plain = torch.ones(4, 4)
         assert torch.equal(torch.matmul(plain, plain), torch.full((4, 4), 4.0))
+
+
+@triton.jit
+def _square_kernel(x_ptr, out_ptr, SIDE: tl.constexpr):
+    offsets = tl.arange(0, SIDE)
+    tile = offsets[:, None] * SIDE + offsets[None, :]
+    x = tl.load(x_ptr + tile)
+    tl.store(out_ptr + tile, tl.dot(x, x))
+
+
+@triton.jit
+def _double_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, 2 * tl.load(x_ptr + offsets))
+
+
+@pytest.mark.parametrize("uses_shared_memory", [True, False])
+def test_triton_launches_hold_the_card_to_the_target_blocks(
+    is_interpreter: bool, gpu_arch: str | None, uses_shared_memory: bool
+) -> None:
+    if is_interpreter or gpu_arch not in CARD_LIMITS:
+        pytest.skip("needs a CUDA card in --gpu-arch mode")
+    from services.engine.backport.kernels.cuda_module import blocks_per_sm
+
+    x = torch.randn(SQUARE_SIDE, SQUARE_SIDE, device="cuda").to(torch.bfloat16)
+    out = torch.empty(SQUARE_SIDE, SQUARE_SIDE, device="cuda")
+    if uses_shared_memory:
+        kernel = _square_kernel[(1,)](x, out, SIDE=SQUARE_SIDE)
+        expected = x.float() @ x.float()
+    else:
+        kernel = _double_kernel[(SQUARE_SIDE,)](x, out, BLOCK=SQUARE_SIDE)
+        expected = 2 * x.float()
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+    metadata = kernel.metadata
+    kernel_shared = getattr(metadata, KERNEL_SHARED_KEY)
+    assert (kernel_shared > 0) == uses_shared_memory
+    assert metadata.shared >= kernel_shared
+    threads = metadata.num_warps * 32
+    target = resident_blocks(gpu_arch, threads, kernel_shared, kernel.n_regs)
+    assert blocks_per_sm(kernel.function, threads, metadata.shared) == target

@@ -6,9 +6,11 @@ lacks (`tl.float8e4nv` on sm80/86, wgmma, TMA) fails exactly as on that card, an
 the final PTX -> cubin step targets the real card (an inspection hook replaces the
 `cubin` stage), so the kernel still runs and its results can be checked.
 
-The card itself allows more shared memory than the target does, so the compiled
-kernels' `metadata.shared` is held against the target's per-block limit here
-(`SHARED_MEMORY_LIMIT_BYTES`). torch ops that reach fp8 matmuls would fail on Ampere;
+The card itself allows more shared memory than the target does. A compiled kernel's own
+shared memory is held against the target's per-block limit (`SHARED_MEMORY_LIMIT_BYTES`),
+and its launches ask for more where that is what keeps the card to the blocks an SM the
+target holds (`card_limits.holding_shared_bytes`), so timings here are not flattered by
+an H200's larger SM. torch ops that reach fp8 matmuls would fail on Ampere;
 `Fp8MatmulGuard` makes them fail here too.
 """
 
@@ -24,10 +26,18 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from services.engine.backport.kernels.card_limits import CARD_LIMITS
+from services.engine.backport.kernels.card_limits import (
+    CARD_LIMITS,
+    CardLimits,
+    holding_shared_bytes,
+    resident_blocks,
+)
+from services.engine.backport.kernels.cuda_module import device_limits
 
 SHARED_MEMORY_LIMIT_BYTES = {arch: limits.shared_per_block for arch, limits in CARD_LIMITS.items()}
 ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
+# Triton's own `shared` becomes what launches ask for; the kernel's own need is kept here.
+KERNEL_SHARED_KEY = "backport_kernel_shared"
 _MATMUL_FUNCTIONS = frozenset(
     {
         "matmul",
@@ -57,7 +67,8 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     triton.knobs.cache.dir = cache_dir
     major, minor = torch.cuda.get_device_capability()
     real_capability = major * 10 + minor
-    pipeline_key = f"backport-lower-{arch}-cubin-sm{real_capability}"
+    card = device_limits(torch.cuda.current_device())
+    pipeline_key = f"backport-lower-{arch}-cubin-sm{real_capability}-held-to-{arch}-residency"
     pipeline_hash = hashlib.sha256(pipeline_key.encode()).hexdigest()
 
     def inspect_stages(
@@ -71,13 +82,29 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
         # apart in its caches; called with the pipeline, we swap the last stage.
         if backend is None:
             return pipeline_key, pipeline_hash
-        stages["cubin"] = lambda src, metadata: backend.make_cubin(
-            src, metadata, options, real_capability
-        )
+
+        def make_cubin(src: str, metadata: dict[str, Any]) -> bytes:
+            cubin = backend.make_cubin(src, metadata, options, real_capability)
+            _hold_to_target_residency(metadata, arch, card)
+            return cubin
+
+        stages["cubin"] = make_cubin
         return None
 
     triton.knobs.runtime.override_arch = arch
     triton.knobs.runtime.add_stages_inspection_hook = inspect_stages
+
+
+def _hold_to_target_residency(metadata: dict[str, Any], arch: str, card: CardLimits) -> None:
+    # Registers are known only once the cubin is loaded, after the launch's shared memory
+    # is fixed: a kernel whose registers hold the card to the target's blocks anyway is
+    # padded too. That costs the card L1 room, not blocks.
+    kernel_shared = int(metadata["shared"])
+    metadata[KERNEL_SHARED_KEY] = kernel_shared
+    threads = metadata["num_warps"] * metadata.get("warp_size", 32)
+    target = resident_blocks(arch, threads, kernel_shared)
+    if target > 0:  # a kernel over the target's limit runs as it is, and the report fails it
+        metadata["shared"] = holding_shared_bytes(card, threads, kernel_shared, target)
 
 
 class Fp8MatmulGuard(TorchFunctionMode):
@@ -140,7 +167,7 @@ def _report(name: str, kernel: Any) -> CompiledKernelReport:
         pass
     return CompiledKernelReport(
         name=name,
-        shared_bytes=int(kernel.metadata.shared),
+        shared_bytes=int(getattr(kernel.metadata, KERNEL_SHARED_KEY, kernel.metadata.shared)),
         registers=int(getattr(kernel, "n_regs", -1)),
         spills=int(getattr(kernel, "n_spills", -1)),
     )

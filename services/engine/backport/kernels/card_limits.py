@@ -4,15 +4,16 @@ keep resident at once.
 The H200 we test on has 228 KB of shared memory an SM; an A100 has 164 KB and the sm86/89
 cards 100 KB. A kernel that fits all of them per block still runs more blocks an SM on
 the H200 than on the card it is meant for, so its timings there flatter it unless the
-launch is held to the target's residency (`resident_blocks`). Figures from NVIDIA's CUDA
-C++ Programming Guide, "Compute Capabilities" table.
+launch is held to the target's residency: `resident_blocks` counts the target's blocks,
+`holding_shared_bytes` gives the dynamic shared memory that holds the card present to
+them. Figures from NVIDIA's CUDA C++ Programming Guide, "Compute Capabilities" table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REGISTER_ALLOCATION_UNIT = 256  # registers are granted to a warp in these units (sm80-89)
+REGISTER_ALLOCATION_UNIT = 256  # registers are granted to a warp in these units (sm80-90)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,20 @@ class CardLimits:
     blocks_per_sm: int
     registers_per_sm: int = 65_536
 
+    def resident_blocks(self, threads: int, shared_bytes: int,
+                        registers: int | None = None) -> int:
+        """Blocks of `threads` threads and `shared_bytes` of dynamic shared memory that one
+        SM keeps resident; `registers` a thread, when given, limits them too."""
+        if shared_bytes > self.shared_per_block:
+            return 0
+        warps = -(-threads // 32)
+        blocks = min(self.blocks_per_sm, self.threads_per_sm // (warps * 32),
+                     self.shared_per_sm // (shared_bytes + self.reserved_shared_per_block))
+        if registers is not None:
+            per_warp = -(-registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+            blocks = min(blocks, self.registers_per_sm // per_warp // warps)
+        return blocks
+
 
 CARD_LIMITS = {
     "sm80": CardLimits(166_912, 167_936, 1_024, 2_048, 32),  # A100
@@ -34,15 +49,21 @@ CARD_LIMITS = {
 
 def resident_blocks(arch: str, threads: int, shared_bytes: int,
                     registers: int | None = None) -> int:
-    """Blocks of `threads` threads and `shared_bytes` of dynamic shared memory that one SM
-    of `arch` keeps resident; `registers` a thread, when given, limits them too."""
-    limits = CARD_LIMITS[arch]
-    if shared_bytes > limits.shared_per_block:
-        return 0
-    warps = -(-threads // 32)
-    blocks = min(limits.blocks_per_sm, limits.threads_per_sm // (warps * 32),
-                 limits.shared_per_sm // (shared_bytes + limits.reserved_shared_per_block))
-    if registers is not None:
-        per_warp = -(-registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
-        blocks = min(blocks, limits.registers_per_sm // per_warp // warps)
-    return blocks
+    """`CardLimits.resident_blocks` for a target arch ("sm80", "sm86", "sm89")."""
+    return CARD_LIMITS[arch].resident_blocks(threads, shared_bytes, registers)
+
+
+def holding_shared_bytes(present: CardLimits, threads: int, shared_bytes: int, blocks: int,
+                         registers: int | None = None) -> int:
+    """The dynamic shared memory, from `shared_bytes` up, to launch blocks of `threads`
+    (of `registers` each, where known) with on the card `present` so that an SM holds at
+    most `blocks` of them (the target's `resident_blocks`): `shared_bytes` itself where it
+    holds no more already. Only shared memory is padded: sm80-90 cards all have 64 Ki
+    registers an SM, so registers limit the target no more than the card present."""
+    if blocks < 1:
+        raise ValueError(f"blocks must be at least 1, got {blocks}")
+    if present.resident_blocks(threads, shared_bytes, registers) <= blocks:
+        return shared_bytes
+    # A block over 1 / (blocks + 1) of the SM's shared memory leaves no room for one more.
+    return max(shared_bytes,
+               present.shared_per_sm // (blocks + 1) + 1 - present.reserved_shared_per_block)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import os
 import shutil
@@ -23,12 +24,18 @@ from pathlib import Path
 
 import torch
 
+from services.engine.backport.kernels.card_limits import CardLimits
+
 # CUfunction_attribute / CUdevice_attribute / CUresult values from cuda.h.
-_ATTRIBUTE_SHARED_SIZE_BYTES = 1  # static shared memory
 _ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 _ATTRIBUTE_NUM_REGS = 4
 _ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_DEVICE_MAX_THREADS_PER_SM = 39
+_DEVICE_MAX_SHARED_PER_SM = 81
+_DEVICE_MAX_REGISTERS_PER_SM = 82
 _DEVICE_MAX_SHARED_PER_BLOCK_OPTIN = 97
+_DEVICE_MAX_BLOCKS_PER_SM = 106
+_DEVICE_RESERVED_SHARED_PER_BLOCK = 111
 _CUDA_SUCCESS = 0
 
 
@@ -144,6 +151,7 @@ def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) 
     return cached.read_bytes()
 
 
+@functools.cache
 def _driver() -> ctypes.CDLL:
     library = ctypes.CDLL("libcuda.so.1")
     library.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -156,6 +164,39 @@ def _check(driver: ctypes.CDLL, result: int, what: str) -> None:
         driver.cuGetErrorString(result, ctypes.byref(message))
         name = message.value.decode() if message.value else f"error {result}"
         raise RuntimeError(f"CUDA driver: {what} failed: {name}")
+
+
+def device_limits(device_index: int) -> CardLimits:
+    """The limits of the card present, as its driver reports them."""
+    driver = _driver()
+    device = ctypes.c_int()
+    _check(driver, driver.cuDeviceGet(ctypes.byref(device), device_index), "finding the device")
+
+    def attribute(number: int) -> int:
+        value = ctypes.c_int()
+        _check(driver, driver.cuDeviceGetAttribute(ctypes.byref(value), number, device),
+               "reading a device attribute")
+        return value.value
+
+    return CardLimits(
+        shared_per_block=attribute(_DEVICE_MAX_SHARED_PER_BLOCK_OPTIN),
+        shared_per_sm=attribute(_DEVICE_MAX_SHARED_PER_SM),
+        reserved_shared_per_block=attribute(_DEVICE_RESERVED_SHARED_PER_BLOCK),
+        threads_per_sm=attribute(_DEVICE_MAX_THREADS_PER_SM),
+        blocks_per_sm=attribute(_DEVICE_MAX_BLOCKS_PER_SM),
+        registers_per_sm=attribute(_DEVICE_MAX_REGISTERS_PER_SM),
+    )
+
+
+def blocks_per_sm(function: int, threads: int, dynamic_shared_bytes: int) -> int:
+    """Blocks of a loaded kernel (`function`: a CUfunction handle, ours or Triton's) that
+    one SM of its card keeps resident."""
+    driver = _driver()
+    blocks = ctypes.c_int()
+    _check(driver, driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(function), threads,
+        ctypes.c_size_t(dynamic_shared_bytes)), "computing occupancy")
+    return blocks.value
 
 
 @dataclass(frozen=True)
@@ -209,38 +250,7 @@ class CudaKernel:
 
     def blocks_per_sm(self, threads: int, dynamic_shared_bytes: int) -> int:
         self._allow_shared(dynamic_shared_bytes)
-        blocks = ctypes.c_int()
-        _check(self._driver, self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(blocks), self._function, threads, ctypes.c_size_t(dynamic_shared_bytes)),
-            "computing occupancy")
-        return blocks.value
-
-    def shared_bytes_for_blocks(self, threads: int, blocks: int, at_least: int) -> int:
-        """The least dynamic shared memory, from `at_least` up, at which an SM of the card
-        present holds at most `blocks` blocks of `threads`: launching with it holds a newer
-        card to an older one's residency."""
-        if self.blocks_per_sm(threads, at_least) <= blocks:
-            return at_least
-        low, high = at_least, self._max_dynamic_shared()
-        if self.blocks_per_sm(threads, high) > blocks:
-            raise ValueError(f"{self.name}: no shared memory size holds an SM to {blocks} blocks")
-        while high - low > 1:  # residency only falls as the shared memory grows
-            middle = (low + high) // 2
-            if self.blocks_per_sm(threads, middle) > blocks:
-                low = middle
-            else:
-                high = middle
-        return high
-
-    def _max_dynamic_shared(self) -> int:
-        value, device = ctypes.c_int(), ctypes.c_int()
-        ordinal = self.device.index if self.device.index is not None else 0
-        _check(self._driver, self._driver.cuDeviceGet(ctypes.byref(device), ordinal),
-               "finding the device")
-        _check(self._driver, self._driver.cuDeviceGetAttribute(
-            ctypes.byref(value), _DEVICE_MAX_SHARED_PER_BLOCK_OPTIN, device),
-            "reading the shared memory limit")
-        return value.value - self.attribute(_ATTRIBUTE_SHARED_SIZE_BYTES)
+        return blocks_per_sm(self._function.value, threads, dynamic_shared_bytes)
 
     def launch(self, grid: tuple[int, int, int], threads: int, dynamic_shared_bytes: int,
                params: ctypes.Structure) -> None:

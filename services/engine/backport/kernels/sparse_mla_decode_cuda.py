@@ -19,8 +19,17 @@ import torch
 import triton
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
-from services.engine.backport.kernels.cuda_module import CudaKernel, compile_ptx, device_arch
+from services.engine.backport.kernels.card_limits import (
+    CARD_LIMITS,
+    holding_shared_bytes,
+    resident_blocks,
+)
+from services.engine.backport.kernels.cuda_module import (
+    CudaKernel,
+    compile_ptx,
+    device_arch,
+    device_limits,
+)
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, combine_splits
 from services.engine.backport.kernels.sparse_mla_decode import (
     MAX_SPLITS,
@@ -125,13 +134,13 @@ def load_decode(
     device = torch.device("cuda", device_index)
     kernel = CudaKernel(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
-    blocks = kernel.blocks_per_sm(THREADS, shared)
     launch_shared = shared
     if arch in CARD_LIMITS:
-        target = resident_blocks(arch, THREADS, shared, kernel.resources.registers)
-        if target < blocks:
-            blocks = target
-            launch_shared = kernel.shared_bytes_for_blocks(THREADS, target, shared)
+        registers = kernel.resources.registers
+        launch_shared = holding_shared_bytes(
+            device_limits(device_index), THREADS, shared,
+            resident_blocks(arch, THREADS, shared, registers), registers)
+    blocks = kernel.blocks_per_sm(THREADS, launch_shared)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     return LoadedDecode(kernel, shared, launch_shared, blocks, sm_count)
 
