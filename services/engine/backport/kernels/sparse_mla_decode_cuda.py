@@ -48,9 +48,11 @@ DEFAULT_STAGES = 2
 # with the kernel's first version (32-key steps, 4 blocks an SM).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
-# Grids of up to this many (token, head block) pairs build the kernel for 3 blocks an SM,
-# larger ones for LARGE_GRID_MIN_BLOCKS (the source's own default too).
+# Grids of up to this many (token, head block) pairs build the kernel for
+# SMALL_GRID_MIN_BLOCKS blocks an SM, larger ones for LARGE_GRID_MIN_BLOCKS (the source's
+# own default too), or for as many as the target holds where that is fewer.
 SMALL_GRID_PROGRAMS = 64
+SMALL_GRID_MIN_BLOCKS = 2
 LARGE_GRID_MIN_BLOCKS = 4
 
 
@@ -104,12 +106,14 @@ class LoadedDecode:
 def min_blocks_per_sm(programs: int) -> int:
     """The blocks an SM must hold, which sets the registers a thread may use, for a grid of
     `programs` (token, head block) pairs, where the card has the shared memory for them.
-    Small grids run faster with 3 blocks of up to 168 registers, large ones with 4 of up to
-    128 and the larger wave (H200 in sm80 mode, before launches were held to the A100's
-    3 blocks an SM; top-k 2048 + 128, 3 against 4 blocks: B=8 H=16 0.0235 / 0.0256 ms, B=8
-    H=64 0.0377 / 0.0420, B=64 H=16 0.0580 / 0.0578 (top-k 512 + 128: 0.0307 / 0.0322),
-    B=128 H=16 0.0909 / 0.0885, B=64 H=64 0.183 / 0.156)."""
-    return 3 if programs <= SMALL_GRID_PROGRAMS else LARGE_GRID_MIN_BLOCKS
+    Small grids run faster with 2 blocks of up to 255 registers (the build that overlaps
+    steps and keeps q in registers), large ones with the most blocks the target holds
+    (H200 in sm80 mode, held to the A100's 3 blocks an SM; top-k 2048 + 128 unless said,
+    2 against 3 blocks: B=8 H=16 0.0195 / 0.0199 ms, B=8 H=64 0.0357 / 0.0375, B=64 H=16
+    top-k 512 + 128 0.0282 / 0.0309, B=64 H=16 0.0587 / 0.0581, B=128 H=16 0.1004 /
+    0.0915, B=64 H=64 0.1841 / 0.1828). Before launches were held to the target, 4
+    blocks won the large grids: B=64 H=64 0.156 against 0.183 ms at 3."""
+    return SMALL_GRID_MIN_BLOCKS if programs <= SMALL_GRID_PROGRAMS else LARGE_GRID_MIN_BLOCKS
 
 
 def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,

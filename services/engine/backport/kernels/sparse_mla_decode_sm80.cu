@@ -20,8 +20,9 @@
 //   4. movmatrix.trans turns each 8x8 (keys x dims) block of the dequantized K into an
 //      (dims x keys) block: PV's B fragments for the same dims. So PV needs no loads, and
 //      its output dims come out in the permuted order, 16 consecutive dims a thread.
-//   With 2 blocks an SM (sm86/89's shared memory holds no more), the next step's 2 and 3
-//   up to the barrier overlap this step's softmax (kOverlapNextStep).
+//   With 2 blocks an SM (sm86/89's shared memory holds no more; small grids everywhere),
+//   the next step's 2 and 3 up to the barrier overlap this step's softmax
+//   (kOverlapNextStep), and q stays in registers (kQInRegisters).
 // fp8 -> bf16 without fp8 instructions: prmt sign-extends a byte per 16-bit half, a shift
 // and mask leave sign, exponent and mantissa in bf16's fields (value * 2^-120), and one
 // bf16x2 fma by 2^(120 + exponent) applies the power-of-two scale; exact (as
@@ -221,11 +222,12 @@ struct SlotRun {
 #ifndef SPARSE_MLA_DECODE_MIN_BLOCKS
 #define SPARSE_MLA_DECODE_MIN_BLOCKS 4
 #endif
-// With 2 blocks (8 warps) an SM, as on sm86/89, a warp's own chains must hide its latencies:
-// the next step's dequantization and QK^T then overlap this step's softmax, in 32 more
-// registers (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765 against 0.0929 ms). With
-// 3 blocks the 168-register budget leaves that schedule no room (sm80 mode: 0.0565 against
-// 0.0582 ms there, but 0.2020 against 0.1857 ms at 64 heads), so steps run one after another.
+// With 2 blocks (8 warps) an SM, as on sm86/89 and for small grids, a warp's own chains
+// must hide its latencies: the next step's dequantization and QK^T then overlap this
+// step's softmax, in 32 more registers (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765
+// against 0.0929 ms). With 3 blocks the 168-register budget leaves that schedule no room
+// (sm80 mode: 0.0565 against 0.0582 ms there, but 0.2020 against 0.1857 ms at 64 heads),
+// so steps run one after another.
 constexpr bool kOverlapNextStep = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
 extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLOCKS)
     sparse_mla_decode_sm80(const DecodeParams p) {
@@ -342,6 +344,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   // l / 8 (rows 0-7 / 8-15, then k 0-7 / 8-15 of a k16 chunk).
   const int fragment_row = (lane % 8) + 8 * ((lane / 8) % 2);
   const uint32_t q_address = shared_address(q_tile + fragment_row * kQStride + 8 * (lane / 16));
+  // With 2 blocks an SM the 255-register budget also holds this warp's q fragments (32
+  // registers, 220 in all), so the loop reads no q from shared memory (H200, 2-block
+  // build: B=64 H=64 top-k 2048 0.1874 -> 0.1841 ms, B=128 H=16 0.1013 -> 0.1004; the
+  // other shapes within 1%).
+  constexpr bool kQInRegisters = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
+  uint32_t q_fragments[kTilesPerWarp][4][4];
+  if constexpr (kQInRegisters) {
+#pragma unroll
+    for (int j = 0; j < kTilesPerWarp; ++j)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        load_q_fragment(q_fragments[j][t], q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+  }
 
   // K of this warp's dims for one step's 16 keys, as QK^T's B fragments:
   // k[j][t][n] = {b0, b1} of tile j, k16 chunk t, n8 tile n (keys 8n..8n+7).
@@ -392,7 +407,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         uint32_t a[4];
-        load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+        if constexpr (kQInRegisters) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[i] = q_fragments[j][t][i];
+        } else {
+          load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+        }
         mma_bf16(partial[0], a, k[j][t][0][0], k[j][t][0][1]);
         mma_bf16(partial[1], a, k[j][t][1][0], k[j][t][1][1]);
       }
