@@ -418,7 +418,11 @@ def main() -> None:
     )
     parser.add_argument("--gpu-arch", choices=["sm80", "sm86", "sm89", "native"], default="sm80")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer shapes; the quantizers' smaller inputs fit in the L2, so their rates flatter them",
+    )
     parser.add_argument(
         "--profile-decode",
         type=int,
