@@ -421,7 +421,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer shapes; the quantizers' smaller inputs fit in the L2, so their rates flatter them",
+        help="fewer shapes; the quantizers' smaller inputs fit in the L2, so their rates flatter",
     )
     parser.add_argument(
         "--profile-decode",

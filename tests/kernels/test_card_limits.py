@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from services.engine.backport.kernels.arch_fidelity import (
+    KERNEL_SHARED_KEY,
+    hold_to_target_residency,
+)
 from services.engine.backport.kernels.card_limits import (
     CardLimits,
     holding_shared_bytes,
@@ -78,3 +82,24 @@ def test_no_padding_where_the_h200_holds_no_more(arch: str, threads: int, shared
 def test_padding_needs_a_block_to_hold() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         holding_shared_bytes(H200, 128, 200_000, 0)
+
+
+@pytest.mark.parametrize(
+    ("arch", "num_warps", "shared", "held_blocks"),
+    [
+        ("sm80", 4, 32_768, 4),    # the K gather: 6 an SM on the H200 unpadded
+        ("sm86", 4, 32_768, 3),
+        ("sm86", 4, 0, 12),        # held by sm86's 1,536 threads an SM
+        ("sm80", 4, 0, 16),        # the same on both: nothing to pad
+        ("sm86", 4, 120_000, 1),   # over sm86's per-block limit: launched as it is
+    ],
+)
+def test_compiled_triton_metadata_holds_the_launch(arch: str, num_warps: int, shared: int,
+                                                   held_blocks: int) -> None:
+    metadata = {"shared": shared, "num_warps": num_warps, "warp_size": 32}
+    hold_to_target_residency(metadata, arch, H200)
+    assert metadata[KERNEL_SHARED_KEY] == shared
+    threads = num_warps * 32
+    assert H200.resident_blocks(threads, metadata["shared"]) == held_blocks
+    if resident_blocks(arch, threads, shared) in (0, H200.resident_blocks(threads, shared)):
+        assert metadata["shared"] == shared

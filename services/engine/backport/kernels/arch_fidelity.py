@@ -85,7 +85,7 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
 
         def make_cubin(src: str, metadata: dict[str, Any]) -> bytes:
             cubin = backend.make_cubin(src, metadata, options, real_capability)
-            _hold_to_target_residency(metadata, arch, card)
+            hold_to_target_residency(metadata, arch, card)
             return cubin
 
         stages["cubin"] = make_cubin
@@ -95,7 +95,9 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     triton.knobs.runtime.add_stages_inspection_hook = inspect_stages
 
 
-def _hold_to_target_residency(metadata: dict[str, Any], arch: str, card: CardLimits) -> None:
+def hold_to_target_residency(metadata: dict[str, Any], arch: str, card: CardLimits) -> None:
+    """Keeps a compiled kernel's own shared memory under KERNEL_SHARED_KEY and sets what its
+    launches ask for (`shared`) so that `card` holds no more of its blocks an SM than `arch`."""
     # Registers are known only once the cubin is loaded, after the launch's shared memory
     # is fixed: a kernel whose registers hold the card to the target's blocks anyway is
     # padded too. That costs the card L1 room, not blocks.
