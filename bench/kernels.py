@@ -351,7 +351,7 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     del index_q, o
     state_block, overlap_width = 4, 2 * 128
     tokens //= 2  # 2 KB of fp32 state a token
-    positions_cos_sin = torch.randn(tokens, 64, device="cuda")
+    cos_sin = torch.randn(tokens, 64, device="cuda")  # its positions run up to `tokens`
     state = torch.randn(tokens // state_block + 1, state_block, 2 * overlap_width, device="cuda")
     state_table = torch.arange(state.shape[0], device="cuda", dtype=torch.int32).view(1, -1)
     seq_positions = torch.arange(tokens, device="cuda")
@@ -373,7 +373,7 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
             seq_positions,
             seq_positions,
             state_table,
-            positions_cos_sin,
+            cos_sin,
             index_cache,
             kv_slots,
             norm_weight,

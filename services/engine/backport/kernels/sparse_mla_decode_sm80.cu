@@ -344,6 +344,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   // l / 8 (rows 0-7 / 8-15, then k 0-7 / 8-15 of a k16 chunk).
   const int fragment_row = (lane % 8) + 8 * ((lane / 8) % 2);
   const uint32_t q_address = shared_address(q_tile + fragment_row * kQStride + 8 * (lane / 16));
+  // q's A fragment for this warp's tile j, k16 chunk t.
+  auto load_q = [&](uint32_t (&a)[4], int j, int t) {
+    load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+  };
   // With 2 blocks an SM the 255-register budget also holds this warp's q fragments (32
   // registers, 220 in all), so the loop reads no q from shared memory (H200, 2-block
   // build: B=64 H=64 top-k 2048 0.1874 -> 0.1841 ms, B=128 H=16 0.1013 -> 0.1004; the
@@ -354,8 +358,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j)
 #pragma unroll
-      for (int t = 0; t < 4; ++t)
-        load_q_fragment(q_fragments[j][t], q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+      for (int t = 0; t < 4; ++t) load_q(q_fragments[j][t], j, t);
   }
 
   // K of this warp's dims for one step's 16 keys, as QK^T's B fragments:
@@ -411,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
 #pragma unroll
           for (int i = 0; i < 4; ++i) a[i] = q_fragments[j][t][i];
         } else {
-          load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+          load_q(a, j, t);
         }
         mma_bf16(partial[0], a, k[j][t][0][0], k[j][t][0][1]);
         mma_bf16(partial[1], a, k[j][t][1][0], k[j][t][1][1]);
