@@ -10,7 +10,7 @@ run, and for the decode its tensor-core rate. The quantizers and gathers run on 
 several times the 60 MB L2, so replays without a flush read them from memory too.
 `--profile-decode [HEADS]` only launches one large decode, for Nsight Compute; `--sweep-decode`
 only times the decode's tiling choices (keys per step, warps, splits; for the CUDA decode
-stages and splits) on four shapes; `--decode-backend cuda` points both at the CUDA decode.
+the build's blocks an SM, stages and splits) on four shapes; `--decode-backend cuda` points both at the CUDA decode.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
 side on the same inputs. The main table has a row for each.
 
@@ -212,13 +212,12 @@ def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
     swa_cache = filled_cache(64 * SWA_WINDOW)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; graph-replay ms, context {context // 1024}k")
     from services.engine.backport.kernels.cuda_module import device_arch
-    from services.engine.backport.kernels.sparse_mla_decode_cuda import decode_for_grid
+    from services.engine.backport.kernels.sparse_mla_decode_cuda import load_decode
 
     arch = cuda_arch or device_arch(torch.device("cuda"))
-    for programs in (8, 64, 256):
-        loaded = decode_for_grid(arch, torch.cuda.current_device(), programs)
-        print(f"CUDA decode for {arch}, {programs} (token, head block) pairs: "
-              f"{loaded.blocks_per_sm} blocks an SM, {loaded.kernel.resources.registers} registers")
+    loaded = load_decode(arch, torch.cuda.current_device())
+    print(f"CUDA decode for {arch}: {loaded.blocks_per_sm} blocks an SM, "
+          f"{loaded.kernel.resources.registers} registers")
     print("| shape | Triton ms | CUDA ms | Triton / CUDA | CUDA of copy |")
     print("|---|---|---|---|---|")
     for heads in (16, 64):
@@ -252,11 +251,13 @@ def sweep_decode(bandwidth: float, backend: str, cuda_arch: str | None) -> None:
         {"num_warps": 8},
         {"block_n": 64, "num_warps": 8},
     ]
-    if backend == "cuda":  # rows in flight (stages) and splits
+    if backend == "cuda":  # the build's blocks an SM, rows in flight (stages), splits
         configs = [
-            {"stages": stages, "num_splits": splits, "cuda_arch": cuda_arch}
-            for stages in (2, 3, 4)
-            for splits in (None, 4, 8, 16, 64)
+            {"min_blocks": min_blocks, "stages": stages, "num_splits": splits,
+             "cuda_arch": cuda_arch}
+            for min_blocks in (2, 3)
+            for stages in (2, 3)
+            for splits in (None, 4, 8, 16)
         ]
     for batch, heads in ((64, 16), (8, 16), (1, 16), (64, 64)):
         for config in configs:

@@ -48,12 +48,13 @@ DEFAULT_STAGES = 2
 # with the kernel's first version (32-key steps, 4 blocks an SM).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
-# Grids of up to this many (token, head block) pairs build the kernel for
-# SMALL_GRID_MIN_BLOCKS blocks an SM, larger ones for LARGE_GRID_MIN_BLOCKS (the source's
-# own default too), or for as many as the target holds where that is fewer.
-SMALL_GRID_PROGRAMS = 64
-SMALL_GRID_MIN_BLOCKS = 2
-LARGE_GRID_MIN_BLOCKS = 4
+# The blocks an SM every launch's build is for: 2 caps a thread at 255 registers, which
+# lets the next step's QK^T overlap this step's softmax and keeps q in registers. In sm80
+# mode (the A100's shared memory holds 3 blocks of this kernel) it beats the 3-block build
+# (168 registers, steps one after another) on every shape measured since the eighth
+# session: B=64 H=16 top-k 2048 + 128 0.0546 against 0.0577 ms, B=64 H=64 0.1598 against
+# 0.1842, B=128 H=16 0.0911 against 0.0911 (docs/kernels.md). 3 and 4 stay selectable.
+DEFAULT_MIN_BLOCKS = 2
 
 
 class DecodeParams(ctypes.Structure):
@@ -103,21 +104,8 @@ class LoadedDecode:
         return self.blocks_per_sm * self.sm_count
 
 
-def min_blocks_per_sm(programs: int) -> int:
-    """The blocks an SM must hold, which sets the registers a thread may use, for a grid of
-    `programs` (token, head block) pairs, where the card has the shared memory for them.
-    Small grids run faster with 2 blocks of up to 255 registers (the build that overlaps
-    steps and keeps q in registers), large ones with the most blocks the target holds
-    (H200 in sm80 mode, held to the A100's 3 blocks an SM; top-k 2048 + 128 unless said,
-    2 against 3 blocks: B=8 H=16 0.0195 / 0.0199 ms, B=8 H=64 0.0357 / 0.0375, B=64 H=16
-    top-k 512 + 128 0.0282 / 0.0309, B=64 H=16 0.0587 / 0.0581, B=128 H=16 0.1004 /
-    0.0915, B=64 H=64 0.1841 / 0.1828). Before launches were held to the target, 4
-    blocks won the large grids: B=64 H=64 0.156 against 0.183 ms at 3."""
-    return SMALL_GRID_MIN_BLOCKS if programs <= SMALL_GRID_PROGRAMS else LARGE_GRID_MIN_BLOCKS
-
-
 def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,
-               min_blocks: int = LARGE_GRID_MIN_BLOCKS) -> bytes:
+               min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
     """The kernel's PTX for `arch`'s instruction set (cached on disk by `compile_ptx`)."""
     return compile_ptx(
         SOURCE,
@@ -129,7 +117,7 @@ def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,
 @functools.cache
 def load_decode(
     arch: str, device_index: int, stages: int = DEFAULT_STAGES,
-    min_blocks: int = LARGE_GRID_MIN_BLOCKS,
+    min_blocks: int = DEFAULT_MIN_BLOCKS,
 ) -> LoadedDecode:
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
     launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
@@ -147,18 +135,6 @@ def load_decode(
     blocks = kernel.blocks_per_sm(THREADS, launch_shared)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     return LoadedDecode(kernel, shared, launch_shared, blocks, sm_count)
-
-
-def decode_for_grid(arch: str, device_index: int, programs: int,
-                    stages: int = DEFAULT_STAGES) -> LoadedDecode:
-    """The build for a grid of `programs`: registers capped for `min_blocks_per_sm` blocks
-    an SM, or for as many as the card holds when that is fewer (the A100's shared memory
-    holds 3, the sm86/89 cards' 2), so no register is given up for blocks that cannot run."""
-    wanted = min_blocks_per_sm(programs)
-    loaded = load_decode(arch, device_index, stages, wanted)
-    if loaded.blocks_per_sm < wanted:
-        loaded = load_decode(arch, device_index, stages, max(1, loaded.blocks_per_sm))
-    return loaded
 
 
 def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
@@ -206,13 +182,13 @@ def sparse_mla_decode_cuda(
     num_splits: int | None = None,
     arch: str | None = None,
     stages: int = DEFAULT_STAGES,
-    min_blocks: int | None = None,
+    min_blocks: int = DEFAULT_MIN_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode; returns (out [T, H, 512], lse [T, H] natural log).
 
     `arch` picks the instruction set the kernel is built for ("sm80", "sm86", ...;
     default: the card's own); `stages` how many steps of rows shared memory holds;
-    `min_blocks` the blocks an SM must hold (2 to 4; default: `decode_for_grid`).
+    `min_blocks` the blocks an SM the build must fit (2 to 4; default `DEFAULT_MIN_BLOCKS`).
     """
     operands = decode_operands(
         q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
@@ -233,10 +209,7 @@ def sparse_mla_decode_cuda(
     device_index = device.index if device.index is not None else torch.cuda.current_device()
     num_head_blocks = triton.cdiv(num_heads, HEADS_PER_BLOCK)
     arch = arch or device_arch(device)
-    if min_blocks is None:
-        loaded = decode_for_grid(arch, device_index, num_tokens * num_head_blocks, stages)
-    else:
-        loaded = load_decode(arch, device_index, stages, min_blocks)
+    loaded = load_decode(arch, device_index, stages, min_blocks)
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:

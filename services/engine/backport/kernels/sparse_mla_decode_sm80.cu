@@ -9,7 +9,7 @@
 // One block = 16 heads (one mma M tile) of one token, one split of its slot lists; four
 // warps, warp w owns latent dims 128w..128w+127 for both products. Per step of 16 keys:
 //   1. cp.async has staged the 16 rows' bytes (fp8 NoPE, bf16 RoPE, UE8M0 scales) a few
-//      steps ahead; rows of padding slots are zero-filled.
+//      steps ahead; rows of padding slots are zero-filled and get a -inf score bias.
 //   2. Each warp dequantizes its 128 dims of the 16 keys into QK^T's B fragments (32
 //      registers a thread) and multiplies them with q: partial scores over its dims. The
 //      reduction order of the dims is free, so a thread's 16-byte load (16 consecutive dims
@@ -20,7 +20,7 @@
 //   4. movmatrix.trans turns each 8x8 (keys x dims) block of the dequantized K into an
 //      (dims x keys) block: PV's B fragments for the same dims. So PV needs no loads, and
 //      its output dims come out in the permuted order, 16 consecutive dims a thread.
-//   With 2 blocks an SM (sm86/89's shared memory holds no more; small grids everywhere),
+//   With 2 blocks an SM (the launcher's build; sm86/89's shared memory holds no more),
 //   the next step's 2 and 3 up to the barrier overlap this step's softmax
 //   (kOverlapNextStep), and q stays in registers (kQInRegisters).
 // fp8 -> bf16 without fp8 instructions: prmt sign-extends a byte per 16-bit half, a shift
@@ -73,10 +73,11 @@ constexpr float kMaxSlackLog2 = 8.f;
 constexpr int kQBytes = kHeads * kQStride * 2;
 constexpr int kRowsBytes = kStages * kKeys * kRowStride;
 constexpr int kScalesBytes = kStages * kKeys * kScaleBytes;
-constexpr int kValidBytes = kStages * kKeys;
+// A score bias a key, 0 or -inf (padding): one fma applies it with the softmax scale.
+constexpr int kBiasBytes = kStages * kKeys * 4;
 // Partial scores: [step parity][warp][half][lane] of float4 (a thread's 8 scores).
 constexpr int kPartialBytes = 2 * kWarps * 2 * 32 * 16;
-constexpr int kSharedBytes = kQBytes + kRowsBytes + kScalesBytes + kValidBytes + kPartialBytes;
+constexpr int kSharedBytes = kQBytes + kRowsBytes + kScalesBytes + kBiasBytes + kPartialBytes;
 
 }  // namespace
 
@@ -217,17 +218,16 @@ struct SlotRun {
 
 }  // namespace
 
-// Blocks an SM must hold: 4 caps a thread at 128 registers, 3 at 168, 2 at 255 (the
-// launcher picks; sparse_mla_decode_cuda.decode_for_grid).
+// Blocks an SM the build must fit: 2 caps a thread at 255 registers (the launcher's
+// choice, sparse_mla_decode_cuda.DEFAULT_MIN_BLOCKS), 3 at 168, 4 at 128.
 #ifndef SPARSE_MLA_DECODE_MIN_BLOCKS
-#define SPARSE_MLA_DECODE_MIN_BLOCKS 4
+#define SPARSE_MLA_DECODE_MIN_BLOCKS 2
 #endif
-// With 2 blocks (8 warps) an SM, as on sm86/89 and for small grids, a warp's own chains
-// must hide its latencies: the next step's dequantization and QK^T then overlap this
-// step's softmax, in 32 more registers (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765
-// against 0.0929 ms). With 3 blocks the 168-register budget leaves that schedule no room
-// (sm80 mode: 0.0565 against 0.0582 ms there, but 0.2020 against 0.1857 ms at 64 heads),
-// so steps run one after another.
+// With 2 blocks (8 warps) an SM a warp's own chains must hide its latencies: the next
+// step's dequantization and QK^T then overlap this step's softmax, in 32 more registers
+// (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765 against 0.0929 ms, sixth session).
+// With 3 or 4 blocks the register budget leaves that schedule no room, so steps run one
+// after another.
 constexpr bool kOverlapNextStep = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
 extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLOCKS)
     sparse_mla_decode_sm80(const DecodeParams p) {
@@ -235,8 +235,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(shared);
   uint8_t* rows = shared + kQBytes;
   uint8_t* scales = rows + kRowsBytes;
-  uint8_t* valid_keys = scales + kScalesBytes;
-  float4* partials = reinterpret_cast<float4*>(valid_keys + kValidBytes);
+  float* key_biases = reinterpret_cast<float*>(scales + kScalesBytes);
+  float4* partials = reinterpret_cast<float4*>(scales + kScalesBytes + kBiasBytes);
 
   const int head_block = blockIdx.x;
   const int split = blockIdx.y;
@@ -281,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   const int num_steps = (run.total + kKeys - 1) / kKeys;
 
   // Copy duty: 8 threads a key, every 8th of its 36 16-byte chunks each; the first also
-  // copies the key's 8 scale bytes and records whether it is a real key.
+  // copies the key's 8 scale bytes and writes its score bias (-inf for a padding slot).
   const int copy_key = thread / kCopyThreadsPerKey;
   const int copy_part = thread % kCopyThreadsPerKey;
   auto stage_rows = [&](int step, int slot, bool is_extra) {
@@ -308,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
     }
     if (copy_part == 0) {
       copy_async_8(scales + (stage * kKeys + copy_key) * kScaleBytes, scale, valid);
-      valid_keys[stage * kKeys + copy_key] = valid;
+      key_biases[stage * kKeys + copy_key] = valid ? 0.f : negative_infinity();
     }
   };
 
@@ -400,11 +400,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       }
     }
   };
-  // QK^T over this warp's dims into the step's partial-score slot; returns the keys'
-  // validity (columns 2c, 2c + 1 of each n8 tile), read before the stage is reused.
+  // QK^T over this warp's dims into the step's partial-score slot; returns the keys' score
+  // biases (columns 2c, 2c + 1 of each n8 tile), read before the stage is reused.
   auto partial_scores = [&](int step, const uint32_t (&k)[kTilesPerWarp][4][2][2],
-                            bool (&valid)[2][2]) {
-    float partial[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+                            float2 (&bias)[2]) {
+    // An accumulator per 64-dim tile and n8 tile: chains of 4 dependent mmas, not 8 (B=64
+    // H=64 top-k 2048, 2-block build: 0.1631 -> 0.1598 ms). The 4-block build's 128
+    // registers keep one chain a tile.
+    constexpr int kChains = SPARSE_MLA_DECODE_MIN_BLOCKS >= 4 ? 1 : kTilesPerWarp;
+    float chains[kChains][2][4] = {};
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
 #pragma unroll
@@ -416,15 +420,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
         } else {
           load_q(a, j, t);
         }
-        mma_bf16(partial[0], a, k[j][t][0][0], k[j][t][0][1]);
-        mma_bf16(partial[1], a, k[j][t][1][0], k[j][t][1][1]);
+        mma_bf16(chains[j % kChains][0], a, k[j][t][0][0], k[j][t][0][1]);
+        mma_bf16(chains[j % kChains][1], a, k[j][t][1][0], k[j][t][1][1]);
       }
     }
-    const uint8_t* stage_valid = valid_keys + (step % kStages) * kKeys;
-    valid[0][0] = stage_valid[2 * quad] != 0;
-    valid[0][1] = stage_valid[2 * quad + 1] != 0;
-    valid[1][0] = stage_valid[8 + 2 * quad] != 0;
-    valid[1][1] = stage_valid[9 + 2 * quad] != 0;
+    float partial[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        partial[n][i] = chains[0][n][i];
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) partial[n][i] += chains[c][n][i];
+      }
+    const float2* stage_biases =
+        reinterpret_cast<const float2*>(key_biases + (step % kStages) * kKeys);
+    bias[0] = stage_biases[quad];
+    bias[1] = stage_biases[4 + quad];
     float4* step_partials = partials + (step % 2) * (kWarps * 2 * 32);
     step_partials[(warp * 2 + 0) * 32 + lane] =
         make_float4(partial[0][0], partial[0][1], partial[0][2], partial[0][3]);
@@ -435,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   // Online softmax (base 2) of one step from the four warps' partial scores, added in a
   // fixed order; row r is head group + 8r. Returns the accumulators' rescale factors and
   // leaves P, PV's A fragment (rows group / group + 8, 16 keys), in `probabilities`.
-  auto softmax_step = [&](int step, const bool (&valid)[2][2], float (&alpha)[2],
+  auto softmax_step = [&](int step, const float2 (&bias)[2], float (&alpha)[2],
                           uint32_t (&probabilities)[4]) {
     const float4* step_partials = partials + (step % 2) * (kWarps * 2 * 32);
     float scores[2][4];
@@ -452,10 +464,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
         sum.z += part[w].z;
         sum.w += part[w].w;
       }
-      scores[n][0] = valid[n][0] ? sum.x * p.qk_scale_log2 : negative_infinity();
-      scores[n][1] = valid[n][1] ? sum.y * p.qk_scale_log2 : negative_infinity();
-      scores[n][2] = valid[n][0] ? sum.z * p.qk_scale_log2 : negative_infinity();
-      scores[n][3] = valid[n][1] ? sum.w * p.qk_scale_log2 : negative_infinity();
+      scores[n][0] = fmaf(sum.x, p.qk_scale_log2, bias[n].x);
+      scores[n][1] = fmaf(sum.y, p.qk_scale_log2, bias[n].y);
+      scores[n][2] = fmaf(sum.z, p.qk_scale_log2, bias[n].x);
+      scores[n][3] = fmaf(sum.w, p.qk_scale_log2, bias[n].y);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -509,50 +521,50 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
         }
   };
 
-  uint32_t k_frag[kTilesPerWarp][4][2][2];
-  bool valid[2][2];
-  if constexpr (kOverlapNextStep) {
-    dequantize_step(0, k_frag);
-    partial_scores(0, k_frag, valid);
-  }
-
-  for (int step = 0; step < num_steps; ++step) {
-    if constexpr (!kOverlapNextStep) {
-      dequantize_step(step, k_frag);
-      partial_scores(step, k_frag, valid);
-    }
-    // The one barrier of a step: every warp's partial scores of this step are in, every
-    // warp is done with this stage's rows (dequantized before the barrier), and (each
-    // thread having waited for its own copies) the next step's rows are in.
+  float2 bias[2];
+  // The one barrier of a step: every warp's partial scores of this step are in, every
+  // warp is done with this stage's rows (dequantized before the barrier), and (each
+  // thread having waited for its own copies) the next step's rows are in.
+  auto end_of_step_barrier = [&](int step) {
     wait_copies<kStages - 2>();
     __syncthreads();
-    {
-      const int ahead = step + kStages;
-      if (ahead < num_steps) stage_rows(ahead, next_slot, next_is_extra);
-      commit_copies();
-      next_slot = run.slot((ahead + 1) * kKeys + copy_key, next_is_extra);
-    }
-
-    float alpha[2];
-    uint32_t probabilities[4];
-    softmax_step(step, valid, alpha, probabilities);
-    if constexpr (kOverlapNextStep) {
-      // The next step's K and partial scores in the same basic block as this step's
-      // softmax, so the scheduler interleaves the two chains. After the last step the
-      // stage holds stale rows: those results are never read.
-      uint32_t next_k[kTilesPerWarp][4][2][2];
+    const int ahead = step + kStages;
+    if (ahead < num_steps) stage_rows(ahead, next_slot, next_is_extra);
+    commit_copies();
+    next_slot = run.slot((ahead + 1) * kKeys + copy_key, next_is_extra);
+  };
+  if constexpr (kOverlapNextStep) {
+    // The next step's K and partial scores in the same basic block as this step's
+    // softmax, so the scheduler interleaves the two chains. After the last step the
+    // stage holds stale rows: those results are never read. Two steps an iteration, with
+    // the K fragments' roles swapped, so no register is copied from one step to the next.
+    auto overlapped_step = [&](int step, const uint32_t (&k)[kTilesPerWarp][4][2][2],
+                               uint32_t (&next_k)[kTilesPerWarp][4][2][2]) {
+      end_of_step_barrier(step);
+      float alpha[2];
+      uint32_t probabilities[4];
+      softmax_step(step, bias, alpha, probabilities);
       dequantize_step(step + 1, next_k);
-      partial_scores(step + 1, next_k, valid);
-      accumulate(alpha, probabilities, k_frag);
-#pragma unroll
-      for (int j = 0; j < kTilesPerWarp; ++j)
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-          for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) k_frag[j][t][n][h] = next_k[j][t][n][h];
-    } else {
+      partial_scores(step + 1, next_k, bias);
+      accumulate(alpha, probabilities, k);
+    };
+    uint32_t k_even[kTilesPerWarp][4][2][2];
+    uint32_t k_odd[kTilesPerWarp][4][2][2];
+    dequantize_step(0, k_even);
+    partial_scores(0, k_even, bias);
+    for (int step = 0; step < num_steps; step += 2) {
+      overlapped_step(step, k_even, k_odd);
+      if (step + 1 < num_steps) overlapped_step(step + 1, k_odd, k_even);
+    }
+  } else {
+    uint32_t k_frag[kTilesPerWarp][4][2][2];
+    for (int step = 0; step < num_steps; ++step) {
+      dequantize_step(step, k_frag);
+      partial_scores(step, k_frag, bias);
+      end_of_step_barrier(step);
+      float alpha[2];
+      uint32_t probabilities[4];
+      softmax_step(step, bias, alpha, probabilities);
       accumulate(alpha, probabilities, k_frag);
     }
   }
