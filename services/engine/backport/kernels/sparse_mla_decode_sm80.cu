@@ -13,7 +13,7 @@
 //   2. Each warp dequantizes its 128 dims of the 16 keys into QK^T's B fragments (32
 //      registers a thread) and multiplies them with q: partial scores over its dims. The
 //      reduction order of the dims is free, so a thread's 16-byte load (16 consecutive dims
-//      of one key) feeds four k16 chunks; q is staged in shared memory in the same order.
+//      of one key) feeds four k16 chunks; q's A fragments are read in the same order.
 //   3. Partial scores go to shared memory; after the step's one barrier every warp adds
 //      all four (in the same order, so every warp gets the same scores) and runs the same
 //      online softmax. P stays in registers: QK^T's accumulator layout is PV's A layout.
@@ -22,7 +22,8 @@
 //      its output dims come out in the permuted order, 16 consecutive dims a thread.
 //   With 2 blocks an SM (the launcher's build; sm86/89's shared memory holds no more),
 //   the next step's 2 and 3 up to the barrier overlap this step's softmax
-//   (kOverlapNextStep), and q stays in registers (kQInRegisters).
+//   (kOverlapNextStep), and q's fragments stay in registers (kQInRegisters); the 3- and
+//   4-block builds stage q in shared memory and run their steps one after another.
 // fp8 -> bf16 without fp8 instructions: prmt sign-extends a byte per 16-bit half, a shift
 // and mask leave sign, exponent and mantissa in bf16's fields (value * 2^-120), and one
 // bf16x2 fma by 2^(120 + exponent) applies the power-of-two scale; exact (as
@@ -70,7 +71,22 @@ constexpr int kChunksPerRow = kDataBytes / 16;
 // p = 2^(score - reference) <= 256 stays exact in bf16's exponent range.
 constexpr float kMaxSlackLog2 = 8.f;
 
-constexpr int kQBytes = kHeads * kQStride * 2;
+// Blocks an SM the build must fit: 2 caps a thread at 255 registers (the launcher's
+// choice, sparse_mla_decode_cuda.DEFAULT_MIN_BLOCKS), 3 at 168, 4 at 128.
+#ifndef SPARSE_MLA_DECODE_MIN_BLOCKS
+#define SPARSE_MLA_DECODE_MIN_BLOCKS 2
+#endif
+// With 2 blocks (8 warps) an SM a warp's own chains must hide its latencies: the next
+// step's dequantization and QK^T then overlap this step's softmax, in 32 more registers
+// (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765 against 0.0929 ms, sixth session).
+// With 3 or 4 blocks the register budget leaves that schedule no room, so steps run one
+// after another.
+constexpr bool kOverlapNextStep = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
+// The 2-block budget also holds this warp's q fragments (32 registers), loaded straight
+// from global memory, so that build stages no q in shared memory and the loop reads none.
+constexpr bool kQInRegisters = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
+
+constexpr int kQBytes = kQInRegisters ? 0 : kHeads * kQStride * 2;
 constexpr int kRowsBytes = kStages * kKeys * kRowStride;
 constexpr int kScalesBytes = kStages * kKeys * kScaleBytes;
 // A score bias a key, 0 or -inf (padding): one fma applies it with the softmax scale.
@@ -218,17 +234,6 @@ struct SlotRun {
 
 }  // namespace
 
-// Blocks an SM the build must fit: 2 caps a thread at 255 registers (the launcher's
-// choice, sparse_mla_decode_cuda.DEFAULT_MIN_BLOCKS), 3 at 168, 4 at 128.
-#ifndef SPARSE_MLA_DECODE_MIN_BLOCKS
-#define SPARSE_MLA_DECODE_MIN_BLOCKS 2
-#endif
-// With 2 blocks (8 warps) an SM a warp's own chains must hide its latencies: the next
-// step's dequantization and QK^T then overlap this step's softmax, in 32 more registers
-// (H200 in sm86 mode, B=64 H=16 top-k 2048: 0.0765 against 0.0929 ms, sixth session).
-// With 3 or 4 blocks the register budget leaves that schedule no room, so steps run one
-// after another.
-constexpr bool kOverlapNextStep = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
 extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLOCKS)
     sparse_mla_decode_sm80(const DecodeParams p) {
   extern __shared__ __align__(16) uint8_t shared[];
@@ -248,24 +253,50 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   const int quad = lane % 4;   // mma "threadID_in_group"
   const int head0 = head_block * kHeads;
 
-  // q -> shared memory in the permuted k order: physical dims 64g + 16c + 4t + {0..3}
+  // q's A fragments in registers (kQInRegisters), in the permuted k order K is read in
+  // (below): fragment (j, t) holds dims 64G + 16c + 4t + {0, 1} (registers 0, 1) and
+  // {2, 3} (registers 2, 3) of heads group and group + 8 (G = this warp's tile j, c = quad).
+  // All 16 loads are in flight at once (B=8 H=16 top-k 2048: 0.0186 -> 0.0171 ms, B=64
+  // 0.0550 -> 0.0518, against the tile staged in shared memory by a loop).
+  uint32_t q_fragments[kTilesPerWarp][4][4];
+  if constexpr (kQInRegisters) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = head0 + group + 8 * r;
+      const uint16_t* q_row = p.q + token * p.q_token_stride + head * p.q_head_stride +
+                              16 * quad;
+#pragma unroll
+      for (int j = 0; j < kTilesPerWarp; ++j)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          uint2 values = make_uint2(0, 0);
+          if (head < p.num_heads) {
+            values = *reinterpret_cast<const uint2*>(
+                q_row + 64 * (kTilesPerWarp * warp + j) + 4 * t);
+          }
+          q_fragments[j][t][r] = values.x;
+          q_fragments[j][t][2 + r] = values.y;
+        }
+    }
+  }
+  // Otherwise q -> shared memory in the same order: physical dims 64g + 16c + 4t + {0..3}
   // (c = a thread's quad lane when it loads K) land in k chunk 4g + t at k = 2c, 2c + 1
   // (dims +0, +1) and k = 2c + 8, 2c + 9 (dims +2, +3). The RoPE dims are tile g = 7.
-  // (Staging q after issuing the first rows' copies measured 3% slower and spilled.)
-  for (int item = thread; item < kHeads * (kHeadDim / 4); item += kThreads) {
+  // Every load is issued before the slot lists are read and stored after the first rows'
+  // copies are (3-block build, B=64 H=16 top-k 2048: 0.0578 -> 0.0557 ms).
+  constexpr int kQItems = kQInRegisters ? 0 : kHeads * (kHeadDim / 4) / kThreads;
+  uint2 q_values[kQItems > 0 ? kQItems : 1];
+#pragma unroll
+  for (int i = 0; i < kQItems; ++i) {
+    const int item = thread + i * kThreads;
     const int head = item / (kHeadDim / 4);
     const int dim = (item % (kHeadDim / 4)) * 4;
-    uint2 values = make_uint2(0, 0);
+    q_values[i] = make_uint2(0, 0);
     if (head0 + head < p.num_heads) {
-      values = *reinterpret_cast<const uint2*>(p.q + token * p.q_token_stride +
-                                              (head0 + head) * p.q_head_stride + dim);
+      q_values[i] = *reinterpret_cast<const uint2*>(p.q + token * p.q_token_stride +
+                                                   (head0 + head) * p.q_head_stride + dim);
     }
-    const int g = dim / 64, c = (dim % 64) / 16, t = (dim % 16) / 4;
-    uint32_t* row = reinterpret_cast<uint32_t*>(q_tile + head * kQStride + (4 * g + t) * 16);
-    row[c] = values.x;
-    row[4 + c] = values.y;
   }
-
   // This split's keys: positions [start, start + split_len) of each list, cut to its length.
   const int start = split * p.split_len;
   const int extra_start = split * p.extra_split_len;
@@ -323,6 +354,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   }
   next_slot = run.slot(kStages * kKeys + copy_key, next_is_extra);
 
+#pragma unroll
+  for (int i = 0; i < kQItems; ++i) {
+    const int item = thread + i * kThreads;
+    const int head = item / (kHeadDim / 4);
+    const int dim = (item % (kHeadDim / 4)) * 4;
+    const int g = dim / 64, c = (dim % 64) / 16, t = (dim % 16) / 4;
+    uint32_t* row = reinterpret_cast<uint32_t*>(q_tile + head * kQStride + (4 * g + t) * 16);
+    row[c] = q_values[i].x;
+    row[4 + c] = q_values[i].y;
+  }
+
   wait_copies<kStages - 1>();
   __syncthreads();  // step 0's rows and q are in
 
@@ -348,19 +390,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   auto load_q = [&](uint32_t (&a)[4], int j, int t) {
     load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
   };
-  // With 2 blocks an SM the 255-register budget also holds this warp's q fragments (32
-  // registers, 220 in all), so the loop reads no q from shared memory (H200, 2-block
-  // build: B=64 H=64 top-k 2048 0.1874 -> 0.1841 ms, B=128 H=16 0.1013 -> 0.1004; the
-  // other shapes within 1%).
-  constexpr bool kQInRegisters = SPARSE_MLA_DECODE_MIN_BLOCKS <= 2;
-  uint32_t q_fragments[kTilesPerWarp][4][4];
-  if constexpr (kQInRegisters) {
-#pragma unroll
-    for (int j = 0; j < kTilesPerWarp; ++j)
-#pragma unroll
-      for (int t = 0; t < 4; ++t) load_q(q_fragments[j][t], j, t);
-  }
-
   // K of this warp's dims for one step's 16 keys, as QK^T's B fragments:
   // k[j][t][n] = {b0, b1} of tile j, k16 chunk t, n8 tile n (keys 8n..8n+7).
   auto dequantize_step = [&](int step, uint32_t (&k)[kTilesPerWarp][4][2][2]) {
