@@ -50,10 +50,10 @@ MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
 # The blocks an SM every launch's build is for: 2 caps a thread at 255 registers, which
 # lets the next step's QK^T overlap this step's softmax and keeps q in registers. In sm80
-# mode (the A100's shared memory holds 3 blocks of this kernel) it beats the 3-block build
-# (168 registers, steps one after another) on every shape measured since the eighth
-# session: B=64 H=16 top-k 2048 + 128 0.0546 against 0.0577 ms, B=64 H=64 0.1598 against
-# 0.1842, B=128 H=16 0.0911 against 0.0911 (docs/kernels.md). 3 and 4 stay selectable.
+# mode (the A100's shared memory would hold 3 blocks) it beats the 3-block build (168
+# registers, steps one after another) on every shape swept (top-k 2048 + 128: B=64 H=16
+# 0.0503 against 0.0539 ms, B=64 H=64 0.1509 against 0.1758, B=8 H=16 0.0170 against
+# 0.0186, B=1 0.0109 against 0.0117; docs/kernels.md). 3 and 4 stay selectable.
 DEFAULT_MIN_BLOCKS = 2
 
 
