@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.k_cache_insert import quantize_and_insert_k_cache
+from services.engine.backport.kernels.k_cache_insert import (
+    TOKENS_PER_PROGRAM,
+    quantize_and_insert_k_cache,
+)
 
 POISON = 0xA5  # bytes the kernel must leave alone where no slot points
 
@@ -25,7 +28,8 @@ def test_insert_bytes_match_reference(
 ) -> None:
     generator = torch.Generator().manual_seed(block_size)
     num_blocks = 5
-    num_tokens = min(40 if kernel_device == "cuda" else 10, num_blocks * block_size - 1)
+    # More rows than one program takes, the last program part full.
+    num_tokens = min(2 * TOKENS_PER_PROGRAM + 8, num_blocks * block_size - 1)
     k = _k_rows(num_tokens, generator)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
     slots[2] = -1

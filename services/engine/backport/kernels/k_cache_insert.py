@@ -21,6 +21,10 @@ from services.engine.backport.kernels.fp8_e4m3 import e4m3_encode, e4m3_scale_ex
 
 TILES_PER_ROW = 8  # 7 fp8 tiles + the RoPE tile, so a row is one [8, 64] block
 AMAX_FLOOR = tl.constexpr(1e-4)  # upstream's floor on a tile's absolute maximum
+# Rows a program quantizes (H200, graph replay, 262,144 random slots, sm80 mode: 1 row
+# 0.2623 ms, 2: 0.1985, 4: 0.1735, 8: 0.1553, 16: 0.1514; one row a program, as before,
+# took 0.2414; sm86 mode the same within 3%).
+TOKENS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -28,6 +32,7 @@ def _quantize_insert_kernel(
     k_ptr,
     slot_ptr,
     cache_ptr,
+    num_tokens,
     stride_k_token,
     block_stride,
     BLOCK_SIZE: tl.constexpr,
@@ -37,36 +42,46 @@ def _quantize_insert_kernel(
     TILES_PER_ROW: tl.constexpr,
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
-    # One program per token: a row is 512 values, too little to share.
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
+    # TOKENS rows a program, each an [8, 64] block of tiles: one row is too little work
+    # for a program (TOKENS_PER_PROGRAM).
+    token = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    valid = slot >= 0
+    readable_slot = tl.where(valid, slot, 0)
 
-    page = cache_ptr + (slot // BLOCK_SIZE) * block_stride
-    position = slot % BLOCK_SIZE
-    data_ptr = page + position * DATA_BYTES
-    scale_ptr = page + BLOCK_SIZE * DATA_BYTES + position * SCALE_BYTES
+    page = (readable_slot // BLOCK_SIZE) * block_stride
+    position = readable_slot % BLOCK_SIZE
+    data_offset = page + position * DATA_BYTES
+    scale_offset = page + BLOCK_SIZE * DATA_BYTES + position * SCALE_BYTES
 
     tile = tl.arange(0, TILES_PER_ROW)
     dim = tl.arange(0, QUANT_TILE)
-    is_nope = (tile < NUM_NOPE_TILES)[:, None]
-    offsets = tile[:, None] * QUANT_TILE + dim[None, :]
-    row = tl.load(k_ptr + token * stride_k_token + offsets).to(tl.float32)
+    is_nope = (tile < NUM_NOPE_TILES)[None, :, None]
+    offsets = (tile[:, None] * QUANT_TILE + dim[None, :])[None, :, :]
+    written = valid[:, None, None]
+    row = tl.load(
+        k_ptr + token[:, None, None] * stride_k_token + offsets, mask=written, other=0.0
+    ).to(tl.float32)
 
     # fp8 part: one power-of-two scale per 64-dim tile.
-    exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(row), axis=1), AMAX_FLOOR))
+    exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(row), axis=2), AMAX_FLOOR))
     inverse_scale = exp2_int(-exponent)
-    fp8_bytes = e4m3_encode(row * inverse_scale[:, None])
-    tl.store(data_ptr + offsets, fp8_bytes, mask=is_nope)
+    fp8_bytes = e4m3_encode(row * inverse_scale[:, :, None])
+    data = cache_ptr + data_offset[:, None, None]
+    tl.store(data + offsets, fp8_bytes, mask=written & is_nope)
     scale_bytes = tl.minimum(tl.maximum(exponent + 127, 0), 255)
-    scale_bytes = tl.where(tile < NUM_NOPE_TILES, scale_bytes, 0)
-    tl.store(scale_ptr + tile, scale_bytes.to(tl.uint8))
+    scale_bytes = tl.where(tile[None, :] < NUM_NOPE_TILES, scale_bytes, 0)
+    tl.store(
+        cache_ptr + scale_offset[:, None] + tile[None, :],
+        scale_bytes.to(tl.uint8),
+        mask=valid[:, None],
+    )
 
     # RoPE part: the last tile, stored as bf16 right after the fp8 bytes.
-    rope_ptr = (data_ptr + NOPE_DIM).to(tl.pointer_type(tl.bfloat16))
-    tl.store(rope_ptr + (offsets - NOPE_DIM), row.to(tl.bfloat16), mask=~is_nope)
+    rope = (data + NOPE_DIM).to(tl.pointer_type(tl.bfloat16))
+    tl.store(rope + (offsets - NOPE_DIM), row.to(tl.bfloat16), mask=written & ~is_nope)
 
 
 def quantize_and_insert_k_cache(
@@ -86,10 +101,11 @@ def quantize_and_insert_k_cache(
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    _quantize_insert_kernel[(num_tokens,)](
+    _quantize_insert_kernel[(triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)](
         k,
         slot_mapping,
         k_cache,
+        num_tokens,
         k.stride(0),
         geometry.block_stride,
         BLOCK_SIZE=geometry.block_size,
@@ -99,4 +115,5 @@ def quantize_and_insert_k_cache(
         TILES_PER_ROW=TILES_PER_ROW,
         DATA_BYTES=layout.DATA_BYTES_PER_TOKEN,
         SCALE_BYTES=layout.SCALE_BYTES_PER_TOKEN,
+        TOKENS=TOKENS_PER_PROGRAM,
     )
