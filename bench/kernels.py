@@ -10,7 +10,8 @@ run, and for the decode its tensor-core rate. The quantizers and gathers run on 
 several times the 60 MB L2, so replays without a flush read them from memory too.
 `--profile-decode [HEADS]` only launches one large decode, for Nsight Compute; `--sweep-decode`
 only times the decode's tiling choices (keys per step, warps, splits; for the CUDA decode
-the build's blocks an SM, stages and splits) on four shapes; `--decode-backend cuda` points both at the CUDA decode.
+the build's blocks an SM, stages and splits) on four shapes; `--decode-backend cuda`
+points both at the CUDA decode.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
 side on the same inputs. The main table has a row for each.
 
