@@ -20,6 +20,7 @@ from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_B
 from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
 from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch, ptxas_path
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
+    DEFAULT_MIN_BLOCKS,
     KERNEL_NAME,
     THREADS,
     decode_ptx,
@@ -80,25 +81,19 @@ def cuda_arch(gpu_arch: str | None) -> str:
     return arch
 
 
-@needs_cuda
-@pytest.mark.parametrize("case_index", range(len(CASES)))
-def test_cuda_decode_matches_reference(case_index: int, cuda_arch: str, record_max_error) -> None:
-    case = CASES[case_index]
-    decode = functools.partial(sparse_mla_decode_cuda, arch=cuda_arch)
-    got, want = run_case(case, "cuda", seed=case_index, decode=decode)
-    record_max_error(KERNEL_NAME, check_against_reference(case, got, want))
-
-
-# The launcher builds for 2 blocks an SM (steps overlapped); the 3- and 4-block builds
-# run their steps one after another, a schedule of its own to check: the small cases
-# (padding, short lists, odd splits), one split of a long list, 40 heads, a large grid.
+# The launcher's build (2 blocks an SM, steps overlapped) runs every case; the 3- and
+# 4-block builds run their steps one after another, a schedule of its own to check: the
+# small cases (padding, short lists, odd splits), one split of a long list, 40 heads, a
+# large grid.
 NON_DEFAULT_BUILD_CASES = [2, 5, 6, 7, *range(len(GPU_CASES), len(CASES))]
+BUILD_CASES = [(index, DEFAULT_MIN_BLOCKS) for index in range(len(CASES))] + [
+    (index, min_blocks) for min_blocks in (3, 4) for index in NON_DEFAULT_BUILD_CASES
+]
 
 
 @needs_cuda
-@pytest.mark.parametrize("min_blocks", [3, 4])
-@pytest.mark.parametrize("case_index", NON_DEFAULT_BUILD_CASES)
-def test_cuda_decode_builds_for_more_blocks_match_reference(
+@pytest.mark.parametrize(("case_index", "min_blocks"), BUILD_CASES)
+def test_cuda_decode_matches_reference(
     case_index: int, min_blocks: int, cuda_arch: str, record_max_error
 ) -> None:
     case = CASES[case_index]
