@@ -184,12 +184,15 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
     assert torch.equal(lse.cpu(), flat_lse.cpu())
 
 
-def test_combine_matches_reference(kernel_device: str, record_max_error) -> None:
+@pytest.mark.parametrize("partial_dtype", [torch.float32, torch.bfloat16])
+def test_combine_matches_reference(
+    kernel_device: str, partial_dtype: torch.dtype, record_max_error
+) -> None:
     generator = torch.Generator().manual_seed(11)
     num_tokens, num_splits, num_heads = 3, 5, 24
     partial_out = torch.randn(
         num_tokens, num_splits, num_heads, layout.HEAD_DIM, generator=generator
-    )
+    ).to(partial_dtype)
     partial_lse = torch.randn(num_tokens, num_splits, num_heads, generator=generator) * 4
     partial_lse[0, 1:] = float("-inf")  # one split only
     partial_lse[1] = float("-inf")  # nothing valid at all
@@ -206,7 +209,7 @@ def test_combine_matches_reference(kernel_device: str, record_max_error) -> None
         out,
         lse,
     )
-    want_out, want_lse = combine_splits_reference(partial_out, partial_lse, sink)
+    want_out, want_lse = combine_splits_reference(partial_out.float(), partial_lse, sink)
     error = (out.float().cpu() - want_out).abs().max().item()
     record_max_error("_combine_kernel", error)
     assert error <= 1e-2 * want_out.abs().max().item()

@@ -21,8 +21,11 @@ from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_b
 from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch, ptxas_path
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     DEFAULT_MIN_BLOCKS,
+    DEFAULT_PARTIAL_DTYPE,
     KERNEL_NAME,
     THREADS,
+    LoadedDecode,
+    choose_num_splits,
     decode_ptx,
     load_decode,
     sparse_mla_decode_cuda,
@@ -81,23 +84,31 @@ def cuda_arch(gpu_arch: str | None) -> str:
     return arch
 
 
-# The launcher's build (2 blocks an SM, steps overlapped) runs every case; the 3- and
-# 4-block builds run their steps one after another, a schedule of its own to check: the
-# small cases (padding, short lists, odd splits), one split of a long list, 40 heads, a
-# large grid.
+# The launcher's build (2 blocks an SM, steps overlapped, bf16 partials) runs every case.
+# The 3- and 4-block builds run their steps one after another, a schedule of its own to
+# check, and fp32 partials are a store path of their own: each runs the small cases
+# (padding, short lists, odd splits), one split of a long list, 40 heads, a large grid.
 NON_DEFAULT_BUILD_CASES = [2, 5, 6, 7, *range(len(GPU_CASES), len(CASES))]
-BUILD_CASES = [(index, DEFAULT_MIN_BLOCKS) for index in range(len(CASES))] + [
-    (index, min_blocks) for min_blocks in (3, 4) for index in NON_DEFAULT_BUILD_CASES
-]
+BUILD_CASES = (
+    [(index, DEFAULT_MIN_BLOCKS, DEFAULT_PARTIAL_DTYPE) for index in range(len(CASES))]
+    + [
+        (index, min_blocks, DEFAULT_PARTIAL_DTYPE)
+        for min_blocks in (3, 4)
+        for index in NON_DEFAULT_BUILD_CASES
+    ]
+    + [(index, DEFAULT_MIN_BLOCKS, torch.float32) for index in NON_DEFAULT_BUILD_CASES]
+)
 
 
 @needs_cuda
-@pytest.mark.parametrize(("case_index", "min_blocks"), BUILD_CASES)
+@pytest.mark.parametrize(("case_index", "min_blocks", "partial_dtype"), BUILD_CASES)
 def test_cuda_decode_matches_reference(
-    case_index: int, min_blocks: int, cuda_arch: str, record_max_error
+    case_index: int, min_blocks: int, partial_dtype: torch.dtype, cuda_arch: str,
+    record_max_error
 ) -> None:
     case = CASES[case_index]
-    decode = functools.partial(sparse_mla_decode_cuda, arch=cuda_arch, min_blocks=min_blocks)
+    decode = functools.partial(sparse_mla_decode_cuda, arch=cuda_arch, min_blocks=min_blocks,
+                               partial_dtype=partial_dtype)
     got, want = run_case(case, "cuda", seed=case_index, decode=decode)
     record_max_error(KERNEL_NAME, check_against_reference(case, got, want))
 
@@ -131,3 +142,23 @@ def test_cuda_decode_runs_as_many_blocks_an_sm_as_the_target_holds(
         assert loaded.blocks_per_sm == min(target, loaded.kernel.blocks_per_sm(
             THREADS, loaded.shared_bytes))
         assert loaded.blocks_per_sm <= min_blocks
+
+
+@pytest.mark.parametrize(
+    ("tokens", "head_blocks", "keys", "want"),
+    [
+        (64, 1, 2048 + 128, 4),  # one wave of 2 blocks an SM
+        (8, 1, 2048 + 128, 16),  # one block an SM
+        (1, 1, 2048 + 128, 32),  # small grid: at most 32, a power of two
+        (1, 1, 512 + 128, 16),  # 20 rounded down to a power of two
+        (1, 4, 2048 + 128, 32),
+        (1, 1, 40, 2),  # 32 keys a split at least
+    ],
+)
+def test_num_splits_fill_one_wave_and_stay_cheap_to_combine(
+    tokens: int, head_blocks: int, keys: int, want: int
+) -> None:
+    """The H200's 132 SMs at 2 blocks an SM (sm80 mode)."""
+    loaded = LoadedDecode(kernel=None, shared_bytes=27008, launch_shared_bytes=27008,
+                          blocks_per_sm=2, sm_count=132)
+    assert choose_num_splits(tokens * head_blocks, keys, loaded) == want

@@ -51,41 +51,41 @@ def _combine_kernel(
     DIM_BLOCK: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    # Program ids: one head of one token, DIM_BLOCK of its output dims; every split of
-    # that slice is one [MAX_SPLITS, DIM_BLOCK] load, so no program walks the splits.
+    # Program ids: one head of one token, DIM_BLOCK of its output dims. The splits are an
+    # unrolled loop of independent [DIM_BLOCK] loads, so they are in flight together, and
+    # each thread sums its own dims: a [splits, dims] tile reduced over splits made Triton
+    # spread bf16 partials' splits over warps and reduce through shared memory (H200, sm80
+    # mode, B=128 H=16, 2 splits: 11.7 us against 3.5 for fp32).
     head = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64)
     dim_block = tl.program_id(2)
     splits = tl.arange(0, MAX_SPLITS)
     dims = dim_block * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
-    in_splits = splits < num_splits
+    lse_row = partial_lse_ptr + token * stride_pl_token + head
 
     # Split weights from the partial log-sum-exps (base 2).
-    split_lse = tl.load(
-        partial_lse_ptr + token * stride_pl_token + splits * stride_pl_split + head,
-        mask=in_splits,
-        other=float("-inf"),
-    )
+    split_lse = tl.load(lse_row + splits * stride_pl_split, mask=splits < num_splits,
+                        other=float("-inf"))
     lse_max = tl.max(split_lse, axis=0)
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(split_lse - lse_max_safe)
-    weight_sum = tl.sum(weights, axis=0)
+    weight_sum = tl.sum(tl.exp2(split_lse - lse_max_safe), axis=0)
     has_keys = weight_sum > 0
     lse2 = tl.where(
         has_keys, lse_max_safe + tl.log2(tl.where(has_keys, weight_sum, 1.0)), float("-inf")
     )
-    weights = weights / tl.where(has_keys, weight_sum, 1.0)
+    inverse_sum = 1.0 / tl.where(has_keys, weight_sum, 1.0)
 
     # Weighted sum of the partial outputs.
-    part_ptrs = (
-        partial_out_ptr
-        + token * stride_po_token
-        + splits[:, None] * stride_po_split
-        + head * stride_po_head
-        + dims[None, :]
-    )
-    parts = tl.load(part_ptrs, mask=(weights > 0)[:, None], other=0.0)
-    acc = tl.sum(parts * weights[:, None], axis=0)
+    part_row = partial_out_ptr + token * stride_po_token + head * stride_po_head + dims
+    acc = tl.zeros([DIM_BLOCK], dtype=tl.float32)
+    for split in tl.static_range(MAX_SPLITS):
+        # Masked by the split count alone, not by the weight, so no load waits for another:
+        # a split without keys holds zeros and gets weight 0.
+        part = tl.load(part_row + split * stride_po_split,
+                       mask=tl.full([DIM_BLOCK], split, tl.int32) < num_splits, other=0.0)
+        part_lse = tl.load(lse_row + split * stride_pl_split,
+                           mask=tl.full([], split, tl.int32) < num_splits, other=float("-inf"))
+        acc += part.to(tl.float32) * (tl.exp2(part_lse - lse_max_safe) * inverse_sum)
 
     # Write-back: sink, output in out's dtype, natural-log lse.
     if HAS_SINK:
@@ -106,10 +106,12 @@ def combine_splits(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """partial_out [T, S, H, D] fp32, partial_lse [T, S, H] base-2 -> out [T, H, D], lse [T, H]."""
+    """partial_out [T, S, H, D] fp32 or bf16, partial_lse [T, S, H] fp32 base-2 -> out
+    [T, H, D], lse [T, H]. A split without keys (lse -inf) must hold finite partials: both
+    decodes write zeros there."""
     num_tokens, num_splits, num_heads, head_dim = partial_out.shape
     max_splits = triton.next_power_of_2(num_splits)
-    # Keep the [splits, dims] tile at 4096 fp32 values (32 registers a thread at 4 warps).
+    # Keep the loads a program has in flight at 4096 values (32 registers a thread at 4 warps).
     dim_block = max(16, min(head_dim, 4096 // max_splits))
     grid = (num_heads, num_tokens, triton.cdiv(head_dim, dim_block))
     _combine_kernel[grid](

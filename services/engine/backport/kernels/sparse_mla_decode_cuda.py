@@ -48,6 +48,11 @@ DEFAULT_STAGES = 2
 # with the kernel's first version (32-key steps, 4 blocks an SM).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
+# Small grids (below) take at most 32 splits, and a power of two: the combine pads the count
+# to one, and its 64-split build costs more than the decode saves (bf16 partials, sm80
+# mode, B=1 H=16 top-k 2048 + 128: 32 splits 0.0103 ms, 34 0.0127, 64 0.0122; top-k 512 +
+# 128: 16 splits 0.0079, 20 0.0085).
+MAX_SPLITS_SMALL_GRID = 32
 # The blocks an SM every launch's build is for: 2 caps a thread at 255 registers, which
 # lets the next step's QK^T overlap this step's softmax and keeps q in registers. In sm80
 # mode (the A100's shared memory would hold 3 blocks) it beats the 3-block build (168
@@ -55,6 +60,12 @@ MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
 # 0.0503 against 0.0539 ms, B=64 H=64 0.1509 against 0.1758, B=8 H=16 0.0170 against
 # 0.0186, B=1 0.0109 against 0.0117; docs/kernels.md). 3 and 4 stay selectable.
 DEFAULT_MIN_BLOCKS = 2
+# Split partials in bf16: a block's last act is writing 16 x 512 of them, all blocks of the
+# wave at once, and the combine reads them back. Half the bytes: the decode kernel alone
+# 46.8 -> 41.3 us at B=64 H=16 top-k 2048 + 128, 13.4 -> 10.3 at B=8; with the combine
+# 0.0500 -> 0.0444 ms and 0.0166 -> 0.0129 (H200, sm80 mode). The output is bf16 anyway;
+# the max error on the tests' cases goes 0.0167 -> 0.0184.
+DEFAULT_PARTIAL_DTYPE = torch.bfloat16
 
 
 class DecodeParams(ctypes.Structure):
@@ -84,6 +95,7 @@ class DecodeParams(ctypes.Structure):
         ("extra_split_len", ctypes.c_int32),
         ("num_heads", ctypes.c_int32),
         ("num_splits", ctypes.c_int32),
+        ("bf16_partials", ctypes.c_int32),
         ("qk_scale_log2", ctypes.c_float),
     ]
 
@@ -147,8 +159,9 @@ def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
         # (B=8, 16 heads, top-k 2048 + 128: 16 splits 0.0200 ms, 17 splits 0.0238 ms). A
         # grid of nearly two an SM keeps them (sm86 mode, wave of 2 an SM, B=64: 4 splits,
         # 256 blocks, 0.0588 ms; cut to one an SM, 2 splits, 0.0761 ms).
-        splits = min(MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT_SMALL_GRID),
+        splits = min(MAX_SPLITS_SMALL_GRID, triton.cdiv(keys, MIN_KEYS_PER_SPLIT_SMALL_GRID),
                      loaded.sm_count // programs)
+        splits = 1 << (max(1, splits).bit_length() - 1)
     return max(1, splits)
 
 
@@ -183,12 +196,15 @@ def sparse_mla_decode_cuda(
     arch: str | None = None,
     stages: int = DEFAULT_STAGES,
     min_blocks: int = DEFAULT_MIN_BLOCKS,
+    partial_dtype: torch.dtype = DEFAULT_PARTIAL_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode; returns (out [T, H, 512], lse [T, H] natural log).
 
     `arch` picks the instruction set the kernel is built for ("sm80", "sm86", ...;
     default: the card's own); `stages` how many steps of rows shared memory holds;
-    `min_blocks` the blocks an SM the build must fit (2 to 4; default `DEFAULT_MIN_BLOCKS`).
+    `min_blocks` the blocks an SM the build must fit (2 to 4; default `DEFAULT_MIN_BLOCKS`);
+    `partial_dtype` what the splits' partial outputs are stored in (bfloat16 or float32;
+    default `DEFAULT_PARTIAL_DTYPE`).
     """
     operands = decode_operands(
         q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
@@ -217,6 +233,8 @@ def sparse_mla_decode_cuda(
         num_splits = choose_num_splits(
             num_tokens * num_head_blocks, list_width + extra_list_width, loaded
         )
+    if partial_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
@@ -225,7 +243,7 @@ def sparse_mla_decode_cuda(
     out = as_token_major(out, "q")
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
     partial_out = torch.empty(
-        (num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=torch.float32, device=device
+        (num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=partial_dtype, device=device
     )
     partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32,
                               device=device)
@@ -253,6 +271,7 @@ def sparse_mla_decode_cuda(
         extra_split_len=triton.cdiv(extra_list_width, num_splits),
         num_heads=num_heads,
         num_splits=num_splits,
+        bf16_partials=int(partial_dtype == torch.bfloat16),
         qk_scale_log2=softmax_scale * LOG2E,
     )
     loaded.kernel.launch(

@@ -29,8 +29,10 @@
 // bf16x2 fma by 2^(120 + exponent) applies the power-of-two scale; exact (as
 // fp8_e4m3.e4m3_dequantize_bf16).
 //
-// Output: normalized partials [T, splits, H, 512] fp32 and base-2 lse [T, splits, H]
-// (-inf for no key); sparse_mla_combine merges them and applies the attention sink.
+// Output: normalized partials [T, splits, H, 512] (fp32, or bf16 when the launch asks:
+// half the bytes a block writes at its end and the combine reads) and base-2 lse
+// [T, splits, H] fp32 (-inf for no key); sparse_mla_combine merges them and applies the
+// attention sink.
 
 #ifdef __CUDACC_RTC__  // NVRTC has no C++ standard library headers
 using int32_t = int;
@@ -106,7 +108,7 @@ struct DecodeParams {
   const int32_t* extra_slots;
   const int32_t* lengths;        // null: the whole list
   const int32_t* extra_lengths;  // null: the whole list
-  float* partial_out;            // [T, splits, H, 512]
+  void* partial_out;             // [T, splits, H, 512] fp32, or bf16 (bf16_partials)
   float* partial_lse;            // [T, splits, H]
   int64_t q_token_stride;
   int64_t q_head_stride;
@@ -122,6 +124,7 @@ struct DecodeParams {
   int32_t extra_split_len;
   int32_t num_heads;
   int32_t num_splits;
+  int32_t bf16_partials;  // 0: fp32 partial outputs, else bf16
   float qk_scale_log2;
 };
 static_assert(sizeof(DecodeParams) == 160, "DecodeParams changed: update the Python struct");
@@ -626,14 +629,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
     const int head = head0 + group + 8 * r;
     if (head >= p.num_heads) continue;
     const float inverse = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-    float* out = p.partial_out + (partial_row + head) * kHeadDim + warp * kDimsPerWarp;
+    const int64_t out_row = (partial_row + head) * kHeadDim + warp * kDimsPerWarp;
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
+      float values[16];  // dims 128w + 64j + 16c + {0..15}
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
-        *reinterpret_cast<float4*>(out + 64 * j + 16 * quad + 4 * t) =
-            make_float4(acc[j][t][0][2 * r] * inverse, acc[j][t][0][2 * r + 1] * inverse,
-                        acc[j][t][1][2 * r] * inverse, acc[j][t][1][2 * r + 1] * inverse);
+        values[4 * t + 0] = acc[j][t][0][2 * r] * inverse;
+        values[4 * t + 1] = acc[j][t][0][2 * r + 1] * inverse;
+        values[4 * t + 2] = acc[j][t][1][2 * r] * inverse;
+        values[4 * t + 3] = acc[j][t][1][2 * r + 1] * inverse;
+      }
+      const int64_t first = out_row + 64 * j + 16 * quad;
+      if (p.bf16_partials) {
+        uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.partial_out) + first);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float* v = values + 8 * half;
+          out[half] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]),
+                                 pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+        }
+      } else {
+        float4* out = reinterpret_cast<float4*>(static_cast<float*>(p.partial_out) + first);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          out[t] = make_float4(values[4 * t], values[4 * t + 1], values[4 * t + 2],
+                               values[4 * t + 3]);
+        }
       }
     }
     if (warp == 0 && quad == 0) {
