@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
 from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
 from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch, ptxas_path
@@ -162,3 +163,12 @@ def test_num_splits_fill_one_wave_and_stay_cheap_to_combine(
     loaded = LoadedDecode(kernel=None, shared_bytes=27008, launch_shared_bytes=27008,
                           blocks_per_sm=2, sm_count=132)
     assert choose_num_splits(tokens * head_blocks, keys, loaded) == want
+
+
+def test_partials_are_fp32_or_bf16() -> None:
+    """Checked before anything is built or launched, so it holds without a CUDA card."""
+    q = torch.zeros(1, 16, layout.HEAD_DIM, dtype=torch.bfloat16)
+    slots = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="partial_dtype"):
+        sparse_mla_decode_cuda(q, layout.allocate_cache(2, 64, "cpu"), slots, 0.1,
+                               block_size=64, partial_dtype=torch.float16)

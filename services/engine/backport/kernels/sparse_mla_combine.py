@@ -80,7 +80,8 @@ def _combine_kernel(
     acc = tl.zeros([DIM_BLOCK], dtype=tl.float32)
     for split in tl.static_range(MAX_SPLITS):
         # Masked by the split count alone, not by the weight, so no load waits for another:
-        # a split without keys holds zeros and gets weight 0.
+        # a split without keys holds zeros and gets weight 0. Its lse is read again as a
+        # scalar: picking it out of `split_lse` would be a reduction across threads.
         part = tl.load(part_row + split * stride_po_split,
                        mask=tl.full([DIM_BLOCK], split, tl.int32) < num_splits, other=0.0)
         part_lse = tl.load(lse_row + split * stride_pl_split,

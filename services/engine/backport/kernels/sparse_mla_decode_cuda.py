@@ -215,6 +215,8 @@ def sparse_mla_decode_cuda(
     has_extra = extra_indices is not None
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be bfloat16, got {q.dtype}")
+    if partial_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
     if q.stride(0) % 4 or q.stride(1) % 4:
         raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
     num_tokens, num_heads, _ = q.shape
@@ -233,8 +235,6 @@ def sparse_mla_decode_cuda(
         num_splits = choose_num_splits(
             num_tokens * num_head_blocks, list_width + extra_list_width, loaded
         )
-    if partial_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
