@@ -12,6 +12,9 @@ several times the 60 MB L2, so replays without a flush read them from memory too
 only times the decode's tiling choices (keys per step, warps, splits; for the CUDA decode
 the build's blocks an SM, stages and splits) on four shapes; `--decode-backend cuda`
 points both at the CUDA decode.
+`--sweep-splits` only times the CUDA decode at every split count beside the launcher's pick.
+`--sms N` runs any of them on a green context of N SMs (the A100's 108, the A6000's 84), so
+grids meet the target card's SM count; clocks, caches and bandwidth stay the H200's.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
 side on the same inputs. The main table has a row for each.
 
@@ -91,19 +94,19 @@ def decode_function(backend: str, cuda_arch: str | None) -> Callable[..., object
     return sparse_mla_decode
 
 
-def decode_case(
+def decode_inputs(
     batch: int,
     topk: int,
     context: int,
     heads: int,
     cache: torch.Tensor,
     swa_cache: torch.Tensor,
-    bandwidth: float,
     backend: str = "triton",
     cuda_arch: str | None = None,
     **config: int | None,
-) -> dict[str, object]:
-    """One decode shape with `decode_function(backend, cuda_arch)`."""
+) -> tuple[Callable[[], object], int]:
+    """One decode shape's call with `decode_function(backend, cuda_arch)`, and the bytes it
+    must move."""
     from services.engine.backport.kernels import ds_mla_cache as layout
 
     decode = decode_function(backend, cuda_arch)
@@ -139,22 +142,40 @@ def decode_case(
             **config,
         )
 
+    rows = batch * (topk + SWA_WINDOW)
+    return run, rows * (layout.BYTES_PER_TOKEN + 4) + 2 * q.numel() * 2
+
+
+def decode_case(
+    batch: int,
+    topk: int,
+    context: int,
+    heads: int,
+    cache: torch.Tensor,
+    swa_cache: torch.Tensor,
+    bandwidth: float,
+    backend: str = "triton",
+    cuda_arch: str | None = None,
+    **config: int | None,
+) -> dict[str, object]:
+    """One decode shape with `decode_function(backend, cuda_arch)`."""
     from services.engine.backport.kernels import (
         sparse_mla_combine,
     )
     from services.engine.backport.kernels import (
         sparse_mla_decode as decode_module,
     )
+    from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
 
+    run, moved = decode_inputs(batch, topk, context, heads, cache, swa_cache, backend,
+                               cuda_arch, **config)
     before = set(compiled_kernel_reports([decode_module, sparse_mla_combine]))
     ms = bench_ms(run)
     graph_ms = bench_graph_ms(run)
     compiled = [
         r for r in compiled_kernel_reports([decode_module, sparse_mla_combine]) if r not in before
     ]
-    rows = batch * (topk + SWA_WINDOW)
-    moved = rows * (layout.BYTES_PER_TOKEN + 4) + 2 * q.numel() * 2
     flops = 4 * batch * heads * (topk + SWA_WINDOW) * layout.HEAD_DIM
     return {
         "kernel": "sparse_mla_decode" if backend == "triton" else "sparse_mla_decode (CUDA)",
@@ -217,7 +238,7 @@ def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
 
     arch = cuda_arch or device_arch(torch.device("cuda"))
     loaded = load_decode(arch, torch.cuda.current_device())
-    print(f"CUDA decode for {arch}: {loaded.blocks_per_sm} blocks an SM, "
+    print(f"CUDA decode for {arch}: {loaded.blocks_per_sm} blocks an SM of {loaded.sm_count}, "
           f"{loaded.kernel.resources.registers} registers")
     print("| shape | Triton ms | CUDA ms | Triton / CUDA | CUDA of copy |")
     print("|---|---|---|---|---|")
@@ -273,6 +294,64 @@ def sweep_decode(bandwidth: float, backend: str, cuda_arch: str | None) -> None:
                 print(f"{batch=} {heads=} {config} failed: {str(error)[-300:]}", flush=True)
                 continue
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+
+
+# Shapes of the split sweep: grids of 1 to 256 (token, head block) pairs.
+SPLIT_SWEEP_SHAPES = ((16, 1, 2048), (16, 1, 512), (16, 8, 2048), (16, 8, 512), (16, 32, 2048),
+                      (16, 64, 2048), (16, 64, 512), (16, 128, 2048), (16, 256, 2048),
+                      (64, 8, 2048), (64, 64, 2048), (64, 64, 512))
+
+
+def sweep_splits(cuda_arch: str | None, out: str | None) -> None:
+    """Graph ms of the CUDA decode at every split count (1..32 for grids of up to 16 blocks,
+    1..12 above) beside the launcher's pick: the data its split rule is fitted to
+    (tests/kernels/data/decode_splits_h200_sm80.json holds one run per SM count)."""
+    from services.engine.backport.kernels.cuda_module import device_arch
+    from services.engine.backport.kernels.sparse_mla_decode_cuda import (
+        choose_num_splits,
+        load_decode,
+    )
+
+    context = 32768
+    batches = max(batch for _, batch, _ in SPLIT_SWEEP_SHAPES)
+    cache = filled_cache(batches * context // COMPRESS_RATIO)
+    swa_cache = filled_cache(batches * SWA_WINDOW)
+    loaded = load_decode(cuda_arch or device_arch(torch.device("cuda")),
+                         torch.cuda.current_device())
+    print(f"{loaded.sm_count} SMs, {loaded.blocks_per_sm} blocks an SM; graph ms by split count")
+    cases = []
+    for heads, batch, topk in SPLIT_SWEEP_SHAPES:
+        programs = batch * heads // 16
+        times = {}
+        for splits in range(1, (32 if programs <= 16 else 12) + 1):
+            run, _ = decode_inputs(batch, topk, context, heads, cache, swa_cache, "cuda",
+                                   cuda_arch, num_splits=splits)
+            times[splits] = round(bench_graph_ms(run), 5)
+        picked = choose_num_splits(programs, topk, SWA_WINDOW, loaded)
+        fastest = min(times, key=times.__getitem__)
+        print(f"B={batch} H={heads} top-k {topk}+{SWA_WINDOW}: rule {picked} splits "
+              f"{times.get(picked, float('nan')):.4f} ms, fastest {fastest} {times[fastest]:.4f} | "
+              + " ".join(f"{k}:{v:.4f}" for k, v in times.items()), flush=True)
+        cases.append({"sms": loaded.sm_count, "batch": batch, "heads": heads, "topk": topk,
+                      "window": SWA_WINDOW, "ms": times})
+    if out:
+        Path(out).write_text(json.dumps(cases))
+
+
+def use_sms(count: int) -> object:
+    """Runs what follows on a green context of `count` of the card's SMs (the A100's 108,
+    the A6000's 84; the driver may round up): the kernels, the decodes' split rules and the
+    copy baseline. Returns the context, which must stay referenced."""
+    from torch.cuda.green_contexts import GreenContext
+
+    from services.engine.backport.kernels.cuda_module import context_sm_count
+
+    green = GreenContext.create(num_sms=count, device_id=torch.cuda.current_device())
+    green.set_context()
+    torch.cuda.set_stream(green.Stream())
+    print(f"green context: {context_sm_count(torch.cuda.current_device())} SMs "
+          f"of {torch.cuda.get_device_properties().multi_processor_count}", flush=True)
+    return green
 
 
 def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
@@ -448,6 +527,19 @@ def main() -> None:
         "--quantizers", action="store_true", help="only time the quantizers and gathers"
     )
     parser.add_argument(
+        "--sweep-splits",
+        action="store_true",
+        help="only time the CUDA decode at every split count beside the launcher's pick "
+        "(--out writes the rows)",
+    )
+    parser.add_argument(
+        "--sms",
+        type=int,
+        default=None,
+        help="run on a green context of this many SMs (A100 108, A6000 84; the driver rounds "
+        "up to its partition size, 8 on the H200); the decodes' split rules see them",
+    )
+    parser.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only time the decode's tiling choices (--decode-backend picks which decode)",
@@ -461,6 +553,10 @@ def main() -> None:
         enable_arch_emulation(args.gpu_arch, tempfile.mkdtemp(prefix="triton-bench-"))
 
     cuda_arch = args.gpu_arch if args.gpu_arch != "native" else None
+    green = use_sms(args.sms) if args.sms else None  # referenced until main returns
+    if args.sweep_splits:
+        sweep_splits(cuda_arch, args.out)
+        return
     if args.profile_decode:
         profile_decode(args.profile_decode, args.decode_backend, cuda_arch)
         return

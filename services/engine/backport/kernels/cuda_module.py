@@ -30,6 +30,7 @@ from services.engine.backport.kernels.card_limits import CardLimits
 _ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 _ATTRIBUTE_NUM_REGS = 4
 _ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_DEVICE_MULTIPROCESSOR_COUNT = 16
 _DEVICE_MAX_THREADS_PER_SM = 39
 _DEVICE_MAX_SHARED_PER_SM = 81
 _DEVICE_MAX_REGISTERS_PER_SM = 82
@@ -37,6 +38,12 @@ _DEVICE_MAX_SHARED_PER_BLOCK_OPTIN = 97
 _DEVICE_MAX_BLOCKS_PER_SM = 106
 _DEVICE_RESERVED_SHARED_PER_BLOCK = 111
 _CUDA_SUCCESS = 0
+_DEV_RESOURCE_TYPE_SM = 1
+# CUdevResource (cuda.h, CUDA 12.4+): a 4-byte type and 92 bytes of padding, then the SM
+# resource, whose first field is its SM count. 144 bytes in all; the buffer leaves room
+# for a driver whose struct has grown.
+_DEV_RESOURCE_SM_COUNT_OFFSET = 96
+_DEV_RESOURCE_BUFFER_BYTES = 512
 
 
 class CudaBuildError(RuntimeError):
@@ -186,6 +193,25 @@ def device_limits(device_index: int) -> CardLimits:
         blocks_per_sm=attribute(_DEVICE_MAX_BLOCKS_PER_SM),
         registers_per_sm=attribute(_DEVICE_MAX_REGISTERS_PER_SM),
     )
+
+
+def context_sm_count(device_index: int) -> int:
+    """SMs that launches from the current context may use: a green context's share of the
+    card (`bench/kernels.py --sms`), else all of the card's."""
+    driver = _driver()
+    context = ctypes.c_void_p()
+    if (hasattr(driver, "cuCtxGetDevResource")
+            and driver.cuCtxGetCurrent(ctypes.byref(context)) == _CUDA_SUCCESS and context.value):
+        resource = ctypes.create_string_buffer(_DEV_RESOURCE_BUFFER_BYTES)
+        if driver.cuCtxGetDevResource(context, resource, _DEV_RESOURCE_TYPE_SM) == _CUDA_SUCCESS:
+            start = _DEV_RESOURCE_SM_COUNT_OFFSET
+            return int.from_bytes(resource.raw[start:start + 4], "little")
+    device = ctypes.c_int()
+    _check(driver, driver.cuDeviceGet(ctypes.byref(device), device_index), "finding the device")
+    count = ctypes.c_int()
+    _check(driver, driver.cuDeviceGetAttribute(ctypes.byref(count), _DEVICE_MULTIPROCESSOR_COUNT,
+                                               device), "reading the SM count")
+    return count.value
 
 
 def blocks_per_sm(function: int, threads: int, dynamic_shared_bytes: int) -> int:

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.cuda_module import context_sm_count
 from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
@@ -351,10 +352,13 @@ def as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
 
 @functools.cache
 def resident_programs(device: torch.device) -> int:
-    """Decode programs the GPU runs at once: one wave."""
+    """Decode programs the GPU runs at once: one wave (of the current context's SMs, the
+    first time it is asked on a device)."""
     if device.type != "cuda":
         return PROGRAMS_PER_SM * SM_COUNT_WITHOUT_CUDA
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        return PROGRAMS_PER_SM * context_sm_count(index)
 
 
 @dataclass(frozen=True)

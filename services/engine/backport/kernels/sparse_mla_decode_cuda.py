@@ -27,6 +27,7 @@ from services.engine.backport.kernels.card_limits import (
 from services.engine.backport.kernels.cuda_module import (
     CudaKernel,
     compile_ptx,
+    context_sm_count,
     device_arch,
     device_limits,
 )
@@ -42,17 +43,20 @@ KERNEL_NAME = "sparse_mla_decode_sm80"
 THREADS = 128
 HEADS_PER_BLOCK = 16
 DEFAULT_STAGES = 2
-# Keys a split walks, at least: 128 once the grid has a block per SM (B=8, 16 heads,
-# top-k 2048 + 128 on the H200 in sm80 mode: 16 splits 0.020 ms, 64 splits 0.030 ms), 32
-# while it has fewer (B=1, same lists: 64 splits 0.013 ms, 16 splits 0.018 ms); measured
-# with the kernel's first version (32-key steps, 4 blocks an SM).
-MIN_KEYS_PER_SPLIT = 128
-MIN_KEYS_PER_SPLIT_SMALL_GRID = 32
-# Small grids (below) take at most 32 splits, and a power of two: the combine pads the count
-# to one, and its 64-split build costs more than the decode saves (bf16 partials, sm80
-# mode, B=1 H=16 top-k 2048 + 128: 32 splits 0.0103 ms, 34 0.0127, 64 0.0122; top-k 512 +
-# 128: 16 splits 0.0079, 20 0.0085).
-MAX_SPLITS_SMALL_GRID = 32
+KEYS_PER_STEP = 16  # the kernel's kKeys
+# The split rule's model of a launch, in 16-key steps of one block alone on an SM. Fitted
+# to CUDA-graph times of every split count (1..32 for grids of up to 16 blocks, 1..12
+# above) for 12 shapes on the H200 in sm80 mode, on green contexts of 132, 112 and 88 SMs
+# (`bench/kernels.py --sms N --sweep-splits`; tests/kernels/data). Over those 36 cases the
+# pick is at most 4.5% slower than the fastest split count; the rule it replaced, which
+# filled one wave, was up to 62% slower (88 SMs, B=64 H=16 top-k 2048: 0.113 ms, 1 split,
+# against 0.070 ms).
+FIXED_STEPS_PER_BLOCK = 5.0  # a block's start (q, lengths, slots, first rows) and partials
+SHARED_SM_SPEEDUP = 1.4  # an SM runs two blocks at once 1.4x as fast as one alone
+COMBINE_STEPS_PER_SPLIT = 0.08  # the combine loops over the splits padded to a power of two
+# The combine's 64-split build costs more than the decode saves (bf16 partials, sm80 mode,
+# B=1 H=16 top-k 2048 + 128: 32 splits 0.0103 ms, 34 0.0127, 64 0.0122).
+MAX_CHOSEN_SPLITS = 32
 # The blocks an SM every launch's build is for: 2 caps a thread at 255 registers, which
 # lets the next step's QK^T overlap this step's softmax and keeps q in registers. In sm80
 # mode (the A100's shared memory would hold 3 blocks) it beats the 3-block build (168
@@ -108,12 +112,7 @@ class LoadedDecode:
     shared_bytes: int  # dynamic shared memory a block uses (the source's own constant)
     launch_shared_bytes: int  # what launches ask for: more on a card with more per SM
     blocks_per_sm: int  # resident at once: the target card's figure, where it is known
-    sm_count: int
-
-    @property
-    def wave(self) -> int:
-        """Blocks resident at once on the whole GPU."""
-        return self.blocks_per_sm * self.sm_count
+    sm_count: int  # SMs of the context it was loaded in (a green context's share)
 
 
 def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,
@@ -145,24 +144,40 @@ def load_decode(
             device_limits(device_index), THREADS, shared,
             resident_blocks(arch, THREADS, shared, registers), registers)
     blocks = kernel.blocks_per_sm(THREADS, launch_shared)
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    with torch.cuda.device(device):
+        sm_count = context_sm_count(device_index)
     return LoadedDecode(kernel, shared, launch_shared, blocks, sm_count)
 
 
-def choose_num_splits(programs: int, keys: int, loaded: LoadedDecode) -> int:
-    """Splits of each token's keys for `programs` (token, head block) pairs: at most one
-    wave of blocks, and combining more partials than needed costs (B=64, 16 heads, top-k
-    512 + 128: 4 splits 0.028 ms, 16 splits 0.054 ms)."""
-    splits = min(loaded.wave // programs, MAX_SPLITS, triton.cdiv(keys, MIN_KEYS_PER_SPLIT))
-    if 2 * programs * splits < 3 * loaded.sm_count:
-        # Under 1.5 blocks an SM, the few SMs with two would set the pace: one an SM instead
-        # (B=8, 16 heads, top-k 2048 + 128: 16 splits 0.0200 ms, 17 splits 0.0238 ms). A
-        # grid of nearly two an SM keeps them (sm86 mode, wave of 2 an SM, B=64: 4 splits,
-        # 256 blocks, 0.0588 ms; cut to one an SM, 2 splits, 0.0761 ms).
-        splits = min(MAX_SPLITS_SMALL_GRID, triton.cdiv(keys, MIN_KEYS_PER_SPLIT_SMALL_GRID),
-                     loaded.sm_count // programs)
-        splits = 1 << (max(1, splits).bit_length() - 1)
-    return max(1, splits)
+def split_cost(programs: int, list_width: int, extra_list_width: int, splits: int,
+               sm_count: int, blocks_per_sm: int) -> float:
+    """The model's time for `programs` (token, head block) pairs of `splits` splits each."""
+    keys = triton.cdiv(list_width, splits) + triton.cdiv(extra_list_width, splits)
+    block = triton.cdiv(keys, KEYS_PER_STEP) + FIXED_STEPS_PER_BLOCK
+    # Blocks spread evenly over the SMs, and the busiest SM sets the pace: it runs its
+    # blocks as many at a time as it holds, and a last lone one at single speed.
+    per_sm = triton.cdiv(programs * splits, sm_count)
+    rounds, rest = divmod(per_sm, blocks_per_sm)
+    busiest = rounds * blocks_per_sm * block / SHARED_SM_SPEEDUP
+    busiest += rest * block / (SHARED_SM_SPEEDUP if rest > 1 else 1.0)
+    return busiest + COMBINE_STEPS_PER_SPLIT * triton.next_power_of_2(splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_splits(programs: int, list_width: int, extra_list_width: int, sm_count: int,
+                     blocks_per_sm: int) -> int:
+    return min(range(1, MAX_CHOSEN_SPLITS + 1), key=lambda splits: split_cost(
+        programs, list_width, extra_list_width, splits, sm_count, blocks_per_sm))
+
+
+def choose_num_splits(programs: int, list_width: int, extra_list_width: int,
+                      loaded: LoadedDecode) -> int:
+    """Splits of each token's two slot lists for `programs` (token, head block) pairs: the
+    cheapest under `split_cost` (the fewest of equal cost). Filling one wave is not enough:
+    on 112 SMs B=64 H=64 takes 256 blocks at one split, more than the 224 held at once,
+    and runs 0.278 ms against 0.198 at four splits (H200 in sm80 mode)."""
+    return _cheapest_splits(programs, list_width, extra_list_width, loaded.sm_count,
+                            loaded.blocks_per_sm)
 
 
 def _log2_block_size(block_size: int) -> int:
@@ -233,7 +248,7 @@ def sparse_mla_decode_cuda(
     if num_splits is None:
         # A split walks its piece of both lists as one run of keys.
         num_splits = choose_num_splits(
-            num_tokens * num_head_blocks, list_width + extra_list_width, loaded
+            num_tokens * num_head_blocks, list_width, extra_list_width, loaded
         )
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
