@@ -13,8 +13,9 @@ only times the decode's tiling choices (keys per step, warps, splits; for the CU
 the build's blocks an SM, stages and splits) on four shapes; `--decode-backend cuda`
 points both at the CUDA decode.
 `--sweep-splits` only times the CUDA decode at every split count beside the launcher's pick.
-`--sms N` runs any of them on a green context of N SMs (the A100's 108, the A6000's 84), so
-grids meet the target card's SM count; clocks, caches and bandwidth stay the H200's.
+`--sms N` runs any of them on a green context of N SMs (the A100's 108, the A6000's 84; the
+H200 rounds them up to 112 and 88), so grids meet about the target card's SM count; clocks,
+caches and bandwidth stay the H200's.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
 side on the same inputs. The main table has a row for each.
 
@@ -305,7 +306,7 @@ SPLIT_SWEEP_SHAPES = ((16, 1, 2048), (16, 1, 512), (16, 8, 2048), (16, 8, 512), 
 def sweep_splits(cuda_arch: str | None, out: str | None) -> None:
     """Graph ms of the CUDA decode at every split count (1..32 for grids of up to 16 blocks,
     1..12 above) beside the launcher's pick: the data its split rule is fitted to
-    (tests/kernels/data/decode_splits_h200_sm80.json holds one run per SM count)."""
+    (tests/kernels/data/decode_splits_h200_sm80.json gathers the cases of three runs)."""
     from services.engine.backport.kernels.cuda_module import device_arch
     from services.engine.backport.kernels.sparse_mla_decode_cuda import (
         choose_num_splits,
