@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.engine.backport.cpu import attention_ops
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.sparse_mla_combine import (
     combine_splits,
@@ -182,6 +183,43 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
     )
     assert torch.equal(out.cpu(), flat_out.cpu())
     assert torch.equal(lse.cpu(), flat_lse.cpu())
+
+
+def test_decode_matches_the_torch_op_vllm_cpu_runs_deepseek_v4_on(kernel_device: str) -> None:
+    """The same cache bytes and slot lists through `attention_ops.flash_mla_with_kvcache`,
+    the torch op the backport gives vllm-cpu for its missing `flash_mla_with_kvcache_cpu`
+    (vLLM's DeepSeek-V4 runs on it in tests/e2e): a second implementation of the op,
+    written apart from this decode's reference. Slots are distinct within a token's list,
+    as top-k lists and windows are: that op counts a repeated slot once."""
+    generator = torch.Generator().manual_seed(11)
+    num_tokens, num_heads, window, topk = 3, 16, 24, 40
+    window_cache = _filled_cache(4 * window, 64, "cpu", generator)
+    compressed_cache = _filled_cache(4 * topk, 16, "cpu", generator)
+
+    def distinct_slots(width: int, num_slots: int) -> torch.Tensor:
+        slots = torch.stack([torch.randperm(num_slots, generator=generator)[:width]
+                             for _ in range(num_tokens)]).to(torch.int32)
+        slots[torch.rand(slots.shape, generator=generator) < 0.2] = -1
+        slots[-1] = -1  # a token with no key at all
+        return slots
+
+    window_slots = distinct_slots(window, 4 * window)
+    compressed_slots = distinct_slots(topk, 4 * topk)
+    q = (torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=generator) * 2).to(
+        torch.bfloat16)
+    sink = torch.randn(num_heads, generator=generator) * 3
+    out, _ = sparse_mla_decode(
+        q.to(kernel_device), window_cache.to(kernel_device), window_slots.to(kernel_device),
+        SOFTMAX_SCALE, None, sink.to(kernel_device), compressed_cache.to(kernel_device),
+        compressed_slots.to(kernel_device), None, block_size=64, extra_block_size=16)
+    want = torch.empty_like(q)
+    attention_ops.flash_mla_with_kvcache(want, q, window_cache, window_slots, 64,
+                                         compressed_cache, compressed_slots, 16, sink,
+                                         SOFTMAX_SCALE)
+    out, want = out.float().cpu(), want.float()
+    assert (out[-1] == 0).all() and (want[-1] == 0).all()
+    assert (out - want).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item())
+    assert ((out - want).norm() / want.norm()).item() < 5e-3
 
 
 @pytest.mark.parametrize("partial_dtype", [torch.float32, torch.bfloat16])
