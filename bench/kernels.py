@@ -342,17 +342,12 @@ def sweep_splits(cuda_arch: str | None, out: str | None) -> None:
 def use_sms(count: int) -> object:
     """Runs what follows on a green context of `count` of the card's SMs (the A100's 108,
     the A6000's 84; the driver may round up): the kernels, the decodes' split rules and the
-    copy baseline. Returns the context, which must stay referenced."""
-    from torch.cuda.green_contexts import GreenContext
+    copy baseline. Returns the share, which must stay referenced."""
+    from services.engine.backport.kernels.arch_fidelity import hold_sm_count
 
-    from services.engine.backport.kernels.cuda_module import context_sm_count
-
-    green = GreenContext.create(num_sms=count, device_id=torch.cuda.current_device())
-    green.set_context()
-    torch.cuda.set_stream(green.Stream())
-    print(f"green context: {context_sm_count(torch.cuda.current_device())} SMs "
-          f"of {torch.cuda.get_device_properties().multi_processor_count}", flush=True)
-    return green
+    share = hold_sm_count(count)
+    print(f"green context: {share.sm_count} SMs of {share.card_sm_count}", flush=True)
+    return share
 
 
 def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:

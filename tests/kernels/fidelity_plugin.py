@@ -6,7 +6,9 @@ the repository root so the `tests` package is importable at plugin-load time).
 - `--gpu-arch sm80|sm86|sm89` on a CUDA machine: kernels are lowered with that arch's
   instruction set and a fresh Triton cache (`arch_fidelity.enable_arch_emulation`);
   each kernel test fails if a compiled kernel's shared memory exceeds the arch's
-  per-block limit, and in sm80/sm86 mode on any fp8 torch matmul.
+  per-block limit, and in sm80/sm86 mode on any fp8 torch matmul. Everything runs on a
+  green context of the target card's SMs (`card_limits.TARGET_SM_COUNTS`; the driver may
+  round up) unless `--whole-card` is given.
 - No CUDA: the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set here
   before any kernel module is imported) on small shapes; `--gpu-arch` then only labels.
 - At the end a table is printed (and written as markdown to `--fidelity-report PATH`):
@@ -40,6 +42,8 @@ class _HarnessState:
     is_prepared: bool = False
     is_interpreter: bool = False
     device: str = "cpu"
+    whole_card: bool = False
+    sm_share: Any = None  # arch_fidelity.SmShare while the target's SM count is held
     max_errors: dict[str, float] = field(default_factory=dict)
     # CUDA C++ kernels (not in Triton's compile reports): name -> table row fields.
     cuda_resources: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -63,11 +67,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="also write the kernel fidelity table as markdown to PATH",
     )
+    group.addoption(
+        "--whole-card",
+        action="store_true",
+        help="with --gpu-arch, run on all of the card's SMs, not the target card's count",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     _state.arch = config.getoption("--gpu-arch")
     _state.report_path = config.getoption("--fidelity-report")
+    _state.whole_card = config.getoption("--whole-card")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _state.sm_share is not None:
+        _state.sm_share.release()
+        _state.sm_share = None
 
 
 def _is_kernel_test_path(path: Path) -> bool:
@@ -95,6 +111,24 @@ def _prepare_backend() -> None:
         from services.engine.backport.kernels.arch_fidelity import enable_arch_emulation
 
         enable_arch_emulation(_state.arch, tempfile.mkdtemp(prefix=f"triton-cache-{_state.arch}-"))
+        if not _state.whole_card:
+            _hold_target_sm_count(_state.arch)
+
+
+def _hold_target_sm_count(arch: str) -> None:
+    """Launches, and the split rules that plan them, see the target card's SMs."""
+    import torch
+
+    from services.engine.backport.kernels.arch_fidelity import hold_sm_count
+    from services.engine.backport.kernels.card_limits import TARGET_SM_COUNTS
+
+    target = TARGET_SM_COUNTS[arch]
+    if target >= torch.cuda.get_device_properties().multi_processor_count:
+        return  # a card of the target's SMs or fewer runs whole
+    try:
+        _state.sm_share = hold_sm_count(target)
+    except RuntimeError as error:
+        raise pytest.UsageError(f"{error}; pass --whole-card to run on all SMs") from error
 
 
 def _kernel_modules() -> list[Any]:
@@ -121,6 +155,13 @@ def is_interpreter() -> bool:
 @pytest.fixture(scope="session")
 def gpu_arch() -> str | None:
     return _state.arch
+
+
+@pytest.fixture(scope="session")
+def held_sm_count() -> int | None:
+    """The SMs the kernels run on when the harness holds the target card's count, else None."""
+    _prepare_backend()
+    return None if _state.sm_share is None else _state.sm_share.sm_count
 
 
 @pytest.fixture
@@ -200,6 +241,9 @@ def fidelity_table() -> list[dict[str, str]]:
         arch_label = f"{_state.arch or 'any'} (interpreter)"
     else:
         arch_label = _state.arch or "native"
+        if _state.sm_share is not None:
+            share = _state.sm_share
+            arch_label += f" ({share.sm_count} of {share.card_sm_count} SMs)"
     limit = None
     if _state.arch is not None:
         from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES

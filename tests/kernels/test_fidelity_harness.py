@@ -101,3 +101,28 @@ def test_triton_launches_hold_the_card_to_the_target_blocks(
     threads = metadata.num_warps * 32
     target = resident_blocks(gpu_arch, threads, kernel_shared, kernel.n_regs)
     assert blocks_per_sm(kernel.function, threads, metadata.shared) == target
+
+
+@triton.jit
+def _sm_id_kernel(out_ptr):
+    program = tl.program_id(0)
+    sm_id = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [program], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    tl.store(out_ptr + program, sm_id)
+
+
+def test_launches_run_on_the_target_cards_sms(
+    is_interpreter: bool, gpu_arch: str | None, held_sm_count: int | None
+) -> None:
+    """In --gpu-arch mode a launch spreads over the target card's SM count (as the driver
+    rounds it), not over the whole card present."""
+    if is_interpreter or gpu_arch not in CARD_LIMITS:
+        pytest.skip("needs a CUDA card in --gpu-arch mode")
+    card = torch.cuda.get_device_properties().multi_processor_count
+    if held_sm_count is None:
+        pytest.skip(f"the card's {card} SMs are not more than the target's (or --whole-card)")
+    programs = 64 * card
+    sm_ids = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
+    _sm_id_kernel[(programs,)](sm_ids, num_warps=1)
+    used = torch.unique(sm_ids).numel()
+    assert 0.9 * held_sm_count <= used <= held_sm_count < card

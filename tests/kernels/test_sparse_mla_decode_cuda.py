@@ -152,13 +152,18 @@ def test_cuda_decode_runs_as_many_blocks_an_sm_as_the_target_holds(
 
 
 @needs_cuda
-def test_sm_count_is_the_current_contexts_share() -> None:
-    """What the split rule plans for: the whole card, or a green context's SMs (as
-    `bench/kernels.py --sms` runs), read from the driver, which rounds the count asked for."""
+def test_sm_count_is_the_current_contexts_share(held_sm_count: int | None) -> None:
+    """What the split rule plans for: the whole card, or a green context's SMs (as the
+    harness holds the target card's and `bench/kernels.py --sms` any count), read from the
+    driver, which rounds the count asked for; a nested context's share ends with it."""
     from torch.cuda import green_contexts
 
     device = torch.cuda.current_device()
-    assert context_sm_count(device) == torch.cuda.get_device_properties(device).multi_processor_count
+    card = torch.cuda.get_device_properties(device).multi_processor_count
+    current = held_sm_count or card
+    assert context_sm_count(device) == current
+    if held_sm_count is not None:
+        assert held_sm_count < card
     if not green_contexts.SUPPORTED:
         pytest.skip("this torch has no green contexts")
     green = green_contexts.GreenContext.create(num_sms=16, device_id=device)
@@ -167,8 +172,8 @@ def test_sm_count_is_the_current_contexts_share() -> None:
         share = context_sm_count(device)
     finally:
         green.pop_context()
-    assert 16 <= share < torch.cuda.get_device_properties(device).multi_processor_count
-    assert context_sm_count(device) == torch.cuda.get_device_properties(device).multi_processor_count
+    assert 16 <= share < current
+    assert context_sm_count(device) == current
 
 
 SPLIT_SWEEP = json.loads(

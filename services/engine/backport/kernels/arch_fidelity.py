@@ -10,8 +10,9 @@ The card itself allows more shared memory than the target does. A compiled kerne
 shared memory is held against the target's per-block limit (`SHARED_MEMORY_LIMIT_BYTES`),
 and its launches ask for more where that is what keeps the card to the blocks an SM the
 target holds (`card_limits.holding_shared_bytes`), so timings here are not flattered by
-an H200's larger SM. torch ops that reach fp8 matmuls would fail on Ampere;
-`Fp8MatmulGuard` makes them fail here too.
+an H200's larger SM. `hold_sm_count` runs everything that follows on a green context of
+the target card's SMs, so split rules plan, and launches run, for that many. torch ops that
+reach fp8 matmuls would fail on Ampere; `Fp8MatmulGuard` makes them fail here too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from services.engine.backport.kernels.card_limits import (
     holding_shared_bytes,
     resident_blocks,
 )
-from services.engine.backport.kernels.cuda_module import device_limits
+from services.engine.backport.kernels.cuda_module import context_sm_count, device_limits
 
 SHARED_MEMORY_LIMIT_BYTES = {arch: limits.shared_per_block for arch, limits in CARD_LIMITS.items()}
 ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
@@ -107,6 +108,40 @@ def hold_to_target_residency(metadata: dict[str, Any], arch: str, card: CardLimi
     target = resident_blocks(arch, threads, kernel_shared)
     if target > 0:  # a kernel over the target's limit runs as it is, and the report fails it
         metadata["shared"] = holding_shared_bytes(card, threads, kernel_shared, target)
+
+
+@dataclass
+class SmShare:
+    """A green context of part of the card's SMs, current on this thread with its own stream
+    as torch's current stream, so that every launch (Triton's, the CUDA decode's, torch's)
+    runs on those SMs, and the decodes' split rules plan for them, until `release`."""
+
+    sm_count: int  # what the driver gave, which may be more than was asked
+    card_sm_count: int
+    _context: Any
+    _previous_stream: torch.cuda.Stream
+
+    def release(self) -> None:
+        torch.cuda.set_stream(self._previous_stream)
+        self._context.pop_context()
+
+
+def hold_sm_count(count: int) -> SmShare:
+    """Runs what follows on `count` of the current card's SMs (the A100's 108, the A6000's
+    84). The driver hands SMs out in groups, eight on the H200, so 108 gives 112."""
+    from torch.cuda import green_contexts
+
+    device = torch.cuda.current_device()
+    card_sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 1 <= count < card_sm_count:
+        raise ValueError(f"cannot hold {count} of this card's {card_sm_count} SMs")
+    if not green_contexts.SUPPORTED:
+        raise RuntimeError("this torch has no CUDA green contexts to hold SMs with")
+    previous_stream = torch.cuda.current_stream()
+    context = green_contexts.GreenContext.create(num_sms=count, device_id=device)
+    context.set_context()
+    torch.cuda.set_stream(context.Stream())
+    return SmShare(context_sm_count(device), card_sm_count, context, previous_stream)
 
 
 class Fp8MatmulGuard(TorchFunctionMode):

@@ -6,7 +6,8 @@ cards 100 KB. A kernel that fits all of them per block still runs more blocks an
 the H200 than on the card it is meant for, so its timings there flatter it unless the
 launch is held to the target's residency: `resident_blocks` counts the target's blocks,
 `holding_shared_bytes` gives the dynamic shared memory that holds the card present to
-them. Figures from NVIDIA's CUDA C++ Programming Guide, "Compute Capabilities" table.
+them. Figures from NVIDIA's CUDA C++ Programming Guide, "Compute Capabilities" table;
+SM counts from the named cards' data sheets.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ CARD_LIMITS = {
     "sm86": CardLimits(101_376, 102_400, 1_024, 1_536, 16),  # RTX A6000, RTX 3090
     "sm89": CardLimits(101_376, 102_400, 1_024, 1_536, 24),  # RTX 4090, L40S
 }
+
+# SMs of the card each arch is emulated as: the A100, the RTX A6000 and the RTX 4090. An arch
+# spans cards of other counts (A30: 56, RTX 3090: 82, L40S: 142, more than the H200's 132).
+TARGET_SM_COUNTS = {"sm80": 108, "sm86": 84, "sm89": 128}
 
 
 def resident_blocks(arch: str, threads: int, shared_bytes: int,
