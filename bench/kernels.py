@@ -12,7 +12,8 @@ several times the 60 MB L2, so replays without a flush read them from memory too
 only times the decode's tiling choices (keys per step, warps, splits; for the CUDA decode
 the build's blocks an SM, stages and splits) on four shapes; `--decode-backend cuda`
 points both at the CUDA decode.
-`--sweep-splits` only times the CUDA decode at every split count beside the launcher's pick.
+`--sweep-splits` only times a decode (`--decode-backend`) at every split count beside its
+rule's pick.
 `--sms N` runs any of them on a green context of N SMs (the A100's 108, the A6000's 84; the
 H200 rounds them up to 112 and 88), so grids meet about the target card's SM count; clocks,
 caches and bandwidth stay the H200's.
@@ -303,37 +304,53 @@ SPLIT_SWEEP_SHAPES = ((16, 1, 2048), (16, 1, 512), (16, 8, 2048), (16, 8, 512), 
                       (64, 8, 2048), (64, 64, 2048), (64, 64, 512))
 
 
-def sweep_splits(cuda_arch: str | None, out: str | None) -> None:
-    """Graph ms of the CUDA decode at every split count (1..32 for grids of up to 16 blocks,
-    1..12 above) beside the launcher's pick: the data its split rule is fitted to
-    (tests/kernels/data/decode_splits_h200_sm80.json gathers the cases of three runs)."""
+def swept_split_counts(backend: str, programs: int) -> list[int]:
+    """Split counts the sweep times: 1..32 for grids of up to 16 blocks (and the Triton
+    decode's larger counts, up to its 64), 1..12 above."""
+    if programs > 16:
+        return list(range(1, 13))
+    return list(range(1, 33)) + ([40, 48, 56, 64] if backend == "triton" else [])
+
+
+def sweep_splits(backend: str, cuda_arch: str | None, out: str | None) -> None:
+    """Graph ms of a decode at every split count (`swept_split_counts`) beside its split
+    rule's pick: the data the rules are fitted to (tests/kernels/data/decode_splits_h200_*.json
+    gather the cases of three runs)."""
+    from services.engine.backport.kernels import sparse_mla_decode as triton_decode
+    from services.engine.backport.kernels import sparse_mla_decode_cuda as cuda_decode
     from services.engine.backport.kernels.cuda_module import device_arch
-    from services.engine.backport.kernels.sparse_mla_decode_cuda import (
-        choose_num_splits,
-        load_decode,
-    )
 
     context = 32768
     batches = max(batch for _, batch, _ in SPLIT_SWEEP_SHAPES)
     cache = filled_cache(batches * context // COMPRESS_RATIO)
     swa_cache = filled_cache(batches * SWA_WINDOW)
-    loaded = load_decode(cuda_arch or device_arch(torch.device("cuda")),
-                         torch.cuda.current_device())
-    print(f"{loaded.sm_count} SMs, {loaded.blocks_per_sm} blocks an SM; graph ms by split count")
+    device = torch.device("cuda", torch.cuda.current_device())
+    if backend == "cuda":
+        loaded = cuda_decode.load_decode(cuda_arch or device_arch(device), device.index)
+        sm_count, blocks_per_sm = loaded.sm_count, loaded.blocks_per_sm
+
+        def rule(programs: int, topk: int) -> int:
+            return cuda_decode.choose_num_splits(programs, topk, SWA_WINDOW, loaded)
+    else:
+        sm_count, blocks_per_sm = triton_decode.sm_count(device), triton_decode.PROGRAMS_PER_SM
+
+        def rule(programs: int, topk: int) -> int:
+            return triton_decode.choose_num_splits(programs, topk, SWA_WINDOW, sm_count)
+    print(f"{backend} decode: {sm_count} SMs, {blocks_per_sm} blocks an SM; graph ms by split count")
     cases = []
     for heads, batch, topk in SPLIT_SWEEP_SHAPES:
         programs = batch * heads // 16
         times = {}
-        for splits in range(1, (32 if programs <= 16 else 12) + 1):
-            run, _ = decode_inputs(batch, topk, context, heads, cache, swa_cache, "cuda",
+        for splits in swept_split_counts(backend, programs):
+            run, _ = decode_inputs(batch, topk, context, heads, cache, swa_cache, backend,
                                    cuda_arch, num_splits=splits)
             times[splits] = round(bench_graph_ms(run), 5)
-        picked = choose_num_splits(programs, topk, SWA_WINDOW, loaded)
+        picked = rule(programs, topk)
         fastest = min(times, key=times.__getitem__)
         print(f"B={batch} H={heads} top-k {topk}+{SWA_WINDOW}: rule {picked} splits "
               f"{times.get(picked, float('nan')):.4f} ms, fastest {fastest} {times[fastest]:.4f} | "
               + " ".join(f"{k}:{v:.4f}" for k, v in times.items()), flush=True)
-        cases.append({"sms": loaded.sm_count, "batch": batch, "heads": heads, "topk": topk,
+        cases.append({"sms": sm_count, "batch": batch, "heads": heads, "topk": topk,
                       "window": SWA_WINDOW, "ms": times})
     if out:
         Path(out).write_text(json.dumps(cases))
@@ -517,7 +534,8 @@ def main() -> None:
         "--decode-backend",
         choices=["triton", "cuda"],
         default="triton",
-        help="the decode --profile-decode and --sweep-decode run (cuda: sparse_mla_decode_sm80.cu)",
+        help="the decode --profile-decode, --sweep-decode and --sweep-splits run "
+        "(cuda: sparse_mla_decode_sm80.cu)",
     )
     parser.add_argument(
         "--quantizers", action="store_true", help="only time the quantizers and gathers"
@@ -525,8 +543,8 @@ def main() -> None:
     parser.add_argument(
         "--sweep-splits",
         action="store_true",
-        help="only time the CUDA decode at every split count beside the launcher's pick "
-        "(--out writes the rows)",
+        help="only time the decode (--decode-backend) at every split count beside its rule's "
+        "pick (--out writes the rows)",
     )
     parser.add_argument(
         "--sms",
@@ -551,7 +569,7 @@ def main() -> None:
     cuda_arch = args.gpu_arch if args.gpu_arch != "native" else None
     green = use_sms(args.sms) if args.sms else None  # referenced until main returns
     if args.sweep_splits:
-        sweep_splits(cuda_arch, args.out)
+        sweep_splits(args.decode_backend, cuda_arch, args.out)
         return
     if args.profile_decode:
         profile_decode(args.profile_decode, args.decode_backend, cuda_arch)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from services.engine.backport.kernels.sparse_mla_combine import (
     combine_splits_reference,
 )
 from services.engine.backport.kernels.sparse_mla_decode import (
+    choose_num_splits,
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
@@ -254,3 +257,33 @@ def test_combine_matches_reference(
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
     assert torch.allclose(lse.cpu()[finite], want_lse[finite], atol=1e-5)
+
+
+def split_sweep_cases(file_name: str) -> list[dict]:
+    """The cases of a split sweep in tests/kernels/data (`bench/kernels.py --sweep-splits`):
+    one shape on one SM count, with its graph ms at each split count timed."""
+    return json.loads((Path(__file__).with_name("data") / file_name).read_text())["cases"]
+
+
+def split_case_id(case: dict) -> str:
+    return f"{case['sms']}SMs-B{case['batch']}-H{case['heads']}-topk{case['topk']}"
+
+
+def assert_near_the_fastest(case: dict, splits: int, slack: float = 0.10) -> None:
+    """`splits` was timed for this case and is within `slack` of its fastest split count."""
+    times = {int(count): ms for count, ms in case["ms"].items()}
+    assert splits in times, f"picked {splits} splits, measured {sorted(times)}"
+    fastest = min(times, key=times.__getitem__)
+    assert times[splits] <= (1 + slack) * times[fastest], (
+        f"{splits} splits {times[splits]} ms, fastest {fastest} splits {times[fastest]} ms")
+
+
+@pytest.mark.parametrize("case", split_sweep_cases("decode_splits_triton_h200_sm80.json"),
+                         ids=split_case_id)
+def test_split_rule_picks_near_the_fastest_measured_split(case: dict) -> None:
+    """Against every split count timed on the H200 in sm80 mode on green contexts of 132,
+    112 and 88 SMs (near the A100's 108 and the A6000's 84). The one-wave rule it replaced
+    was up to 47% slower, and on 132 SMs picked a count beyond those timed."""
+    programs = case["batch"] * case["heads"] // 16
+    assert_near_the_fastest(
+        case, choose_num_splits(programs, case["topk"], case["window"], case["sms"]))

@@ -9,7 +9,6 @@ for that arch's instruction set (compute_80 PTX, JIT-compiled for the card prese
 from __future__ import annotations
 
 import functools
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -40,8 +39,11 @@ from services.engine.backport.kernels.sparse_mla_decode_cuda import (
 from tests.kernels.test_sparse_mla_decode import (
     GPU_CASES,
     INTERPRETER_CASES,
+    assert_near_the_fastest,
     check_against_reference,
     run_case,
+    split_case_id,
+    split_sweep_cases,
 )
 
 CASES = GPU_CASES + INTERPRETER_CASES
@@ -176,30 +178,21 @@ def test_sm_count_is_the_current_contexts_share(held_sm_count: int | None) -> No
     assert context_sm_count(device) == current
 
 
-SPLIT_SWEEP = json.loads(
-    (Path(__file__).with_name("data") / "decode_splits_h200_sm80.json").read_text())
-
-
 def _loaded_on(sm_count: int) -> LoadedDecode:
     """The 2-block build's launch figures on a card (or green context) of `sm_count` SMs."""
     return LoadedDecode(kernel=None, shared_bytes=27008, launch_shared_bytes=27008,
                         blocks_per_sm=2, sm_count=sm_count)
 
 
-@pytest.mark.parametrize(
-    "case", SPLIT_SWEEP["cases"],
-    ids=lambda c: f"{c['sms']}SMs-B{c['batch']}-H{c['heads']}-topk{c['topk']}")
+@pytest.mark.parametrize("case", split_sweep_cases("decode_splits_h200_sm80.json"),
+                         ids=split_case_id)
 def test_split_rule_picks_near_the_fastest_measured_split(case: dict) -> None:
     """Against every split count timed on the H200 in sm80 mode on green contexts of 132,
     112 and 88 SMs (near the A100's 108 and the A6000's 84): the pick was measured, and is
     within 10% of the fastest. The rule it replaced was up to 62% slower."""
-    times = {int(splits): ms for splits, ms in case["ms"].items()}
     programs = case["batch"] * case["heads"] // 16
-    splits = choose_num_splits(programs, case["topk"], case["window"], _loaded_on(case["sms"]))
-    assert splits in times, f"picked {splits} splits, measured {sorted(times)}"
-    fastest = min(times, key=times.get)
-    assert times[splits] <= 1.10 * times[fastest], (
-        f"{splits} splits {times[splits]} ms, fastest {fastest} splits {times[fastest]} ms")
+    assert_near_the_fastest(
+        case, choose_num_splits(programs, case["topk"], case["window"], _loaded_on(case["sms"])))
 
 
 def test_partials_are_fp32_or_bf16() -> None:

@@ -24,7 +24,7 @@ Tiling:
 - the loop prefetches by hand: row bytes one block ahead, slots two blocks ahead;
 - split-K: the two slot lists are each cut into `num_splits` equal pieces, one per
   program along grid axis 1, so a long list at batch 1 still fills the GPU; the
-  default is as many as fit in one wave of resident programs; when num_splits > 1
+  default is the cheapest count under a cost model (`decode_splits`); when num_splits > 1
   the programs write normalized partials and `combine_splits` merges them; with one
   split the program finalizes and writes the output itself.
 Measured (docs/kernels.md): correct in sm80/86/89 mode, but far from bandwidth-bound:
@@ -35,6 +35,7 @@ side, so the K rows they share come from L2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.cuda_module import context_sm_count
+from services.engine.backport.kernels.decode_splits import SplitCostModel
 from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
@@ -63,10 +65,21 @@ DEFAULT_HEADS_PER_PROGRAM = 16
 # 255 registers x 128 threads: two programs fit in an SM's 64K registers.
 PROGRAMS_PER_SM = 2
 SM_COUNT_WITHOUT_CUDA = 108  # an A100's, for the split choice under the interpreter
-# At least one step of rows a split: at batch 1 (top-k 2048 + 128, H200, sm80 mode) 64 splits
-# ran 0.0134 ms, 16 splits 0.0198; at batch 8, 16 and 32 splits tie.
-MIN_ROWS_PER_SPLIT = 32
 MAX_SPLITS = 64  # the combine step loads all splits of a slice at once
+# The split rule's model, in steps of DEFAULT_BLOCK_N keys; each list is cut into steps of
+# its own. Fitted like the CUDA decode's (`bench/kernels.py --sms N --sweep-splits`; 1..32
+# and 40..64 splits for grids of up to 16 programs, 1..12 above; 12 shapes on 132, 112 and
+# 88 SMs, H200 in sm80 mode; tests/kernels/data): the pick is at most 3.0% slower than the
+# fastest measured count. The rule it replaced, which filled one wave, was up to 47% slower
+# (112 SMs, B=128 H=16 top-k 2048: 0.281 ms at 1 split against 0.190 at 5).
+SPLIT_COST = SplitCostModel(
+    keys_per_step=DEFAULT_BLOCK_N,
+    lists_share_steps=False,
+    fixed_steps_per_block=1.5,
+    shared_sm_speedup=1.2,
+    combine_steps_per_split=0.01,
+    max_splits=MAX_SPLITS,
+)
 
 
 @triton.jit
@@ -351,14 +364,14 @@ def as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
 
 
 @functools.cache
-def resident_programs(device: torch.device) -> int:
-    """Decode programs the GPU runs at once: one wave (of the current context's SMs, the
-    first time it is asked on a device)."""
+def sm_count(device: torch.device) -> int:
+    """SMs the decode's programs spread over: the current context's (a green context's
+    share), the first time it is asked on a device."""
     if device.type != "cuda":
-        return PROGRAMS_PER_SM * SM_COUNT_WITHOUT_CUDA
+        return SM_COUNT_WITHOUT_CUDA
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
-        return PROGRAMS_PER_SM * context_sm_count(index)
+        return context_sm_count(index)
 
 
 @dataclass(frozen=True)
@@ -401,14 +414,14 @@ def decode_operands(
     return DecodeOperands(q, indices, extra_indices, geometry, extra_geometry)
 
 
-def choose_num_splits(
-    num_tokens: int, num_head_blocks: int, longest_list: int, wave: int
-) -> int:
-    """As many splits as fit in one wave of `wave` programs (a partly filled second wave
-    costs as long as a full one: on the H200, B=64 with 5 splits ran 0.106 ms, with 4
-    0.081 ms), each with at least MIN_ROWS_PER_SPLIT rows of the longer list."""
-    programs = num_tokens * num_head_blocks
-    return max(1, min(wave // programs, MAX_SPLITS, triton.cdiv(longest_list, MIN_ROWS_PER_SPLIT)))
+def choose_num_splits(programs: int, list_width: int, extra_list_width: int, sm_count: int,
+                      block_n: int = DEFAULT_BLOCK_N) -> int:
+    """Splits of each token's two slot lists for `programs` (token, head block) pairs on
+    `sm_count` SMs: the cheapest under `SPLIT_COST` with steps of `block_n` keys."""
+    model = SPLIT_COST if block_n == SPLIT_COST.keys_per_step else dataclasses.replace(
+        SPLIT_COST, keys_per_step=block_n)
+    return model.cheapest_splits(programs, list_width, extra_list_width, sm_count,
+                                 PROGRAMS_PER_SM)
 
 
 def sparse_mla_decode(
@@ -451,10 +464,7 @@ def sparse_mla_decode(
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_tokens,
-            num_head_blocks,
-            max(list_width, extra_list_width),
-            resident_programs(q.device),
+            num_tokens * num_head_blocks, list_width, extra_list_width, sm_count(q.device), block_n
         )
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")

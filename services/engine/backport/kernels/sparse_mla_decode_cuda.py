@@ -31,6 +31,7 @@ from services.engine.backport.kernels.cuda_module import (
     device_arch,
     device_limits,
 )
+from services.engine.backport.kernels.decode_splits import SplitCostModel
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, combine_splits
 from services.engine.backport.kernels.sparse_mla_decode import (
     MAX_SPLITS,
@@ -44,19 +45,22 @@ THREADS = 128
 HEADS_PER_BLOCK = 16
 DEFAULT_STAGES = 2
 KEYS_PER_STEP = 16  # the kernel's kKeys
-# The split rule's model of a launch, in 16-key steps of one block alone on an SM. Fitted
-# to CUDA-graph times of every split count (1..32 for grids of up to 16 blocks, 1..12
-# above) for 12 shapes on the H200 in sm80 mode, on green contexts of 132, 112 and 88 SMs
-# (`bench/kernels.py --sms N --sweep-splits`; tests/kernels/data). Over those 36 cases the
-# pick is at most 4.5% slower than the fastest split count; the rule it replaced, which
-# filled one wave, was up to 62% slower (88 SMs, B=64 H=16 top-k 2048: 0.113 ms, 1 split,
-# against 0.070 ms).
-FIXED_STEPS_PER_BLOCK = 5.0  # a block's start (q, lengths, slots, first rows) and partials
-SHARED_SM_SPEEDUP = 1.4  # an SM runs two blocks at once 1.4x as fast as one alone
-COMBINE_STEPS_PER_SPLIT = 0.08  # the combine loops over the splits padded to a power of two
-# The combine's 64-split build costs more than the decode saves (bf16 partials, sm80 mode,
-# B=1 H=16 top-k 2048 + 128: 32 splits 0.0103 ms, 34 0.0127, 64 0.0122).
-MAX_CHOSEN_SPLITS = 32
+# The split rule's model, in 16-key steps. Fitted to CUDA-graph times of every split count
+# (1..32 for grids of up to 16 blocks, 1..12 above) for 12 shapes on the H200 in sm80 mode,
+# on green contexts of 132, 112 and 88 SMs (`bench/kernels.py --sms N --sweep-splits
+# --decode-backend cuda`; tests/kernels/data). Over those 36 cases the pick is at most 4.5%
+# slower than the fastest split count; the rule it replaced, which filled one wave, was up
+# to 62% slower (88 SMs, B=64 H=16 top-k 2048: 0.113 ms, 1 split, against 0.070 ms). The
+# combine's 64-split build costs more than the decode saves (bf16 partials, sm80 mode,
+# B=1 H=16 top-k 2048 + 128: 32 splits 0.0103 ms, 34 0.0127, 64 0.0122), so 32 at most.
+SPLIT_COST = SplitCostModel(
+    keys_per_step=KEYS_PER_STEP,
+    lists_share_steps=True,
+    fixed_steps_per_block=5.0,
+    shared_sm_speedup=1.4,
+    combine_steps_per_split=0.08,
+    max_splits=32,
+)
 # The blocks an SM every launch's build is for: 2 caps a thread at 255 registers, which
 # lets the next step's QK^T overlap this step's softmax and keeps q in registers. In sm80
 # mode (the A100's shared memory would hold 3 blocks) it beats the 3-block build (168
@@ -149,35 +153,12 @@ def load_decode(
     return LoadedDecode(kernel, shared, launch_shared, blocks, sm_count)
 
 
-def split_cost(programs: int, list_width: int, extra_list_width: int, splits: int,
-               sm_count: int, blocks_per_sm: int) -> float:
-    """The model's time for `programs` (token, head block) pairs of `splits` splits each."""
-    keys = triton.cdiv(list_width, splits) + triton.cdiv(extra_list_width, splits)
-    block = triton.cdiv(keys, KEYS_PER_STEP) + FIXED_STEPS_PER_BLOCK
-    # Blocks spread evenly over the SMs, and the busiest SM sets the pace: it runs its
-    # blocks as many at a time as it holds, and a last lone one at single speed.
-    per_sm = triton.cdiv(programs * splits, sm_count)
-    rounds, rest = divmod(per_sm, blocks_per_sm)
-    busiest = rounds * blocks_per_sm * block / SHARED_SM_SPEEDUP
-    busiest += rest * block / (SHARED_SM_SPEEDUP if rest > 1 else 1.0)
-    return busiest + COMBINE_STEPS_PER_SPLIT * triton.next_power_of_2(splits)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cheapest_splits(programs: int, list_width: int, extra_list_width: int, sm_count: int,
-                     blocks_per_sm: int) -> int:
-    return min(range(1, MAX_CHOSEN_SPLITS + 1), key=lambda splits: split_cost(
-        programs, list_width, extra_list_width, splits, sm_count, blocks_per_sm))
-
-
 def choose_num_splits(programs: int, list_width: int, extra_list_width: int,
                       loaded: LoadedDecode) -> int:
     """Splits of each token's two slot lists for `programs` (token, head block) pairs: the
-    cheapest under `split_cost` (the fewest of equal cost). Filling one wave is not enough:
-    on 112 SMs B=64 H=64 takes 256 blocks at one split, more than the 224 held at once,
-    and runs 0.278 ms against 0.198 at four splits (H200 in sm80 mode)."""
-    return _cheapest_splits(programs, list_width, extra_list_width, loaded.sm_count,
-                            loaded.blocks_per_sm)
+    cheapest under `SPLIT_COST` on the SMs and blocks an SM the kernel was loaded for."""
+    return SPLIT_COST.cheapest_splits(programs, list_width, extra_list_width, loaded.sm_count,
+                                      loaded.blocks_per_sm)
 
 
 def _log2_block_size(block_size: int) -> int:
