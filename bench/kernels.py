@@ -18,7 +18,8 @@ rule's pick.
 H200 rounds them up to 112 and 88), so grids meet about the target card's SM count; clocks,
 caches and bandwidth stay the H200's.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
-side on the same inputs. The main table has a row for each.
+side on the same inputs, beside what one device copy of the same bytes gets of the copy
+bandwidth (the ceiling for any single kernel at that size). The main table has a row for each.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
 sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
@@ -65,6 +66,15 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
     return 2 * COPY_BYTES / (ms * 1e-3)
+
+
+def copy_share(moved: int, bandwidth: float) -> float:
+    """What one device copy moving `moved` bytes (read + written) gets of `bandwidth`, by
+    graph replay as the decodes are timed: the most any single kernel moving a call's bytes
+    could get, its launch and ramp included."""
+    src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return moved / (bench_graph_ms(lambda: dst.copy_(src)) * 1e-3) / bandwidth
 
 
 def filled_cache(num_rows: int) -> torch.Tensor:
@@ -185,6 +195,7 @@ def decode_case(
         "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
         "ms": ms,
         "graph ms": graph_ms,
+        "bytes": moved,
         "GB/s": moved / graph_ms * 1e-6,
         "of copy": moved / (graph_ms * 1e-3) / bandwidth,
         "TFLOP/s": flops / graph_ms * 1e-9,
@@ -242,8 +253,8 @@ def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
     loaded = load_decode(arch, torch.cuda.current_device())
     print(f"CUDA decode for {arch}: {loaded.blocks_per_sm} blocks an SM of {loaded.sm_count}, "
           f"{loaded.kernel.resources.registers} registers")
-    print("| shape | Triton ms | CUDA ms | Triton / CUDA | CUDA of copy |")
-    print("|---|---|---|---|---|")
+    print("| shape | Triton ms | CUDA ms | Triton / CUDA | CUDA of copy | a copy of its bytes |")
+    print("|---|---|---|---|---|---|")
     for heads in (16, 64):
         for batch in (1, 8, 64):
             for topk in (512, 2048):
@@ -251,8 +262,8 @@ def compare_decode(bandwidth: float, cuda_arch: str | None) -> None:
                 cuda = decode_case(batch, topk, context, heads, cache, swa_cache, bandwidth,
                                    "cuda", cuda_arch=cuda_arch)
                 print(f"| {cuda['shape']} | {base['graph ms']:.4f} | {cuda['graph ms']:.4f} | "
-                      f"{base['graph ms'] / cuda['graph ms']:.2f} | {cuda['of copy']:.0%} |",
-                      flush=True)
+                      f"{base['graph ms'] / cuda['graph ms']:.2f} | {cuda['of copy']:.0%} | "
+                      f"{copy_share(cuda['bytes'], bandwidth):.0%} |", flush=True)
 
 
 def sweep_decode(bandwidth: float, backend: str, cuda_arch: str | None) -> None:
