@@ -343,11 +343,13 @@ def sweep_splits(backend: str, cuda_arch: str | None, out: str | None) -> None:
         def rule(programs: int, topk: int) -> int:
             return cuda_decode.choose_num_splits(programs, topk, SWA_WINDOW, loaded)
     else:
-        sm_count, blocks_per_sm = triton_decode.sm_count(device), triton_decode.PROGRAMS_PER_SM
+        sm_count = triton_decode.device_sm_count(device)
+        blocks_per_sm = triton_decode.PROGRAMS_PER_SM
 
         def rule(programs: int, topk: int) -> int:
             return triton_decode.choose_num_splits(programs, topk, SWA_WINDOW, sm_count)
-    print(f"{backend} decode: {sm_count} SMs, {blocks_per_sm} blocks an SM; graph ms by split count")
+    print(f"{backend} decode: {sm_count} SMs, {blocks_per_sm} blocks an SM; "
+          "graph ms by split count")
     cases = []
     for heads, batch, topk in SPLIT_SWEEP_SHAPES:
         programs = batch * heads // 16

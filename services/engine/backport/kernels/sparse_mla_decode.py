@@ -364,7 +364,7 @@ def as_token_major(x: torch.Tensor | None, name: str) -> torch.Tensor | None:
 
 
 @functools.cache
-def sm_count(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
     """SMs the decode's programs spread over: the current context's (a green context's
     share), the first time it is asked on a device."""
     if device.type != "cuda":
@@ -463,9 +463,8 @@ def sparse_mla_decode(
     list_width = indices.shape[1]
     extra_list_width = extra_indices.shape[1] if has_extra else 0
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_tokens * num_head_blocks, list_width, extra_list_width, sm_count(q.device), block_n
-        )
+        num_splits = choose_num_splits(num_tokens * num_head_blocks, list_width,
+                                       extra_list_width, device_sm_count(q.device), block_n)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     split_len = triton.cdiv(triton.cdiv(list_width, num_splits), block_n) * block_n
