@@ -12,6 +12,7 @@ from services.engine.backport.kernels.arch_fidelity import (
 )
 from services.engine.backport.kernels.card_limits import (
     CardLimits,
+    fp8_instructions,
     holding_shared_bytes,
     resident_blocks,
 )
@@ -103,3 +104,22 @@ def test_compiled_triton_metadata_holds_the_launch(arch: str, num_warps: int, sh
     assert H200.resident_blocks(threads, metadata["shared"]) == held_blocks
     if resident_blocks(arch, threads, shared) in (0, H200.resident_blocks(threads, shared)):
         assert metadata["shared"] == shared
+
+
+def test_fp8_instructions_are_found_in_ptx() -> None:
+    """What the emulation refuses in sm80/86 mode, since the H200's ptxas would take it."""
+    ptx = """
+	cvt.rn.satfinite.e4m3x2.f32 low, %f1, %f2;
+	@%p1 cvt.rn.f16x2.e4m3x2 %r3, %rs1;
+	mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32 {%f1}, {%r1}, {%r2}, {%f2};
+	cvt.rn.bf16x2.f32 %r4, %f1, %f2;
+	prmt.b32 %r5, %r1, 0, 37248;
+	// e4m3 bytes, decoded in software
+	call.uni e4m3_decode, (%r1);
+"""
+    assert fp8_instructions(ptx) == [
+        "cvt.rn.f16x2.e4m3x2",
+        "cvt.rn.satfinite.e4m3x2.f32",
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32",
+    ]
+    assert fp8_instructions("\tcvt.rn.bf16x2.f32 %r4, %f1, %f2;\n") == []

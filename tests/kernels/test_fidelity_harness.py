@@ -1,6 +1,7 @@
 """The harness itself: fp8 hardware paths fail in sm80/sm86 mode, work (and agree with the
-software encoder) where the arch has them, fp8 torch matmuls are refused, and Triton
-launches keep the card present to the blocks an SM the target holds."""
+software encoder) where the arch has them, and the quantizers take them only there; fp8
+torch matmuls are refused; Triton launches keep the card present to the blocks an SM the
+target holds, and run on the target card's SM count."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import triton.language as tl
 
 from services.engine.backport.kernels.arch_fidelity import KERNEL_SHARED_KEY, Fp8MatmulGuard
 from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
-from services.engine.backport.kernels.fp8_e4m3 import encode_e4m3
+from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.fp8_e4m3 import encode_e4m3, hardware_fp8_encode
+from services.engine.backport.kernels.k_cache_insert import (
+    _quantize_insert_kernel,
+    quantize_and_insert_k_cache,
+)
 
 HARDWARE_FP8_BLOCK = 1024
 SQUARE_SIDE = 64  # a 64 x 64 bf16 tl.dot: its operands pass through shared memory
@@ -49,6 +55,34 @@ def test_hardware_fp8_matches_arch(
     is_nan = torch.isnan(every_bf16.float())
     assert torch.equal(hardware[~is_nan], software[~is_nan])
     assert torch.equal(hardware[is_nan] & 0x7F, software[is_nan] & 0x7F)
+
+
+def _full_mantissa_values(device: str) -> torch.Tensor:
+    """fp32 values with all 24 mantissa bits, over e4m3's range and past it, and edges."""
+    generator = torch.Generator().manual_seed(5)
+    count = 1 << 20
+    magnitudes = torch.rand(count, generator=generator) * torch.exp2(
+        torch.randint(-14, 10, (count,), generator=generator).float())
+    signs = torch.where(torch.rand(count, generator=generator) < 0.5, -1.0, 1.0)
+    edges = torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 1e30, float("inf"), -float("inf"),
+                          2.0**-9, 2.0**-10, 1.5 * 2.0**-10, 2.0**-6 - 2.0**-10])
+    return torch.cat([magnitudes * signs, edges]).to(device)
+
+
+def test_hardware_encode_is_exact_where_the_arch_has_it(
+    kernel_device: str, is_interpreter: bool, gpu_arch: str | None
+) -> None:
+    """`e4m3_encode`'s sm89+ path rounds straight from fp32, byte for byte as the software
+    path, where Triton's own fp8 cast (through a truncating f16) does not. Lowered for
+    sm80/86 the harness refuses it, as the target's ptxas would (the H200's takes it)."""
+    if is_interpreter:
+        pytest.skip("compiles for a GPU arch")
+    values = _full_mantissa_values(kernel_device)
+    if gpu_arch in ("sm80", "sm86"):
+        with pytest.raises(Exception, match="fp8 instructions not supported"):
+            encode_e4m3(values, hardware=True)
+        return
+    assert torch.equal(encode_e4m3(values, hardware=True), encode_e4m3(values))
 
 
 def test_fp8_matmul_guard_refuses_fp8_operands() -> None:
@@ -126,3 +160,32 @@ def test_launches_run_on_the_target_cards_sms(
     _sm_id_kernel[(programs,)](sm_ids, num_warps=1)
     used = torch.unique(sm_ids).numel()
     assert 0.9 * held_sm_count <= used <= held_sm_count < card
+
+
+@pytest.mark.parametrize("arch, expected", [("sm80", False), ("sm86", False), ("sm89", True),
+                                            ("sm90", True)])
+def test_hardware_fp8_encode_follows_the_arch_lowered_for(
+    monkeypatch: pytest.MonkeyPatch, arch: str, expected: bool
+) -> None:
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(triton.knobs.runtime, "override_arch", arch)
+    assert hardware_fp8_encode(torch.device("cuda")) is expected
+    assert hardware_fp8_encode(torch.device("cpu")) is False
+
+
+def test_quantizers_encode_in_hardware_only_where_the_arch_has_it(
+    is_interpreter: bool, gpu_arch: str | None
+) -> None:
+    """sm89 mode compiles the insert with the card's fp8 conversion; sm80/86 mode without
+    (lowered for those archs it would not compile at all)."""
+    if is_interpreter or gpu_arch not in CARD_LIMITS:
+        pytest.skip("needs a CUDA card in --gpu-arch mode")
+    block_size = 64
+    cache = layout.allocate_cache(1, block_size, "cuda")
+    k = torch.randn(4, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    quantize_and_insert_k_cache(k, cache, torch.arange(4, device="cuda"), block_size)
+    kernel_caches = [cache[0] if isinstance(cache, tuple) else cache
+                     for cache in _quantize_insert_kernel.device_caches.values()]
+    ptx = [kernel.asm["ptx"] for kernel_cache in kernel_caches for kernel in kernel_cache.values()]
+    assert ptx
+    assert any("e4m3x2" in text for text in ptx) == (gpu_arch == "sm89")

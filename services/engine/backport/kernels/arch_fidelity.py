@@ -28,15 +28,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from services.engine.backport.kernels.card_limits import (
+    ARCHS_WITHOUT_FP8,
     CARD_LIMITS,
     CardLimits,
+    fp8_instructions,
     holding_shared_bytes,
     resident_blocks,
 )
 from services.engine.backport.kernels.cuda_module import context_sm_count, device_limits
 
 SHARED_MEMORY_LIMIT_BYTES = {arch: limits.shared_per_block for arch, limits in CARD_LIMITS.items()}
-ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
 # Triton's own `shared` becomes what launches ask for; the kernel's own need is kept here.
 KERNEL_SHARED_KEY = "backport_kernel_shared"
 _MATMUL_FUNCTIONS = frozenset(
@@ -85,6 +86,10 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
             return pipeline_key, pipeline_hash
 
         def make_cubin(src: str, metadata: dict[str, Any]) -> bytes:
+            # ptxas for the card present accepts fp8 instructions (inline PTX among them)
+            # that the target's ptxas would reject.
+            if arch in ARCHS_WITHOUT_FP8 and (found := fp8_instructions(src)):
+                raise RuntimeError(f"fp8 instructions not supported on {arch}: {found}")
             cubin = backend.make_cubin(src, metadata, options, real_capability)
             hold_to_target_residency(metadata, arch, card)
             return cubin

@@ -12,8 +12,14 @@ SM counts from the named cards' data sheets.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+# Archs without fp8 hardware: no fp8 conversions or MMAs (sm89 brought them).
+ARCHS_WITHOUT_FP8 = frozenset({"sm80", "sm86"})
+# A PTX instruction on e4m3/e5m2 data: cvt.rn.satfinite.e4m3x2.f32, mma ... .e4m3 ...
+_FP8_INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.]*\.(?:e4m3|e5m2)[\w.]*)",
+                              re.MULTILINE)
 REGISTER_ALLOCATION_UNIT = 256  # registers are granted to a warp in these units (sm80-90)
 
 
@@ -72,3 +78,9 @@ def holding_shared_bytes(present: CardLimits, threads: int, shared_bytes: int, b
     # A block over 1 / (blocks + 1) of the SM's shared memory leaves no room for one more.
     return max(shared_bytes,
                present.shared_per_sm // (blocks + 1) + 1 - present.reserved_shared_per_block)
+
+
+def fp8_instructions(ptx: str) -> list[str]:
+    """The instructions in `ptx` that need fp8 hardware. ptxas on an sm80/86 card rejects
+    them; compiled for the H200 they would pass, so the emulation checks for them."""
+    return sorted(set(_FP8_INSTRUCTION.findall(ptx)))

@@ -24,7 +24,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine.backport.kernels.card_limits import CardLimits
+from services.engine.backport.kernels.card_limits import (
+    ARCHS_WITHOUT_FP8,
+    CardLimits,
+    fp8_instructions,
+)
 
 # CUfunction_attribute / CUdevice_attribute / CUresult values from cuda.h.
 _ATTRIBUTE_LOCAL_SIZE_BYTES = 3
@@ -154,6 +158,10 @@ def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) 
                                  str(source)], capture_output=True, text=True)
         if result.returncode != 0:
             raise CudaBuildError(f"nvcc failed for {source.name} ({arch}):\n{result.stderr}")
+    # The driver JIT for a newer card would take fp8 instructions the target lacks.
+    if arch in ARCHS_WITHOUT_FP8 and (found := fp8_instructions(partial.read_text())):
+        partial.unlink()
+        raise CudaBuildError(f"{source.name}: fp8 instructions not supported on {arch}: {found}")
     partial.replace(cached)  # atomic: concurrent builders never read a half-written file
     return cached.read_bytes()
 

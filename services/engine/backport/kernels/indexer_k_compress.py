@@ -33,6 +33,7 @@ from services.engine.backport.kernels.fp8_e4m3 import (
     e4m3_encode,
     e4m3_scale_exponent,
     exp2_int,
+    hardware_fp8_encode,
     round_to_bf16,
 )
 
@@ -68,6 +69,7 @@ def _indexer_k_compress_kernel(
     RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     HALF_ROPE: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     # The token's four scalars in one round trip to memory: most programs (all but one
@@ -124,7 +126,8 @@ def _indexer_k_compress_kernel(
     exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(rotated), axis=0), AMAX_FLOOR))
     page = cache_ptr + (cache_slot // cache_block_size) * cache_block_stride
     in_page = cache_slot % cache_block_size
-    tl.store(page + in_page * HEAD_DIM + dims, e4m3_encode(rotated * exp2_int(-exponent)))
+    fp8_bytes = e4m3_encode(rotated * exp2_int(-exponent), HARDWARE_FP8)
+    tl.store(page + in_page * HEAD_DIM + dims, fp8_bytes)
     scale_ptr = (page + cache_block_size * HEAD_DIM + in_page * 4).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr, exp2_int(exponent))
 
@@ -181,6 +184,7 @@ def indexer_k_compress_insert(
         RATIO=compress_ratio,
         OVERLAP=int(overlap),
         HALF_ROPE=rope_head_dim // 2,
+        HARDWARE_FP8=hardware_fp8_encode(kv_cache.device),
         num_warps=1 if (1 + overlap) * compress_ratio <= SMALL_WINDOW_ROWS else 4,
     )
 

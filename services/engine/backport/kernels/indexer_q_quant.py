@@ -28,6 +28,7 @@ from services.engine.backport.kernels.fp8_e4m3 import (
     e4m3_encode,
     e4m3_scale_exponent,
     exp2_int,
+    hardware_fp8_encode,
     round_to_bf16,
 )
 
@@ -54,6 +55,7 @@ def _indexer_q_kernel(
     HEAD_BLOCK: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     HALF_ROPE: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEAD_BLOCK)
@@ -85,8 +87,10 @@ def _indexer_q_kernel(
 
     # Write-back: fp8 bytes (pairs joined back interleaved) and the folded weights.
     out = q_fp8_ptr + token * stride_out_token + heads[:, None] * stride_out_head
-    tl.store(out + nope[None, :], e4m3_encode(x_nope * inverse_scale), mask=head_mask[:, None])
-    rotated = tl.join(e4m3_encode(r_even * inverse_scale), e4m3_encode(r_odd * inverse_scale))
+    nope_bytes = e4m3_encode(x_nope * inverse_scale, HARDWARE_FP8)
+    tl.store(out + nope[None, :], nope_bytes, mask=head_mask[:, None])
+    rotated = tl.join(e4m3_encode(r_even * inverse_scale, HARDWARE_FP8),
+                      e4m3_encode(r_odd * inverse_scale, HARDWARE_FP8))
     tl.store(
         out + NOPE_DIM + rope[None, :],
         tl.reshape(rotated, (HEAD_BLOCK, 2 * HALF_ROPE)),
@@ -140,6 +144,7 @@ def fused_indexer_q_rope_quant(
             HEAD_BLOCK=triton.next_power_of_2(num_heads),
             NOPE_DIM=head_dim - rope_dim,
             HALF_ROPE=rope_dim // 2,
+            HARDWARE_FP8=hardware_fp8_encode(index_q.device),
             num_warps=4,
             enable_fp_fusion=False,
         )

@@ -34,6 +34,7 @@ from services.engine.backport.kernels.fp8_e4m3 import (
     e4m3_encode,
     e4m3_scale_exponent,
     exp2_int,
+    hardware_fp8_encode,
 )
 
 AMAX_FLOOR = tl.constexpr(1e-10)  # upstream's eps before picking a scale
@@ -65,6 +66,7 @@ def _inv_rope_quant_kernel(
     GROUP_SIZE: tl.constexpr,
     GROUPS_PER_HEAD: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     first_head = tl.program_id(1) * HEADS
@@ -116,7 +118,7 @@ def _inv_rope_quant_kernel(
         x_blocks = tl.reshape(x, (HEADS, GROUPS_PER_HEAD, GROUP_SIZE))
         exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(x_blocks), axis=2), AMAX_FLOOR))
         scaled = x_blocks * exp2_int(-exponent)[:, :, None]
-        tl.store(out, tl.reshape(e4m3_encode(scaled), (HEADS, HEAD_DIM)))
+        tl.store(out, tl.reshape(e4m3_encode(scaled, HARDWARE_FP8), (HEADS, HEAD_DIM)))
         tl.store(scale_ptrs, exp2_int(exponent))
     else:
         tl.store(out, x.to(out_ptr.dtype.element_ty))
@@ -183,6 +185,7 @@ def fused_inv_rope_fp8_quant(
             GROUP_SIZE=quant_group_size,
             GROUPS_PER_HEAD=head_dim // quant_group_size,
             QUANTIZE=quantize,
+            HARDWARE_FP8=hardware_fp8_encode(o.device),
             num_warps=4,
             enable_fp_fusion=False,
         )

@@ -17,7 +17,12 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.fp8_e4m3 import e4m3_encode, e4m3_scale_exponent, exp2_int
+from services.engine.backport.kernels.fp8_e4m3 import (
+    e4m3_encode,
+    e4m3_scale_exponent,
+    exp2_int,
+    hardware_fp8_encode,
+)
 
 TILES_PER_ROW = 8  # 7 fp8 tiles + the RoPE tile, so a row is one [8, 64] block
 AMAX_FLOOR = tl.constexpr(1e-4)  # upstream's floor on a tile's absolute maximum
@@ -43,6 +48,7 @@ def _quantize_insert_kernel(
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     TOKENS: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
 ):
     # TOKENS rows a program, each an [8, 64] block of tiles: one row is too little work
     # for a program (TOKENS_PER_PROGRAM).
@@ -68,7 +74,7 @@ def _quantize_insert_kernel(
     # fp8 part: one power-of-two scale per 64-dim tile.
     exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(row), axis=2), AMAX_FLOOR))
     inverse_scale = exp2_int(-exponent)
-    fp8_bytes = e4m3_encode(row * inverse_scale[:, :, None])
+    fp8_bytes = e4m3_encode(row * inverse_scale[:, :, None], HARDWARE_FP8)
     data = cache_ptr + data_offset[:, None, None]
     tl.store(data + offsets, fp8_bytes, mask=written & is_nope)
     scale_bytes = tl.minimum(tl.maximum(exponent + 127, 0), 255)
@@ -116,4 +122,5 @@ def quantize_and_insert_k_cache(
         DATA_BYTES=layout.DATA_BYTES_PER_TOKEN,
         SCALE_BYTES=layout.SCALE_BYTES_PER_TOKEN,
         TOKENS=TOKENS_PER_PROGRAM,
+        HARDWARE_FP8=hardware_fp8_encode(k.device),
     )
