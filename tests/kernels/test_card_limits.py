@@ -122,4 +122,6 @@ def test_fp8_instructions_are_found_in_ptx() -> None:
         "cvt.rn.satfinite.e4m3x2.f32",
         "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32",
     ]
+    assert fp8_instructions(b"\tcvt.rn.satfinite.e4m3x2.f32 low, %f1, %f2;\n") == [
+        "cvt.rn.satfinite.e4m3x2.f32"]
     assert fp8_instructions("\tcvt.rn.bf16x2.f32 %r4, %f1, %f2;\n") == []

@@ -80,7 +80,8 @@ def holding_shared_bytes(present: CardLimits, threads: int, shared_bytes: int, b
                present.shared_per_sm // (blocks + 1) + 1 - present.reserved_shared_per_block)
 
 
-def fp8_instructions(ptx: str) -> list[str]:
+def fp8_instructions(ptx: str | bytes) -> list[str]:
     """The instructions in `ptx` that need fp8 hardware. ptxas on an sm80/86 card rejects
     them; compiled for the H200 they would pass, so the emulation checks for them."""
-    return sorted(set(_FP8_INSTRUCTION.findall(ptx)))
+    text = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return sorted(set(_FP8_INSTRUCTION.findall(text)))
