@@ -6,9 +6,9 @@ the repository root so the `tests` package is importable at plugin-load time).
 - `--gpu-arch sm80|sm86|sm89` on a CUDA machine: kernels are lowered with that arch's
   instruction set and a fresh Triton cache (`arch_fidelity.enable_arch_emulation`);
   each kernel test fails if a compiled kernel's shared memory exceeds the arch's
-  per-block limit, and in sm80/sm86 mode on any fp8 torch matmul. Everything runs on a
-  green context of the target card's SMs (`card_limits.TARGET_SM_COUNTS`; the driver may
-  round up) unless `--whole-card` is given.
+  per-block limit, and in sm80/sm86 mode on any fp8 torch matmul or fp8 PTX
+  instruction. Everything runs on a green context of the target card's SMs
+  (`card_limits.TARGET_SM_COUNTS`; the driver may round up) unless `--whole-card` is given.
 - No CUDA: the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set here
   before any kernel module is imported) on small shapes; `--gpu-arch` then only labels.
 - At the end a table is printed (and written as markdown to `--fidelity-report PATH`):
@@ -201,11 +201,11 @@ def _kernel_fidelity_checks(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     from services.engine.backport.kernels.arch_fidelity import (
-        ARCHS_WITHOUT_FP8,
         SHARED_MEMORY_LIMIT_BYTES,
         Fp8MatmulGuard,
         compiled_kernel_reports,
     )
+    from services.engine.backport.kernels.card_limits import ARCHS_WITHOUT_FP8
 
     if _state.arch in ARCHS_WITHOUT_FP8:
         with Fp8MatmulGuard():

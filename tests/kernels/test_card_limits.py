@@ -12,7 +12,9 @@ from services.engine.backport.kernels.arch_fidelity import (
 )
 from services.engine.backport.kernels.card_limits import (
     CardLimits,
+    Fp8InstructionError,
     fp8_instructions,
+    refuse_fp8_instructions,
     holding_shared_bytes,
     resident_blocks,
 )
@@ -125,3 +127,15 @@ def test_fp8_instructions_are_found_in_ptx() -> None:
     assert fp8_instructions(b"\tcvt.rn.satfinite.e4m3x2.f32 low, %f1, %f2;\n") == [
         "cvt.rn.satfinite.e4m3x2.f32"]
     assert fp8_instructions("\tcvt.rn.bf16x2.f32 %r4, %f1, %f2;\n") == []
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89"])
+def test_fp8_instructions_are_refused_only_without_fp8_hardware(arch: str) -> None:
+    ptx = "\tcvt.rn.satfinite.e4m3x2.f32 low, %f1, %f2;\n"
+    if arch == "sm89":
+        refuse_fp8_instructions(ptx, arch, "_encode_kernel")
+        return
+    with pytest.raises(Fp8InstructionError,
+                       match=f"_encode_kernel: fp8 instructions not supported on {arch}"):
+        refuse_fp8_instructions(ptx, arch, "_encode_kernel")
+    refuse_fp8_instructions("\tcvt.rn.bf16x2.f32 %r4, %f1, %f2;\n", arch, "_encode_kernel")

@@ -11,8 +11,10 @@ shared memory is held against the target's per-block limit (`SHARED_MEMORY_LIMIT
 and its launches ask for more where that is what keeps the card to the blocks an SM the
 target holds (`card_limits.holding_shared_bytes`), so timings here are not flattered by
 an H200's larger SM. `hold_sm_count` runs everything that follows on a green context of
-the target card's SMs, so split rules plan, and launches run, for that many. torch ops that
-reach fp8 matmuls would fail on Ampere; `Fp8MatmulGuard` makes them fail here too.
+the target card's SMs, so split rules plan, and launches run, for that many. fp8
+instructions in a kernel's PTX (inline PTX gets past Triton's own checks) fail its compile
+in sm80/86 mode, as the target's ptxas would. torch ops that reach fp8 matmuls would fail
+on Ampere; `Fp8MatmulGuard` makes them fail here too.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from services.engine.backport.kernels.card_limits import (
-    ARCHS_WITHOUT_FP8,
     CARD_LIMITS,
     CardLimits,
-    fp8_instructions,
     holding_shared_bytes,
+    refuse_fp8_instructions,
     resident_blocks,
 )
 from services.engine.backport.kernels.cuda_module import context_sm_count, device_limits
@@ -88,8 +89,7 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
         def make_cubin(src: str, metadata: dict[str, Any]) -> bytes:
             # ptxas for the card present accepts fp8 instructions (inline PTX among them)
             # that the target's ptxas would reject.
-            if arch in ARCHS_WITHOUT_FP8 and (found := fp8_instructions(src)):
-                raise RuntimeError(f"fp8 instructions not supported on {arch}: {found}")
+            refuse_fp8_instructions(src, arch, metadata.get("name", "a Triton kernel"))
             cubin = backend.make_cubin(src, metadata, options, real_capability)
             hold_to_target_residency(metadata, arch, card)
             return cubin

@@ -80,6 +80,16 @@ def holding_shared_bytes(present: CardLimits, threads: int, shared_bytes: int, b
                present.shared_per_sm // (blocks + 1) + 1 - present.reserved_shared_per_block)
 
 
+class Fp8InstructionError(RuntimeError):
+    """A kernel built for an arch without fp8 hardware has fp8 instructions."""
+
+
+def refuse_fp8_instructions(ptx: str | bytes, arch: str, kernel: str) -> None:
+    """Raises Fp8InstructionError where `arch` has no fp8 hardware and `ptx` needs it."""
+    if arch in ARCHS_WITHOUT_FP8 and (found := fp8_instructions(ptx)):
+        raise Fp8InstructionError(f"{kernel}: fp8 instructions not supported on {arch}: {found}")
+
+
 def fp8_instructions(ptx: str | bytes) -> list[str]:
     """The instructions in `ptx` that need fp8 hardware. ptxas on an sm80/86 card rejects
     them; compiled for the H200 they would pass, so the emulation checks for them."""

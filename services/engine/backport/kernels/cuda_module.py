@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from services.engine.backport.kernels.card_limits import (
-    ARCHS_WITHOUT_FP8,
     CardLimits,
-    fp8_instructions,
+    Fp8InstructionError,
+    refuse_fp8_instructions,
 )
 
 # CUfunction_attribute / CUdevice_attribute / CUresult values from cuda.h.
@@ -159,9 +159,11 @@ def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) 
         if result.returncode != 0:
             raise CudaBuildError(f"nvcc failed for {source.name} ({arch}):\n{result.stderr}")
     # The driver JIT for a newer card would take fp8 instructions the target lacks.
-    if arch in ARCHS_WITHOUT_FP8 and (found := fp8_instructions(partial.read_text())):
+    try:
+        refuse_fp8_instructions(partial.read_text(), arch, source.name)
+    except Fp8InstructionError:
         partial.unlink()
-        raise CudaBuildError(f"{source.name}: fp8 instructions not supported on {arch}: {found}")
+        raise
     partial.replace(cached)  # atomic: concurrent builders never read a half-written file
     return cached.read_bytes()
 
