@@ -15,13 +15,15 @@ ROPE_DIM = 64
 MAX_POSITION = 1024
 
 
-def _cos_sin_cache() -> torch.Tensor:
+def cos_sin_cache() -> torch.Tensor:
     inverse_frequency = 1.0 / (10000 ** (torch.arange(0, ROPE_DIM, 2).float() / ROPE_DIM))
     angles = torch.arange(MAX_POSITION).float().unsqueeze(1) * inverse_frequency
     return torch.cat([angles.cos(), angles.sin()], dim=1)
 
 
-def _dequantize(cache: torch.Tensor, block_size: int, slots: torch.Tensor) -> torch.Tensor:
+def dequantize_indexer_rows(
+    cache: torch.Tensor, block_size: int, slots: torch.Tensor
+) -> torch.Tensor:
     flat = cache.as_strided((cache.shape[0] * cache.stride(0),), (1,))
     rows = []
     for slot in slots.tolist():
@@ -69,7 +71,7 @@ def test_indexer_k_compress_insert(
         (16, cache_block_size, HEAD_DIM + 4), (page_bytes, HEAD_DIM + 4, 1)
     )
     norm_weight = (torch.rand(HEAD_DIM, generator=generator) + 0.5).to(torch.bfloat16)
-    cos_sin = _cos_sin_cache()
+    cos_sin = cos_sin_cache()
     args = dict(
         state_cache=state,
         token_to_req_indices=token_to_req,
@@ -94,10 +96,10 @@ def test_indexer_k_compress_insert(
 
     written = kv_slots[(kv_slots >= 0) & (slot_mapping >= 0)]
     assert written.numel() > 0
-    got_rows = _dequantize(
+    got_rows = dequantize_indexer_rows(
         got_storage.cpu().as_strided(cache.shape, cache.stride()), cache_block_size, written
     )
-    want_rows = _dequantize(want, cache_block_size, written)
+    want_rows = dequantize_indexer_rows(want, cache_block_size, written)
     relative = ((got_rows - want_rows).norm() / want_rows.norm()).item()
     # exp/rsqrt differ from torch's in the last fp32 bits; after bf16 rounding and fp8
     # quantization that can move a value by one fp8 step, rarely.

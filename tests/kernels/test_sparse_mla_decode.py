@@ -188,6 +188,34 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
     assert torch.equal(lse.cpu(), flat_lse.cpu())
 
 
+def test_decode_takes_int64_slot_lists(kernel_device: str) -> None:
+    """int64 slots and lengths (vLLM's CPU op takes int64) give what int32 ones give. Triton
+    3.6 failed to compile the decode for int64 slot lists with an extra cache; the launcher
+    now narrows them."""
+    case = INTERPRETER_CASES[1]
+    generator = torch.Generator().manual_seed(4)
+    cache = _filled_cache(64, 16, kernel_device, generator)
+    extra_cache = _filled_cache(96, 4, kernel_device, generator)
+    slots, lengths = _slot_lists(case.num_tokens, 32, 64, generator)
+    extra_slots, extra_lengths = _slot_lists(case.num_tokens, case.topk, 96, generator)
+    q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator)
+    q = q.to(torch.bfloat16).to(kernel_device)
+
+    def decode(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_mla_decode(
+            q, cache, slots.to(kernel_device, dtype), SOFTMAX_SCALE,
+            lengths.to(kernel_device, dtype), extra_k_cache=extra_cache,
+            extra_indices=extra_slots.to(kernel_device, dtype),
+            extra_topk_length=extra_lengths.to(kernel_device, dtype), block_size=16,
+            extra_block_size=4, num_splits=2,
+        )
+
+    want_out, want_lse = decode(torch.int32)
+    out, lse = decode(torch.int64)
+    assert torch.equal(out.cpu(), want_out.cpu())
+    assert torch.equal(lse.cpu(), want_lse.cpu())
+
+
 def test_decode_matches_the_torch_op_vllm_cpu_runs_deepseek_v4_on(kernel_device: str) -> None:
     """The same cache bytes and slot lists through `attention_ops.flash_mla_with_kvcache`,
     the torch op the backport gives vllm-cpu for its missing `flash_mla_with_kvcache_cpu`

@@ -374,10 +374,20 @@ def device_sm_count(device: torch.device) -> int:
         return context_sm_count(index)
 
 
+def int32_rows(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x as int32 with contiguous rows. Slots fit in int32 (2**31 rows of 584 B is 1.25 TB
+    of cache), and Triton 3.6 fails to compile the decode for int64 slot lists."""
+    if x is None:
+        return None
+    if x.dtype != torch.int32 or x.stride(-1) != 1:
+        x = x.to(torch.int32).contiguous()
+    return x
+
+
 @dataclass(frozen=True)
 class DecodeOperands:
-    """A decode call's q and slot lists in [T, ...] form, checked, and where the caches'
-    pages are. Without an extra cache, extra_indices is None and extra_geometry repeats
+    """A decode call's q and slot lists in [T, ...] form, checked (slots as int32), and where
+    the caches' pages are. Without an extra cache, extra_indices is None and extra_geometry repeats
     geometry."""
 
     q: torch.Tensor
@@ -398,7 +408,7 @@ def decode_operands(
 ) -> DecodeOperands:
     """Checks the shapes FlashMLA's sparse decode takes (see `sparse_mla_decode`)."""
     q = as_token_major(q, "q")
-    indices = as_token_major(indices, "indices")
+    indices = int32_rows(as_token_major(indices, "indices"))
     if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
     num_tokens = q.shape[0]
@@ -407,7 +417,7 @@ def decode_operands(
     geometry = layout.cache_geometry(k_cache, block_size)
     if extra_k_cache is None:
         return DecodeOperands(q, indices, None, geometry, geometry)
-    extra_indices = as_token_major(extra_indices, "indices")
+    extra_indices = int32_rows(as_token_major(extra_indices, "indices"))
     if extra_indices is None or extra_indices.shape[0] != num_tokens:
         raise ValueError("extra_k_cache needs extra_indices [T, K2]")
     extra_geometry = layout.cache_geometry(extra_k_cache, extra_block_size)
@@ -445,7 +455,7 @@ def sparse_mla_decode(
     """Sparse MLA decode; returns (out [T, H, 512], lse [T, H] natural log).
 
     q [T, H, 512] (or [T, 1, H, 512]); caches uint8 (`ds_mla_cache`); indices [T, K]
-    (or [T, 1, K]) int32/int64 global slots; lengths [T] int32. Extra cache optional.
+    (or [T, 1, K]) int32/int64 global slots; lengths [T] int32/int64. Extra cache optional.
     """
     operands = decode_operands(
         q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
@@ -453,6 +463,7 @@ def sparse_mla_decode(
     q, indices, extra_indices = operands.q, operands.indices, operands.extra_indices
     geometry, extra_geometry = operands.geometry, operands.extra_geometry
     has_extra = extra_indices is not None
+    topk_length, extra_topk_length = int32_rows(topk_length), int32_rows(extra_topk_length)
     num_tokens, num_heads, _ = q.shape
 
     if heads_per_program is None:

@@ -37,6 +37,7 @@ from services.engine.backport.kernels.sparse_mla_decode import (
     MAX_SPLITS,
     as_token_major,
     decode_operands,
+    int32_rows,
 )
 
 SOURCE = Path(__file__).with_name("sparse_mla_decode_sm80.cu")
@@ -167,14 +168,6 @@ def _log2_block_size(block_size: int) -> int:
     return block_size.bit_length() - 1
 
 
-def _int32_rows(x: torch.Tensor | None) -> torch.Tensor | None:
-    if x is None:
-        return None
-    if x.dtype != torch.int32 or x.stride(-1) != 1:
-        x = x.to(torch.int32).contiguous()
-    return x
-
-
 def sparse_mla_decode_cuda(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -206,8 +199,7 @@ def sparse_mla_decode_cuda(
         q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
     )
     q, geometry, extra_geometry = operands.q, operands.geometry, operands.extra_geometry
-    indices = _int32_rows(operands.indices)
-    extra_indices = _int32_rows(operands.extra_indices)
+    indices, extra_indices = operands.indices, operands.extra_indices
     has_extra = extra_indices is not None
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be bfloat16, got {q.dtype}")
@@ -216,8 +208,8 @@ def sparse_mla_decode_cuda(
     if q.stride(0) % 4 or q.stride(1) % 4:
         raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
     num_tokens, num_heads, _ = q.shape
-    lengths = _int32_rows(topk_length)
-    extra_lengths = _int32_rows(extra_topk_length) if has_extra else None
+    lengths = int32_rows(topk_length)
+    extra_lengths = int32_rows(extra_topk_length) if has_extra else None
 
     device = q.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
