@@ -21,10 +21,12 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.cuda_module import device_arch
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
+from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
 from services.engine.backport.kernels.k_cache_insert import quantize_and_insert_k_cache
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
 from tests.kernels.test_indexer_k_compress import HEAD_DIM as INDEXER_HEAD_DIM
+from tests.kernels.test_indexer_k_compress import MAX_POSITION
 from tests.kernels.test_indexer_k_compress import cos_sin_cache, dequantize_indexer_rows
 from tests.kernels.vllm_cpu_oracle.build import load_vllm_cpu_ops, supported_cpu
 
@@ -252,3 +254,34 @@ def test_indexer_k_compress_matches_vllm_cpu(
     # Softmax, rsqrt and RoPE round differently in the last fp32 bits; after the bf16 and
     # fp8 roundings that moves a value by one fp8 step, rarely.
     assert relative < 1e-2
+
+
+def test_inverse_rope_matches_vllm_cpu(
+    oracle: Any, kernel_device: str, is_interpreter: bool, record_max_error
+) -> None:
+    """vLLM's CPU op undoes the RoPE of the attention output in fp32 (its fp8 quant is left to
+    the matmul after). Ours without the quant must be that, rounded to bf16 (within half a
+    bf16 step, 2**-8 relative; a whole step under the interpreter, whose casts to bf16
+    truncate); with it, each value must be within fp8's rounding (2**-4) of that."""
+    generator = torch.Generator().manual_seed(7)
+    num_tokens, n_groups, heads_per_group = 5, 2, 4
+    o = torch.randn(num_tokens, n_groups * heads_per_group, layout.HEAD_DIM, generator=generator)
+    o = o.to(torch.bfloat16)
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=generator)
+    angles = torch.rand(MAX_POSITION, 32, generator=generator) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    want = oracle.inverse_gptj_rope_o_proj_cpu(o, positions, cos_sin, 64)
+    want = want.view(num_tokens, n_groups, heads_per_group * layout.HEAD_DIM)
+
+    args = (o.to(kernel_device), positions.to(kernel_device), cos_sin.to(kernel_device))
+    rotated, _ = fused_inv_rope_fp8_quant(*args, n_groups, heads_per_group, quantize=False)
+    relative = (rotated.float().cpu() - want).abs() / want.abs().clamp(min=2**-126)
+    record_max_error("inverse RoPE vs vLLM CPU (relative)", relative.max().item())
+    # fp32 rounding differences (fma or not) can move a value past a bf16 midpoint, slightly.
+    assert (relative <= (2**-7 if is_interpreter else 2**-8 * 1.001)).all()
+
+    values, scales = fused_inv_rope_fp8_quant(*args, n_groups, heads_per_group)
+    scale_per_value = scales.cpu().repeat_interleave(128, dim=-1)
+    dequantized = values.cpu().float() * scale_per_value
+    smallest_step = 2**-9 * scale_per_value  # fp8's subnormal step
+    assert ((dequantized - want).abs() <= 2**-4 * want.abs() + smallest_step).all()

@@ -27,6 +27,9 @@ void compress_norm_rope_store_indexer_cpu(at::Tensor& state_cache, at::Tensor& g
                                           at::Tensor& cos_sin_cache, at::Tensor& kv_cache_2d,
                                           int64_t kv_cache_block_size, int64_t compress_ratio);
 
+at::Tensor inverse_gptj_rope_o_proj_cpu(at::Tensor& o, at::Tensor& positions,
+                                        at::Tensor& cos_sin_cache, int64_t rope_dim);
+
 TORCH_LIBRARY(vllm_cpu_oracle, ops) {
   ops.def(
       "flash_mla_with_kvcache_cpu(Tensor(a!) out, Tensor q, Tensor window_cache_2d, "
@@ -44,6 +47,10 @@ TORCH_LIBRARY(vllm_cpu_oracle, ops) {
       "Tensor(a!) swa_kv_cache_2d, Tensor slot_mapping, Tensor cos_sin_cache, "
       "int q_head_padded, float eps, int cache_block_size) -> Tensor");
   ops.impl("fused_qnorm_rope_kv_insert_cpu", c10::kCPU, &fused_qnorm_rope_kv_insert_cpu);
+  ops.def(
+      "inverse_gptj_rope_o_proj_cpu(Tensor o, Tensor positions, Tensor cos_sin_cache, "
+      "int rope_dim) -> Tensor");
+  ops.impl("inverse_gptj_rope_o_proj_cpu", c10::kCPU, &inverse_gptj_rope_o_proj_cpu);
   ops.def(
       "compress_norm_rope_store_indexer_cpu(Tensor state_cache, Tensor gather_slots, "
       "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, float rms_norm_eps, "
