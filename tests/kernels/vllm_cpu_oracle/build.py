@@ -75,18 +75,27 @@ def download_sdist(directory: Path) -> Path:
     return path
 
 
+def _extract_kernel_dir(tarball: Path, destination: Path) -> None:
+    with tarfile.open(tarball) as archive:
+        top = archive.getnames()[0].split("/")[0]
+        prefix = f"{top}/{SOURCE_DIR}/"
+        members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
+        if not members:
+            raise FileNotFoundError(f"{tarball} has no {SOURCE_DIR}: not a vLLM source tarball")
+        for member in members:
+            member.name = member.name.removeprefix(f"{top}/")
+        archive.extractall(destination, members=members, filter="data")
+
+
 def kernel_sources(source: Path, build_dir: Path) -> list[Path]:
     """The kernel files of a vLLM source tree, or of its sdist tarball (extracted once)."""
     if source.is_dir():
         kernel_dir = source / SOURCE_DIR
     else:
-        with tarfile.open(source) as archive:
-            top = archive.getnames()[0].split("/")[0]
-            members = [m for m in archive.getmembers() if m.name.startswith(f"{top}/{SOURCE_DIR}/")]
-            if not members:
-                raise FileNotFoundError(f"{source} has no {SOURCE_DIR}: not a vLLM source tarball")
-            archive.extractall(build_dir / "source", members=members, filter="data")
-        kernel_dir = build_dir / "source" / top / SOURCE_DIR
+        # Extracted once: fresh files would make ninja rebuild every run.
+        kernel_dir = build_dir / "source" / SOURCE_DIR
+        if not kernel_dir.is_dir():
+            _extract_kernel_dir(source, build_dir / "source")
     missing = [name for name in KERNEL_FILES if not (kernel_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{kernel_dir} lacks {', '.join(missing)}")
