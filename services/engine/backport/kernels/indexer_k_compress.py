@@ -28,6 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.backport.kernels.compressor_window import (
+    gptj_rotate,
+    gptj_rotate_reference,
+    merge_window,
+    merge_window_reference,
+    rms_normalize,
+    rms_normalize_reference,
+)
 from services.engine.backport.kernels.fp8_e4m3 import (
     E4M3_MAX,
     e4m3_encode,
@@ -81,45 +89,15 @@ def _indexer_k_compress_kernel(
     if (state_slot < 0) | ((position + 1) % RATIO != 0) | (cache_slot < 0):
         return
 
-    # Gather the window's state rows through the request's block table.
-    WINDOW: tl.constexpr = (1 + OVERLAP) * RATIO
-    rows = tl.arange(0, WINDOW)
-    dims = tl.arange(0, HEAD_DIM)
-    row_position = position - WINDOW + 1 + rows
-    in_sequence = row_position >= 0
-    safe_position = tl.where(in_sequence, row_position, 0)
-    block = tl.load(
-        block_table_ptr + request * stride_table_req + safe_position // state_block_size,
-        mask=in_sequence,
-        other=0,
-    ).to(tl.int64)
-    dim_set = (rows >= RATIO).to(tl.int32) * HEAD_DIM  # older window: set 0, this window: set 1
-    row_ptrs = (
-        state_ptr
-        + block * stride_state_block
-        + (safe_position % state_block_size) * stride_state_row
-        + dim_set
-    )[:, None] + dims[None, :]
-    kv = tl.load(row_ptrs, mask=in_sequence[:, None], other=0.0)
-    score = tl.load(row_ptrs + STATE_WIDTH, mask=in_sequence[:, None], other=float("-inf"))
-
-    # Softmax-weighted merge over rows, then RMSNorm, all fp32.
-    weights = tl.exp(score - tl.max(score, axis=0)[None, :])
-    merged = tl.sum(kv * weights, axis=0) / tl.sum(weights, axis=0)
-    variance = tl.sum(merged * merged, axis=0) / HEAD_DIM
-    normed = merged * tl.rsqrt(variance + norm_eps) * tl.load(norm_weight_ptr + dims).to(tl.float32)
+    # The window's state rows through the request's block table, merged and normalized.
+    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
+                          state_block_size, stride_state_block, stride_state_row, HEAD_DIM,
+                          STATE_WIDTH, RATIO, OVERLAP, (1 + OVERLAP) * RATIO)
+    normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
 
     # GPT-J RoPE on the last 2 * HALF_ROPE dims at the window's first position.
-    NOPE_DIM: tl.constexpr = HEAD_DIM - 2 * HALF_ROPE
-    pairs = tl.reshape(normed, (HEAD_DIM // 2, 2))
-    even, odd = tl.split(pairs)
-    pair = tl.arange(0, HEAD_DIM // 2)
-    is_rope = pair >= NOPE_DIM // 2
-    rope_index = tl.maximum(pair - NOPE_DIM // 2, 0)
     cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
-    cos = tl.load(cos_sin_row + rope_index, mask=is_rope, other=1.0)
-    sin = tl.load(cos_sin_row + HALF_ROPE + rope_index, mask=is_rope, other=0.0)
-    rotated = tl.interleave(even * cos - odd * sin, odd * cos + even * sin)
+    rotated = gptj_rotate(normed, cos_sin_row, HEAD_DIM, HALF_ROPE)
     rotated = round_to_bf16(rotated)
 
     # One power-of-two scale for the row; fp8 bytes then the fp32 scale.
@@ -127,7 +105,7 @@ def _indexer_k_compress_kernel(
     page = cache_ptr + (cache_slot // cache_block_size) * cache_block_stride
     in_page = cache_slot % cache_block_size
     fp8_bytes = e4m3_encode(rotated * exp2_int(-exponent), HARDWARE_FP8)
-    tl.store(page + in_page * HEAD_DIM + dims, fp8_bytes)
+    tl.store(page + in_page * HEAD_DIM + tl.arange(0, HEAD_DIM), fp8_bytes)
     scale_ptr = (page + cache_block_size * HEAD_DIM + in_page * 4).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr, exp2_int(exponent))
 
@@ -205,13 +183,8 @@ def indexer_k_compress_insert_reference(
     rope_head_dim: int = 64,
 ) -> None:
     """torch reference of `indexer_k_compress_insert` (one token at a time)."""
-    overlap = int(compress_ratio == 4)
-    state_width = head_dim * (1 + overlap)
-    window = (1 + overlap) * compress_ratio
-    state_block_size = state_cache.shape[1]
     cache_block_size = kv_cache.shape[1]
     flat_cache = kv_cache.as_strided((kv_cache.shape[0] * kv_cache.stride(0),), (1,))
-    half = rope_head_dim // 2
     for token in range(positions.shape[0]):
         position = int(positions[token])
         if (
@@ -220,25 +193,14 @@ def indexer_k_compress_insert_reference(
             or int(kv_slot_mapping[token]) < 0
         ):
             continue
-        request = int(token_to_req_indices[token])
-        kv_rows, score_rows = [], []
-        for row in range(window):
-            row_position = position - window + 1 + row
-            if row_position < 0:
-                continue
-            block = int(block_table[request, row_position // state_block_size])
-            state = state_cache[block, row_position % state_block_size]
-            dim_set = head_dim if row >= compress_ratio else 0
-            kv_rows.append(state[dim_set : dim_set + head_dim])
-            score_rows.append(state[state_width + dim_set : state_width + dim_set + head_dim])
-        weights = torch.softmax(torch.stack(score_rows), dim=0)
-        merged = (torch.stack(kv_rows) * weights).sum(dim=0)
-        normed = merged * torch.rsqrt(merged.pow(2).mean() + rms_norm_eps) * rms_norm_weight.float()
+        block_table_row = block_table[int(token_to_req_indices[token])]
+        merged = merge_window_reference(
+            state_cache, block_table_row, position, compress_ratio, head_dim
+        )
+        normed = rms_normalize_reference(merged, rms_norm_weight, rms_norm_eps)
         rope_position = (position // compress_ratio) * compress_ratio
-        cos, sin = cos_sin_cache[rope_position, :half], cos_sin_cache[rope_position, half:]
-        even, odd = normed[-rope_head_dim::2], normed[-rope_head_dim + 1 :: 2]
-        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
-        row_values = torch.cat([normed[:-rope_head_dim], rotated]).to(torch.bfloat16).float()
+        rotated = gptj_rotate_reference(normed, cos_sin_cache[rope_position], rope_head_dim)
+        row_values = rotated.to(torch.bfloat16).float()
         amax = row_values.abs().max().double().clamp(min=1e-4)
         scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))).float()
         fp8 = (

@@ -64,12 +64,36 @@ def _quantize_insert_kernel(
 
     tile = tl.arange(0, TILES_PER_ROW)
     dim = tl.arange(0, QUANT_TILE)
-    is_nope = (tile < NUM_NOPE_TILES)[None, :, None]
     offsets = (tile[:, None] * QUANT_TILE + dim[None, :])[None, :, :]
     written = valid[:, None, None]
     row = tl.load(
         k_ptr + token[:, None, None] * stride_k_token + offsets, mask=written, other=0.0
     ).to(tl.float32)
+    store_ds_mla_rows(cache_ptr, data_offset, scale_offset, row, valid, NOPE_DIM, QUANT_TILE,
+                      NUM_NOPE_TILES, TILES_PER_ROW, HARDWARE_FP8)
+
+
+@triton.jit
+def store_ds_mla_rows(
+    cache_ptr,
+    data_offset,
+    scale_offset,
+    row,
+    valid,
+    NOPE_DIM: tl.constexpr,
+    QUANT_TILE: tl.constexpr,
+    NUM_NOPE_TILES: tl.constexpr,
+    TILES_PER_ROW: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
+):
+    """Write rows [R, 8, 64] of bf16-exact fp32 values (7 NoPE tiles, then the RoPE tile)
+    as fp8_ds_mla rows at byte offsets data_offset / scale_offset [R]; rows not `valid`
+    are skipped."""
+    tile = tl.arange(0, TILES_PER_ROW)
+    dim = tl.arange(0, QUANT_TILE)
+    is_nope = (tile < NUM_NOPE_TILES)[None, :, None]
+    offsets = (tile[:, None] * QUANT_TILE + dim[None, :])[None, :, :]
+    written = valid[:, None, None]
 
     # fp8 part: one power-of-two scale per 64-dim tile.
     exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(row), axis=2), AMAX_FLOOR))

@@ -1,0 +1,201 @@
+"""Attention KV compress + RMSNorm + RoPE + fp8 quant + insert into the fp8_ds_mla cache.
+
+DeepSeek-V4's main (head 512) compressor. Upstream runs it as a CuTe-DSL kernel on CUDA
+(sm89 PTX) and as the Triton `_fused_kv_compress_norm_rope_insert_sparse_attn`
+(deepseek_v4/common/ops/fused_compress_quant_cache.py) elsewhere, which casts with
+`tl.float8e4nv`; neither runs on sm80/86. Same inputs and semantics as the Triton one:
+
+- state_cache [num_state_blocks, state_block_size, 2 * state_width] fp32 as
+  `compressor_window` describes (state_width = 512, or 1024 with overlap at ratio 4);
+- a token at position p with (p + 1) % ratio == 0 closes a window: its (1 + overlap) *
+  ratio state rows are merged with softmax weights, RMS-normalized (fp32), and written to
+  kv_slot_mapping[t] of a `ds_mla_cache` cache: the 448 NoPE values rounded to bf16 and
+  quantized per 64-dim tile (UE8M0 scale from amax floored at 1e-4), the 64 RoPE values
+  rotated (GPT-J pairs, at position (p // ratio) * ratio) and stored as bf16.
+Tokens whose state slot or cache slot is -1, or that close no window, write nothing.
+
+Tiling: one program per token, 512 dims across 4 warps. The ratio-128 window (128 x 512
+values) is merged ROW_CHUNK rows at a time with an online softmax; the ratio-4 window (8
+rows) in one piece. Most programs (all but one token in `ratio`) stop after four scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.compressor_window import (
+    gptj_rotate,
+    gptj_rotate_reference,
+    merge_window,
+    merge_window_reference,
+    rms_normalize,
+    rms_normalize_reference,
+)
+from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
+from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
+
+# Rows of the window in registers at once: [8, 512] fp32 kv and scores over 128 threads.
+ROW_CHUNK = 8
+HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
+NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
+HALF_ROPE = tl.constexpr(layout.ROPE_DIM // 2)
+QUANT_TILE = tl.constexpr(layout.QUANT_TILE)
+NUM_NOPE_TILES = tl.constexpr(layout.NUM_NOPE_TILES)
+DATA_BYTES = tl.constexpr(layout.DATA_BYTES_PER_TOKEN)
+SCALE_BYTES = tl.constexpr(layout.SCALE_BYTES_PER_TOKEN)
+ROW_TILES = tl.constexpr(TILES_PER_ROW)
+
+
+@triton.jit
+def _kv_compress_kernel(
+    state_ptr,
+    token_to_req_ptr,
+    positions_ptr,
+    state_slots_ptr,
+    block_table_ptr,
+    norm_weight_ptr,
+    cos_sin_ptr,
+    cache_ptr,
+    cache_slots_ptr,
+    norm_eps,
+    state_block_size,
+    stride_state_block,
+    stride_state_row,
+    stride_table_req,
+    stride_cos_sin,
+    cache_block_stride,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    STATE_WIDTH: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    state_slot = tl.load(state_slots_ptr + token)
+    cache_slot = tl.load(cache_slots_ptr + token).to(tl.int64)
+    request = tl.load(token_to_req_ptr + token).to(tl.int64)
+    if (state_slot < 0) | ((position + 1) % RATIO != 0) | (cache_slot < 0):
+        return
+
+    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
+                          state_block_size, stride_state_block, stride_state_row, HEAD_DIM,
+                          STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
+    normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
+    cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
+    # The NoPE dims come back from the rotation unchanged: bf16 of the normalized values
+    # (upstream's quant input), and bf16 of the rotated RoPE values (its stored ones).
+    row = round_to_bf16(gptj_rotate(normed, cos_sin_row, HEAD_DIM, HALF_ROPE))
+
+    slot = tl.zeros((1,), tl.int64) + cache_slot  # store_ds_mla_rows takes rows [R]
+    page = (slot // CACHE_BLOCK_SIZE) * cache_block_stride
+    in_page = slot % CACHE_BLOCK_SIZE
+    store_ds_mla_rows(
+        cache_ptr,
+        page + in_page * DATA_BYTES,
+        page + CACHE_BLOCK_SIZE * DATA_BYTES + in_page * SCALE_BYTES,
+        tl.reshape(row, (1, ROW_TILES, QUANT_TILE)),
+        slot >= 0,
+        NOPE_DIM,
+        QUANT_TILE,
+        NUM_NOPE_TILES,
+        ROW_TILES,
+        HARDWARE_FP8,
+    )
+
+
+def _check_state(state_cache: torch.Tensor, compress_ratio: int) -> int:
+    """The state width for `compress_ratio`, after checking the state cache's shape."""
+    if state_cache.dtype != torch.float32 or state_cache.stride(-1) != 1:
+        raise ValueError("state_cache must be fp32 with contiguous rows")
+    state_width = layout.HEAD_DIM * (1 + (compress_ratio == 4))
+    if state_cache.shape[-1] != 2 * state_width:
+        raise ValueError(
+            f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}"
+        )
+    return state_width
+
+
+def kv_compress_insert(
+    state_cache: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+    rms_norm_weight: torch.Tensor,
+    rms_norm_eps: float,
+    compress_ratio: int,
+    block_size: int | None = None,
+) -> None:
+    """Compress, normalize, rotate, quantize and insert attention KV rows (module doc).
+    kv_cache: [num_blocks, page_bytes] (give block_size) or FlashMLA's strided view."""
+    state_width = _check_state(state_cache, compress_ratio)
+    geometry = layout.cache_geometry(kv_cache, block_size)
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    _kv_compress_kernel[(num_tokens,)](
+        state_cache,
+        token_to_req_indices,
+        positions,
+        slot_mapping,
+        block_table,
+        rms_norm_weight,
+        cos_sin_cache,
+        kv_cache,
+        kv_slot_mapping,
+        rms_norm_eps,
+        state_cache.shape[1],
+        state_cache.stride(0),
+        state_cache.stride(1),
+        block_table.stride(0),
+        cos_sin_cache.stride(0),
+        geometry.block_stride,
+        CACHE_BLOCK_SIZE=geometry.block_size,
+        STATE_WIDTH=state_width,
+        RATIO=compress_ratio,
+        OVERLAP=int(compress_ratio == 4),
+        ROW_CHUNK=ROW_CHUNK,
+        HARDWARE_FP8=hardware_fp8_encode(kv_cache.device),
+        num_warps=4,
+    )
+
+
+def kv_compress_insert_reference(
+    state_cache: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+    rms_norm_weight: torch.Tensor,
+    rms_norm_eps: float,
+    compress_ratio: int,
+    block_size: int | None = None,
+) -> None:
+    """torch reference of `kv_compress_insert` (one token at a time)."""
+    _check_state(state_cache, compress_ratio)
+    for token in range(positions.shape[0]):
+        position = int(positions[token])
+        slot = int(kv_slot_mapping[token])
+        if int(slot_mapping[token]) < 0 or (position + 1) % compress_ratio or slot < 0:
+            continue
+        block_table_row = block_table[int(token_to_req_indices[token])]
+        merged = merge_window_reference(
+            state_cache, block_table_row, position, compress_ratio, layout.HEAD_DIM
+        )
+        normed = rms_normalize_reference(merged, rms_norm_weight, rms_norm_eps)
+        rope_position = (position // compress_ratio) * compress_ratio
+        rotated = gptj_rotate_reference(normed, cos_sin_cache[rope_position], layout.ROPE_DIM)
+        layout.insert_rows_reference(
+            rotated.to(torch.bfloat16)[None], kv_cache, torch.tensor([slot]), block_size
+        )
