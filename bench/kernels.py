@@ -387,6 +387,7 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
     from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
     from services.engine.backport.kernels.k_cache_insert import quantize_and_insert_k_cache
+    from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
 
     # Eager times of these small launches were mostly the host's launch cost and moved
     # between calls (the K gather at 4k tokens a request: 0.012-0.033 ms eager, 0.0063 ms
@@ -489,6 +490,41 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
         ),
         tokens * 2 * overlap_width * 4 + tokens // 4 * 132,
     )
+
+    del state, index_cache
+    # The attention compressor's state rows are 8 KB (ratio 4, two 512-dim sets) or 4 KB
+    # (ratio 128); every row is read once, each closing token writes one 584-byte row.
+    kv_tokens = tokens // 4
+    norm_weight = torch.ones(layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    for ratio in (4, 128):
+        width = layout.HEAD_DIM * (1 + (ratio == 4))
+        state = torch.randn(
+            kv_tokens // state_block + 1, state_block, 2 * width, device="cuda"
+        )
+        state_table = torch.arange(state.shape[0], device="cuda", dtype=torch.int32).view(1, -1)
+        seq_positions = torch.arange(kv_tokens, device="cuda")
+        kv_slots = torch.where((seq_positions + 1) % ratio == 0, seq_positions // ratio, -1)
+        kv_cache = layout.allocate_cache(kv_tokens // ratio // BLOCK_SIZE + 1, BLOCK_SIZE, "cuda")
+        record(
+            "kv_compress_insert",
+            f"T={kv_tokens} ratio={ratio}",
+            lambda: kv_compress_insert(
+                state,
+                request_ids,
+                seq_positions,
+                seq_positions,
+                state_table,
+                cos_sin,
+                kv_cache,
+                kv_slots,
+                norm_weight,
+                1e-6,
+                ratio,
+                BLOCK_SIZE,
+            ),
+            kv_tokens * 2 * width * 4 + kv_tokens // ratio * layout.BYTES_PER_TOKEN,
+        )
+        del state, kv_cache
     return results
 
 
