@@ -158,3 +158,47 @@ def gptj_rotate_reference(
     even, odd = x[-rope_dim::2], x[-rope_dim + 1 :: 2]
     rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten()
     return torch.cat([x[:-rope_dim], rotated])
+
+
+def checked_state_width(state_cache: torch.Tensor, compress_ratio: int, head_dim: int) -> int:
+    """The state width for `compress_ratio`, after checking the state cache's dtype and shape."""
+    if state_cache.dtype != torch.float32 or state_cache.stride(-1) != 1:
+        raise ValueError("state_cache must be fp32 with contiguous rows")
+    state_width = head_dim * (1 + (compress_ratio == 4))
+    if state_cache.shape[-1] != 2 * state_width:
+        raise ValueError(
+            f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}"
+        )
+    return state_width
+
+
+def window_kernel_args(
+    state_cache: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    rms_norm_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_slot_mapping: torch.Tensor,
+    rms_norm_eps: float,
+) -> tuple:
+    """The leading arguments both compressor kernels take, in their order."""
+    return (
+        state_cache,
+        token_to_req_indices,
+        positions,
+        slot_mapping,
+        block_table,
+        rms_norm_weight,
+        cos_sin_cache,
+        kv_cache,
+        kv_slot_mapping,
+        rms_norm_eps,
+        state_cache.shape[1],
+        state_cache.stride(0),
+        state_cache.stride(1),
+        block_table.stride(0),
+        cos_sin_cache.stride(0),
+    )

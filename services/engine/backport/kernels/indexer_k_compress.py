@@ -29,12 +29,14 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels.compressor_window import (
+    checked_state_width,
     gptj_rotate,
     gptj_rotate_reference,
     merge_window,
     merge_window_reference,
     rms_normalize,
     rms_normalize_reference,
+    window_kernel_args,
 )
 from services.engine.backport.kernels.fp8_e4m3 import (
     E4M3_MAX,
@@ -126,35 +128,17 @@ def indexer_k_compress_insert(
     rope_head_dim: int = 64,
 ) -> None:
     """Compress, normalize, rotate, quantize and insert indexer K rows (module doc)."""
-    if state_cache.dtype != torch.float32 or state_cache.stride(-1) != 1:
-        raise ValueError("state_cache must be fp32 with contiguous rows")
+    state_width = checked_state_width(state_cache, compress_ratio, head_dim)
     overlap = compress_ratio == 4
-    state_width = head_dim * (1 + overlap)
-    if state_cache.shape[-1] != 2 * state_width:
-        raise ValueError(
-            f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}"
-        )
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() < 2:
         raise ValueError("kv_cache must be uint8 [num_blocks, block_size, ...]")
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
     _indexer_k_compress_kernel[(num_tokens,)](
-        state_cache,
-        token_to_req_indices,
-        positions,
-        slot_mapping,
-        block_table,
-        rms_norm_weight,
-        cos_sin_cache,
-        kv_cache,
-        kv_slot_mapping,
-        rms_norm_eps,
-        state_cache.shape[1],
-        state_cache.stride(0),
-        state_cache.stride(1),
-        block_table.stride(0),
-        cos_sin_cache.stride(0),
+        *window_kernel_args(state_cache, token_to_req_indices, positions, slot_mapping,
+                            block_table, rms_norm_weight, cos_sin_cache, kv_cache,
+                            kv_slot_mapping, rms_norm_eps),
         kv_cache.shape[1],
         kv_cache.stride(0),
         HEAD_DIM=head_dim,

@@ -27,12 +27,14 @@ import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.compressor_window import (
+    checked_state_width,
     gptj_rotate,
     gptj_rotate_reference,
     merge_window,
     merge_window_reference,
     rms_normalize,
     rms_normalize_reference,
+    window_kernel_args,
 )
 from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
 from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
@@ -108,18 +110,6 @@ def _kv_compress_kernel(
     )
 
 
-def _check_state(state_cache: torch.Tensor, compress_ratio: int) -> int:
-    """The state width for `compress_ratio`, after checking the state cache's shape."""
-    if state_cache.dtype != torch.float32 or state_cache.stride(-1) != 1:
-        raise ValueError("state_cache must be fp32 with contiguous rows")
-    state_width = layout.HEAD_DIM * (1 + (compress_ratio == 4))
-    if state_cache.shape[-1] != 2 * state_width:
-        raise ValueError(
-            f"state rows must hold {2 * state_width} values, got {state_cache.shape[-1]}"
-        )
-    return state_width
-
-
 def kv_compress_insert(
     state_cache: torch.Tensor,
     token_to_req_indices: torch.Tensor,
@@ -136,27 +126,15 @@ def kv_compress_insert(
 ) -> None:
     """Compress, normalize, rotate, quantize and insert attention KV rows (module doc).
     kv_cache: [num_blocks, page_bytes] (give block_size) or FlashMLA's strided view."""
-    state_width = _check_state(state_cache, compress_ratio)
+    state_width = checked_state_width(state_cache, compress_ratio, layout.HEAD_DIM)
     geometry = layout.cache_geometry(kv_cache, block_size)
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
     _kv_compress_kernel[(num_tokens,)](
-        state_cache,
-        token_to_req_indices,
-        positions,
-        slot_mapping,
-        block_table,
-        rms_norm_weight,
-        cos_sin_cache,
-        kv_cache,
-        kv_slot_mapping,
-        rms_norm_eps,
-        state_cache.shape[1],
-        state_cache.stride(0),
-        state_cache.stride(1),
-        block_table.stride(0),
-        cos_sin_cache.stride(0),
+        *window_kernel_args(state_cache, token_to_req_indices, positions, slot_mapping,
+                            block_table, rms_norm_weight, cos_sin_cache, kv_cache,
+                            kv_slot_mapping, rms_norm_eps),
         geometry.block_stride,
         CACHE_BLOCK_SIZE=geometry.block_size,
         STATE_WIDTH=state_width,
@@ -183,7 +161,7 @@ def kv_compress_insert_reference(
     block_size: int | None = None,
 ) -> None:
     """torch reference of `kv_compress_insert` (one token at a time)."""
-    _check_state(state_cache, compress_ratio)
+    checked_state_width(state_cache, compress_ratio, layout.HEAD_DIM)
     for token in range(positions.shape[0]):
         position = int(positions[token])
         slot = int(kv_slot_mapping[token])
