@@ -39,7 +39,9 @@ from services.engine.backport.kernels.compressor_window import (
 from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
 from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
 
-# Rows of the window in registers at once: [8, 512] fp32 kv and scores over 128 threads.
+# Rows of the window in registers at once: [8, 512] fp32 kv and scores over 128 threads
+# (H200 sm80 mode, T=32768 ratio 128, graph ms: 4 rows 0.0781, 8 0.0781, 16 0.0951, 32
+# 0.1264).
 ROW_CHUNK = 8
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
 NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
