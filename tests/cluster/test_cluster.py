@@ -205,9 +205,13 @@ def test_metrics_are_exported_and_move_under_load(cluster: Cluster) -> None:
     assert all(r.finish_reason == "length" and r.saw_done for r in records)
     after = scrape(cluster.metrics_url)
     assert peak_in_flight >= 1
+    # One inter-token observation per engine chunk after a stream's first (134 here for 6
+    # streams of 24 tokens). A loaded engine sends several tokens a chunk (a CI run saw 56),
+    # so the floor is what the client saw: a text event per chunk, or more chunks than that.
+    gaps_seen = max(sum(record.num_text_events - 1 for record in records), 1)
     for name, at_least in (("backport:gateway_requests_total", 6),
                            ("backport:time_to_first_token_seconds_count", 6),
-                           ("backport:inter_token_latency_seconds_count", 6 * 10),
+                           ("backport:inter_token_latency_seconds_count", gaps_seen),
                            ("backport:e2e_request_latency_seconds_count", 6)):
         grown = metric(after, name) - metric(before, name)
         assert grown >= at_least, (name, grown)
