@@ -56,7 +56,7 @@ INTERPRETER_CASES = [
 ]
 
 
-def _filled_cache(
+def filled_cache(
     num_rows: int, block_size: int, device: str, generator: torch.Generator
 ) -> torch.Tensor:
     num_blocks = -(-num_rows // block_size) + 1
@@ -87,7 +87,7 @@ def run_case(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(decode's (out, lse), the reference's) for one case's random inputs."""
     generator = torch.Generator().manual_seed(seed)
-    window_cache = _filled_cache(4 * case.window, 64, device, generator)
+    window_cache = filled_cache(4 * case.window, 64, device, generator)
     window_slots, window_lengths = _slot_lists(
         case.num_tokens, case.window, 4 * case.window, generator
     )
@@ -95,7 +95,7 @@ def run_case(
     if case.with_extra:
         num_compressed = max(4 * case.topk, 64)
         extra_block_size = 4 if device == "cpu" else 64
-        extra_cache = _filled_cache(num_compressed, extra_block_size, device, generator)
+        extra_cache = filled_cache(num_compressed, extra_block_size, device, generator)
         extra_slots, extra_lengths = _slot_lists(
             case.num_tokens, case.topk, num_compressed, generator
         )
@@ -170,7 +170,7 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
     """q [T, 1, H, D] and indices [T, 1, K] as FlashMLA takes them give the same result."""
     case = INTERPRETER_CASES[0]
     generator = torch.Generator().manual_seed(3)
-    cache = _filled_cache(64, 16, kernel_device, generator)
+    cache = filled_cache(64, 16, kernel_device, generator)
     slots, lengths = _slot_lists(case.num_tokens, 32, 64, generator)
     q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator).to(
         torch.bfloat16
@@ -194,8 +194,8 @@ def test_decode_takes_int64_slot_lists(kernel_device: str) -> None:
     now narrows them."""
     case = INTERPRETER_CASES[1]
     generator = torch.Generator().manual_seed(4)
-    cache = _filled_cache(64, 16, kernel_device, generator)
-    extra_cache = _filled_cache(96, 4, kernel_device, generator)
+    cache = filled_cache(64, 16, kernel_device, generator)
+    extra_cache = filled_cache(96, 4, kernel_device, generator)
     slots, lengths = _slot_lists(case.num_tokens, 32, 64, generator)
     extra_slots, extra_lengths = _slot_lists(case.num_tokens, case.topk, 96, generator)
     q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator)
@@ -224,8 +224,8 @@ def test_decode_matches_the_torch_op_vllm_cpu_runs_deepseek_v4_on(kernel_device:
     as top-k lists and windows are: that op counts a repeated slot once."""
     generator = torch.Generator().manual_seed(11)
     num_tokens, num_heads, window, topk = 3, 16, 24, 40
-    window_cache = _filled_cache(4 * window, 64, "cpu", generator)
-    compressed_cache = _filled_cache(4 * topk, 16, "cpu", generator)
+    window_cache = filled_cache(4 * window, 64, "cpu", generator)
+    compressed_cache = filled_cache(4 * topk, 16, "cpu", generator)
 
     def distinct_slots(width: int, num_slots: int) -> torch.Tensor:
         slots = torch.stack([torch.randperm(num_slots, generator=generator)[:width]

