@@ -189,9 +189,9 @@ def test_decode_accepts_flashmla_shapes(kernel_device: str) -> None:
 
 
 def test_decode_takes_int64_slot_lists(kernel_device: str) -> None:
-    """int64 slots and lengths (vLLM's CPU op takes int64) give what int32 ones give. Triton
-    3.6 failed to compile the decode for int64 slot lists with an extra cache; the launcher
-    now narrows them."""
+    """int64 slots and lengths (vLLM's CPU op takes int64) give what int32 ones give, and
+    other dtypes are refused. Triton 3.6 failed to compile the decode for int64 slot lists
+    with an extra cache; the launcher now narrows them."""
     case = INTERPRETER_CASES[1]
     generator = torch.Generator().manual_seed(4)
     cache = filled_cache(64, 16, kernel_device, generator)
@@ -214,6 +214,8 @@ def test_decode_takes_int64_slot_lists(kernel_device: str) -> None:
     out, lse = decode(torch.int64)
     assert torch.equal(out.cpu(), want_out.cpu())
     assert torch.equal(lse.cpu(), want_lse.cpu())
+    with pytest.raises(TypeError, match="must be int32 or int64, got torch.float32"):
+        decode(torch.float32)
 
 
 def test_decode_matches_the_torch_op_vllm_cpu_runs_deepseek_v4_on(kernel_device: str) -> None:

@@ -375,10 +375,13 @@ def device_sm_count(device: torch.device) -> int:
 
 
 def int32_rows(x: torch.Tensor | None) -> torch.Tensor | None:
-    """x as int32 with contiguous rows. Slots fit in int32 (2**31 rows of 584 B is 1.25 TB
-    of cache), and Triton 3.6 fails to compile the decode for int64 slot lists."""
+    """Slots or lengths (int32 or int64) as int32 with contiguous rows. Slots fit in int32
+    (2**31 rows of 584 B is 1.25 TB of cache), and Triton 3.6 fails to compile the decode
+    for int64 slot lists."""
     if x is None:
         return None
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot lists and lengths must be int32 or int64, got {x.dtype}")
     if x.dtype != torch.int32 or x.stride(-1) != 1:
         x = x.to(torch.int32).contiguous()
     return x
@@ -386,9 +389,9 @@ def int32_rows(x: torch.Tensor | None) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class DecodeOperands:
-    """A decode call's q and slot lists in [T, ...] form, checked (slots as int32), and where
-    the caches' pages are. Without an extra cache, extra_indices is None and extra_geometry repeats
-    geometry."""
+    """A decode call's q and slot lists in [T, ...] form, checked (slots as int32 with
+    contiguous rows), and where the caches' pages are. Without an extra cache,
+    extra_indices is None and extra_geometry repeats geometry."""
 
     q: torch.Tensor
     indices: torch.Tensor
@@ -412,8 +415,8 @@ def decode_operands(
     if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, H, 512] with contiguous rows, got {tuple(q.shape)}")
     num_tokens = q.shape[0]
-    if indices.dim() != 2 or indices.shape[0] != num_tokens or indices.stride(-1) != 1:
-        raise ValueError(f"indices must be [T, K] with contiguous rows, got {tuple(indices.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != num_tokens:
+        raise ValueError(f"indices must be [T, K], got {tuple(indices.shape)}")
     geometry = layout.cache_geometry(k_cache, block_size)
     if extra_k_cache is None:
         return DecodeOperands(q, indices, None, geometry, geometry)
