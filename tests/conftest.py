@@ -19,10 +19,31 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MESH_START_TIMEOUT_S = 900.0
 
 
-def free_port() -> int:
+_handed_out_ports: set[int] = set()
+
+
+def free_port(count: int = 1) -> int:
+    """A port P with P..P+count-1 free and none of them handed out before in this test run.
+    `backport up` numbers its engines' ports upwards from a base, and successive free
+    ports are often neighbours: a cluster run once gave engine B the metrics port another
+    process had been handed."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        ports = range(base, base + count)
+        if _handed_out_ports.isdisjoint(ports) and all(_bindable(p) for p in ports[1:]):
+            _handed_out_ports.update(ports)
+            return base
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def engine_environment() -> dict[str, str]:

@@ -81,8 +81,8 @@ def cluster(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     log_dir = tmp_path_factory.mktemp("cluster")
     redis = RedisServer(free_port(), log_dir / "redis.log")
     redis.start()
-    port, tokenizer_port, engine_port, c_port = free_port(), free_port(), free_port(), free_port()
-    metrics_port, c_metrics_port = free_port(), free_port()
+    port, tokenizer_port, c_port, c_metrics_port = (free_port() for _ in range(4))
+    engine_port, metrics_port = free_port(2), free_port(2)  # engines A and B count up from them
     engine_c = start_engine(embedded_model_path, c_port, log_dir / "engine-c.log", *ENGINE_ARGS,
                             "--redis-url", redis.url, "--registry-ttl-s", str(REGISTRY_TTL_S),
                             "--metrics-port", str(c_metrics_port))

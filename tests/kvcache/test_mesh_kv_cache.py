@@ -10,7 +10,6 @@ importable (`make kvcache-deps` installs it; `make test` does).
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -40,18 +39,6 @@ def long_prompt(num_lines: int = 44) -> str:
     return "".join(PROMPT_LINE.format(n=n) for n in range(num_lines))
 
 
-def two_free_consecutive_ports() -> int:
-    """A port P with P and P+1 free: the launcher numbers engine metrics ports upwards."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-
-
 def generate_requests_served(metrics_port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
@@ -79,7 +66,7 @@ def test_kv_cache_is_refused_before_anything_starts(embedded_model_path: Path) -
 @pytest.fixture(scope="module")
 def kv_mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[RunningMesh, int]]:
-    metrics_port = two_free_consecutive_ports()
+    metrics_port = free_port(2)  # one metrics port an engine
     with pytest.MonkeyPatch.context() as env:
         # LMCache allocates its whole L1 at start; 1 GiB holds this test's chunks many times.
         env.setenv("BACKPORT_KVCACHE_L1_SIZE_GIB", "1")
