@@ -525,6 +525,39 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
             kv_tokens * 2 * width * 4 + kv_tokens // ratio * layout.BYTES_PER_TOKEN,
         )
         del state, kv_cache
+
+    # A decode step: one token for each of 64 requests whose state rows sit in 4-row blocks
+    # scattered over 4k-token contexts; `closing` of them end a window.
+    requests, context = 64, 4096
+    for ratio, closing in ((4, 16), (128, 1), (128, 8), (128, 64)):
+        width = layout.HEAD_DIM * (1 + (ratio == 4))
+        blocks = context // state_block
+        state = torch.randn(requests * blocks, state_block, 2 * width, device="cuda")
+        state_table = torch.randperm(requests * blocks, device="cuda").to(torch.int32)
+        ends = torch.arange(requests, device="cuda") < closing
+        step_positions = torch.where(ends, context - 1, context - 2)
+        kv_cache = layout.allocate_cache(2, BLOCK_SIZE, "cuda")
+        record(
+            "kv_compress_insert",
+            f"decode B={requests} ratio={ratio} closing={closing}",
+            lambda: kv_compress_insert(
+                state,
+                torch.arange(requests, dtype=torch.int32, device="cuda"),
+                step_positions,
+                step_positions,
+                state_table.view(requests, blocks),
+                cos_sin,
+                kv_cache,
+                torch.arange(requests, device="cuda"),
+                norm_weight,
+                1e-6,
+                ratio,
+                BLOCK_SIZE,
+            ),
+            closing * ((1 + (ratio == 4)) * ratio * 2 * layout.HEAD_DIM * 4
+                       + layout.BYTES_PER_TOKEN),
+        )
+        del state
     return results
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels import kv_compress_insert as compressor
 from services.engine.backport.kernels.kv_compress_insert import (
     kv_compress_insert,
     kv_compress_insert_reference,
@@ -54,17 +55,34 @@ def compressed_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return layout.read_rows_reference(cache.cpu(), slots, CACHE_BLOCK_SIZE)
 
 
+@pytest.fixture(params=["decode-sized", "prefill-sized"])
+def batch_plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test under both launch plans: a batch of at most DECODE_PLAN_MAX_TOKENS
+    tokens (one token a program; ratio-128 windows merged over dim slices first) and a
+    larger one (TOKENS_PER_PROGRAM tokens a program, each merging its own windows)."""
+    if request.param == "prefill-sized":
+        monkeypatch.setattr(compressor, "DECODE_PLAN_MAX_TOKENS", 0)
+    return request.param
+
+
+def compressed_by_kernel(args: dict, device: str) -> torch.Tensor:
+    got = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, device)
+    kv_compress_insert(
+        kv_cache=got,
+        **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()},
+    )
+    return got
+
+
 @pytest.mark.parametrize("compress_ratio", [4, 128])
-def test_kv_compress_insert(kernel_device: str, compress_ratio: int, record_max_error) -> None:
+def test_kv_compress_insert(
+    kernel_device: str, compress_ratio: int, batch_plan: str, record_max_error
+) -> None:
     seq_len = 3 * compress_ratio + 5
     args = compressor_inputs(compress_ratio, seq_len, seed=compress_ratio)
     want = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, "cpu")
     kv_compress_insert_reference(kv_cache=want, **args)
-    got = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, kernel_device)
-    kv_compress_insert(
-        kv_cache=got,
-        **{k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v for k, v in args.items()},
-    )
+    got = compressed_by_kernel(args, kernel_device)
 
     written = args["kv_slot_mapping"][(args["kv_slot_mapping"] >= 0) & (args["slot_mapping"] >= 0)]
     assert written.numel() >= 2
@@ -79,3 +97,46 @@ def test_kv_compress_insert(kernel_device: str, compress_ratio: int, record_max_
     assert (compressed_rows(got, skipped) == 0).all()
     differing = (got.cpu() != want).float().mean().item()
     assert differing < 0.01
+
+
+@pytest.mark.parametrize("compress_ratio", [4, 128])
+def test_kv_compress_insert_decode_step(
+    kernel_device: str, compress_ratio: int, batch_plan: str
+) -> None:
+    """One token for each of several requests, as a decode step has them: the requests'
+    windows come from their own block tables, some tokens close a window and some do not,
+    one request is shorter than a window."""
+    generator = torch.Generator().manual_seed(40 + compress_ratio)
+    window = (1 + (compress_ratio == 4)) * compress_ratio
+    num_requests, state_block_size = 6, 8
+    blocks_per_request = -(-(window + 2 * compress_ratio) // state_block_size)
+    args = compressor_inputs(compress_ratio, compress_ratio, seed=compress_ratio)
+    positions = torch.randint(window, window + compress_ratio, (num_requests,),
+                              generator=generator)
+    positions[:3] = window + compress_ratio - 1  # closes a window
+    positions[3] = compress_ratio - 1  # closes the sequence's first window
+    state = args["state_cache"].new_empty(
+        num_requests * blocks_per_request, state_block_size, args["state_cache"].shape[-1]
+    ).normal_(generator=generator)
+    kv_slots = torch.randperm(CACHE_BLOCK_SIZE * NUM_CACHE_BLOCKS,
+                              generator=generator)[:num_requests]
+    args.update(
+        state_cache=state,
+        token_to_req_indices=torch.randperm(num_requests, generator=generator).to(torch.int32),
+        positions=positions,
+        slot_mapping=positions.clone(),
+        block_table=torch.randperm(state.shape[0], generator=generator)
+        .view(num_requests, blocks_per_request)
+        .to(torch.int32),
+        kv_slot_mapping=kv_slots,
+    )
+    want = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, "cpu")
+    kv_compress_insert_reference(kv_cache=want, **args)
+    got = compressed_by_kernel(args, kernel_device)
+
+    closes = (positions + 1) % compress_ratio == 0
+    assert int(closes.sum()) >= 4
+    got_rows = compressed_rows(got, kv_slots[closes])
+    want_rows = compressed_rows(want, kv_slots[closes])
+    assert ((got_rows - want_rows).norm() / want_rows.norm()).item() < 1e-2
+    assert (compressed_rows(got, kv_slots[~closes]) == 0).all()

@@ -20,19 +20,21 @@ def load_window_rows(
     block_table_row_ptr,
     position,
     first_row,
+    first_dim,
     state_block_size,
     stride_state_block,
     stride_state_row,
     ROWS: tl.constexpr,
+    DIMS: tl.constexpr,
     WINDOW: tl.constexpr,
     RATIO: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     STATE_WIDTH: tl.constexpr,
 ):
-    """kv and score [ROWS, HEAD_DIM] of window rows first_row.. of the window that ends at
-    `position`; rows before the sequence start read as kv 0, score -inf."""
+    """kv and score [ROWS, DIMS] of window rows first_row.. and dims first_dim.. of the
+    window that ends at `position`; rows before the sequence start read as kv 0, score -inf."""
     rows = first_row + tl.arange(0, ROWS)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = first_dim + tl.arange(0, DIMS)
     row_position = position - WINDOW + 1 + rows
     in_sequence = row_position >= 0
     safe_position = tl.where(in_sequence, row_position, 0)
@@ -56,34 +58,37 @@ def merge_window(
     state_ptr,
     block_table_row_ptr,
     position,
+    first_dim,
     state_block_size,
     stride_state_block,
     stride_state_row,
+    DIMS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     STATE_WIDTH: tl.constexpr,
     RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
 ):
-    """The softmax-weighted merge over the window's rows [HEAD_DIM], fp32. A window wider
-    than ROW_CHUNK rows is walked ROW_CHUNK rows at a time with an online softmax (per dim:
+    """The softmax-weighted merge over the window's rows of dims first_dim.. [DIMS], fp32
+    (the softmax is per dim, so any slice of dims merges on its own). A window wider than
+    ROW_CHUNK rows is walked ROW_CHUNK rows at a time with an online softmax (per dim:
     running maximum, weight sum and weighted sum), so a [128, 512] window never has to sit
     in registers at once."""
     WINDOW: tl.constexpr = (1 + OVERLAP) * RATIO
     if ROW_CHUNK >= WINDOW:
-        kv, score = load_window_rows(state_ptr, block_table_row_ptr, position, 0,
+        kv, score = load_window_rows(state_ptr, block_table_row_ptr, position, 0, first_dim,
                                      state_block_size, stride_state_block, stride_state_row,
-                                     WINDOW, WINDOW, RATIO, HEAD_DIM, STATE_WIDTH)
+                                     WINDOW, DIMS, WINDOW, RATIO, HEAD_DIM, STATE_WIDTH)
         weights = tl.exp(score - tl.max(score, axis=0)[None, :])
         merged = tl.sum(kv * weights, axis=0) / tl.sum(weights, axis=0)
     else:
-        running_max = tl.full((HEAD_DIM,), float("-inf"), tl.float32)
-        weight_sum = tl.zeros((HEAD_DIM,), tl.float32)
-        weighted = tl.zeros((HEAD_DIM,), tl.float32)
+        running_max = tl.full((DIMS,), float("-inf"), tl.float32)
+        weight_sum = tl.zeros((DIMS,), tl.float32)
+        weighted = tl.zeros((DIMS,), tl.float32)
         for first_row in range(0, WINDOW, ROW_CHUNK):
             kv, score = load_window_rows(state_ptr, block_table_row_ptr, position, first_row,
-                                         state_block_size, stride_state_block,
-                                         stride_state_row, ROW_CHUNK, WINDOW, RATIO,
+                                         first_dim, state_block_size, stride_state_block,
+                                         stride_state_row, ROW_CHUNK, DIMS, WINDOW, RATIO,
                                          HEAD_DIM, STATE_WIDTH)
             new_max = tl.maximum(running_max, tl.max(score, axis=0))
             # All rows so far before the sequence start: keep the sums at 0, not NaN.
@@ -95,6 +100,17 @@ def merge_window(
             running_max = new_max
         merged = weighted / weight_sum
     return merged
+
+
+@triton.jit
+def closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr, token, RATIO: tl.constexpr):
+    """(position, cache slot, whether `token` closes a window and writes a row): a token
+    writes when it ends a window of RATIO positions and has a state and a cache slot."""
+    position = tl.load(positions_ptr + token)
+    state_slot = tl.load(state_slots_ptr + token)
+    cache_slot = tl.load(cache_slots_ptr + token).to(tl.int64)
+    closes = (state_slot >= 0) & ((position + 1) % RATIO == 0) & (cache_slot >= 0)
+    return position, cache_slot, closes
 
 
 @triton.jit

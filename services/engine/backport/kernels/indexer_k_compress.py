@@ -92,9 +92,9 @@ def _indexer_k_compress_kernel(
         return
 
     # The window's state rows through the request's block table, merged and normalized.
-    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
+    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position, 0,
                           state_block_size, stride_state_block, stride_state_row, HEAD_DIM,
-                          STATE_WIDTH, RATIO, OVERLAP, (1 + OVERLAP) * RATIO)
+                          HEAD_DIM, STATE_WIDTH, RATIO, OVERLAP, (1 + OVERLAP) * RATIO)
     normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
 
     # GPT-J RoPE on the last 2 * HALF_ROPE dims at the window's first position.

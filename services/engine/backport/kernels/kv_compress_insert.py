@@ -14,9 +14,12 @@ DeepSeek-V4's main (head 512) compressor. Upstream runs it as a CuTe-DSL kernel 
   rotated (GPT-J pairs, at position (p // ratio) * ratio) and stored as bf16.
 Tokens whose state slot or cache slot is -1, or that close no window, write nothing.
 
-Tiling: one program per token, 512 dims across 4 warps. The ratio-128 window (128 x 512
-values) is merged ROW_CHUNK rows at a time with an online softmax; the ratio-4 window (8
-rows) in one piece. Most programs (all but one token in `ratio`) stop after four scalars.
+Tiling: a program finishes a token's row with 512 dims across 4 warps, one token a
+program in decode-sized batches and TOKENS_PER_PROGRAM in larger ones (most tokens close
+no window and cost only four scalar loads). It merges the window itself (the ratio-4
+window, 8 rows, in one piece; the ratio-128 one, 128 x 512 values, ROW_CHUNK rows at a time
+with an online softmax), except at ratio 128 in decode-sized batches, where
+`_merge_slices_kernel` has merged it first over dim slices, many programs a window.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.compressor_window import (
     checked_state_width,
+    closing_token,
     gptj_rotate,
     gptj_rotate_reference,
     merge_window,
@@ -39,10 +43,23 @@ from services.engine.backport.kernels.compressor_window import (
 from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
 from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
 
-# Rows of the window in registers at once: [8, 512] fp32 kv and scores over 128 threads
-# (H200 sm80 mode, T=32768 ratio 128, graph ms: 4 rows 0.0781, 8 0.0781, 16 0.0951, 32
-# 0.1264).
+# Rows of the window in registers at once when one program merges all 512 dims: [8, 512]
+# fp32 kv and scores over 128 threads (H200 sm80 mode, T=32768 ratio 128, graph ms: 4 rows
+# 0.0781, 8 0.0781, 16 0.0951, 32 0.1264).
 ROW_CHUNK = 8
+# Batches of up to this many tokens (decode steps, small prefill chunks) close few windows,
+# and one program a token costs little. At ratio 128 one program a window streams its
+# 512 KB alone, so there the window is first merged by HEAD_DIM // MERGE_SLICE programs of
+# MERGE_SLICE dims each (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 9.3 us, 64
+# windows 31.2 -> 13.1 us; at T=2048, 16 windows, 30.4 -> 26.8 us, at T=4096 slower).
+DECODE_PLAN_MAX_TOKENS = 2048
+MERGE_SLICE = 32
+SLICE_ROW_CHUNK = 64  # [64 rows, 32 dims] fp32 kv and scores over 64 threads
+# Larger batches are prefill chunks: at most one token in `ratio` closes a window, and the
+# rest would each cost a program that loads four scalars and stops (T=32768, ratio 128:
+# 89.5 us at 1 token a program, 60.8 at 8; ratio 4: 91.2 -> 87.1 us; 16 and more tokens a
+# program are slower at ratio 4).
+TOKENS_PER_PROGRAM = 8
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
 NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
 HALF_ROPE = tl.constexpr(layout.ROPE_DIM // 2)
@@ -70,46 +87,86 @@ def _kv_compress_kernel(
     stride_state_row,
     stride_table_req,
     stride_cos_sin,
+    merged_ptr,
+    num_tokens,
     cache_block_stride,
     CACHE_BLOCK_SIZE: tl.constexpr,
     STATE_WIDTH: tl.constexpr,
     RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr,
     HARDWARE_FP8: tl.constexpr,
 ):
+    first_token = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM
+    for step in range(TOKENS_PER_PROGRAM):  # a constant trip count: one token folds away
+        token = tl.minimum(first_token + step, num_tokens - 1)
+        position, cache_slot, closes = closing_token(positions_ptr, state_slots_ptr,
+                                                     cache_slots_ptr, token, RATIO)
+        if closes & (first_token + step < num_tokens):
+            if merged_ptr is None:
+                request = tl.load(token_to_req_ptr + token).to(tl.int64)
+                merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req,
+                                      position, 0, state_block_size, stride_state_block,
+                                      stride_state_row, HEAD_DIM, HEAD_DIM, STATE_WIDTH, RATIO,
+                                      OVERLAP, ROW_CHUNK)
+            else:  # merged by _merge_slices_kernel
+                merged = tl.load(merged_ptr + token * HEAD_DIM + tl.arange(0, HEAD_DIM))
+            normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
+            cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
+            # The NoPE dims come back from the rotation unchanged: bf16 of the normalized
+            # values (upstream's quant input), and bf16 of the rotated RoPE values (its
+            # stored ones).
+            row = round_to_bf16(gptj_rotate(normed, cos_sin_row, HEAD_DIM, HALF_ROPE))
+
+            slot = tl.zeros((1,), tl.int64) + cache_slot  # store_ds_mla_rows takes rows [R]
+            page = (slot // CACHE_BLOCK_SIZE) * cache_block_stride
+            in_page = slot % CACHE_BLOCK_SIZE
+            store_ds_mla_rows(
+                cache_ptr,
+                page + in_page * DATA_BYTES,
+                page + CACHE_BLOCK_SIZE * DATA_BYTES + in_page * SCALE_BYTES,
+                tl.reshape(row, (1, ROW_TILES, QUANT_TILE)),
+                slot >= 0,
+                NOPE_DIM,
+                QUANT_TILE,
+                NUM_NOPE_TILES,
+                ROW_TILES,
+                HARDWARE_FP8,
+            )
+
+
+@triton.jit
+def _merge_slices_kernel(
+    state_ptr,
+    token_to_req_ptr,
+    positions_ptr,
+    state_slots_ptr,
+    block_table_ptr,
+    cache_slots_ptr,
+    merged_ptr,
+    state_block_size,
+    stride_state_block,
+    stride_state_row,
+    stride_table_req,
+    STATE_WIDTH: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    SLICE: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
+):
+    """Program (token, s) merges dims s * SLICE.. of the token's window into merged[token]."""
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    state_slot = tl.load(state_slots_ptr + token)
-    cache_slot = tl.load(cache_slots_ptr + token).to(tl.int64)
-    request = tl.load(token_to_req_ptr + token).to(tl.int64)
-    if (state_slot < 0) | ((position + 1) % RATIO != 0) | (cache_slot < 0):
+    position, cache_slot, closes = closing_token(positions_ptr, state_slots_ptr,
+                                                 cache_slots_ptr, token, RATIO)
+    if not closes:
         return
-
+    request = tl.load(token_to_req_ptr + token).to(tl.int64)
+    first_dim = tl.program_id(1) * SLICE
     merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
-                          state_block_size, stride_state_block, stride_state_row, HEAD_DIM,
-                          STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
-    normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
-    cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
-    # The NoPE dims come back from the rotation unchanged: bf16 of the normalized values
-    # (upstream's quant input), and bf16 of the rotated RoPE values (its stored ones).
-    row = round_to_bf16(gptj_rotate(normed, cos_sin_row, HEAD_DIM, HALF_ROPE))
-
-    slot = tl.zeros((1,), tl.int64) + cache_slot  # store_ds_mla_rows takes rows [R]
-    page = (slot // CACHE_BLOCK_SIZE) * cache_block_stride
-    in_page = slot % CACHE_BLOCK_SIZE
-    store_ds_mla_rows(
-        cache_ptr,
-        page + in_page * DATA_BYTES,
-        page + CACHE_BLOCK_SIZE * DATA_BYTES + in_page * SCALE_BYTES,
-        tl.reshape(row, (1, ROW_TILES, QUANT_TILE)),
-        slot >= 0,
-        NOPE_DIM,
-        QUANT_TILE,
-        NUM_NOPE_TILES,
-        ROW_TILES,
-        HARDWARE_FP8,
-    )
+                          first_dim, state_block_size, stride_state_block, stride_state_row,
+                          SLICE, HEAD_DIM, STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
+    tl.store(merged_ptr + token * HEAD_DIM + first_dim + tl.arange(0, SLICE), merged)
 
 
 def kv_compress_insert(
@@ -133,16 +190,44 @@ def kv_compress_insert(
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
-    _kv_compress_kernel[(num_tokens,)](
+    overlap = int(compress_ratio == 4)
+    decode_plan = num_tokens <= DECODE_PLAN_MAX_TOKENS
+    merged = None
+    if compress_ratio == 128 and decode_plan:
+        merged = torch.empty(num_tokens, layout.HEAD_DIM, device=state_cache.device)
+        _merge_slices_kernel[(num_tokens, layout.HEAD_DIM // MERGE_SLICE)](
+            state_cache,
+            token_to_req_indices,
+            positions,
+            slot_mapping,
+            block_table,
+            kv_slot_mapping,
+            merged,
+            state_cache.shape[1],
+            state_cache.stride(0),
+            state_cache.stride(1),
+            block_table.stride(0),
+            STATE_WIDTH=state_width,
+            RATIO=compress_ratio,
+            OVERLAP=overlap,
+            SLICE=MERGE_SLICE,
+            ROW_CHUNK=SLICE_ROW_CHUNK,
+            num_warps=2,
+        )
+    tokens_per_program = 1 if decode_plan else TOKENS_PER_PROGRAM
+    _kv_compress_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
         *window_kernel_args(state_cache, token_to_req_indices, positions, slot_mapping,
                             block_table, rms_norm_weight, cos_sin_cache, kv_cache,
                             kv_slot_mapping, rms_norm_eps),
+        merged,
+        num_tokens,
         geometry.block_stride,
         CACHE_BLOCK_SIZE=geometry.block_size,
         STATE_WIDTH=state_width,
         RATIO=compress_ratio,
-        OVERLAP=int(compress_ratio == 4),
+        OVERLAP=overlap,
         ROW_CHUNK=ROW_CHUNK,
+        TOKENS_PER_PROGRAM=tokens_per_program,
         HARDWARE_FP8=hardware_fp8_encode(kv_cache.device),
         num_warps=4,
     )
