@@ -59,7 +59,8 @@ def compressed_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def batch_plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test under both launch plans: a batch of at most DECODE_PLAN_MAX_TOKENS
     tokens (one token a program; ratio-128 windows merged over dim slices first) and a
-    larger one (TOKENS_PER_PROGRAM tokens a program, each merging its own windows)."""
+    larger one (at ratio 128, TOKENS_PER_PROGRAM tokens a program, each merging its own
+    windows)."""
     if request.param == "prefill-sized":
         monkeypatch.setattr(compressor, "DECODE_PLAN_MAX_TOKENS", 0)
     return request.param

@@ -15,10 +15,10 @@ DeepSeek-V4's main (head 512) compressor. Upstream runs it as a CuTe-DSL kernel 
 Tokens whose state slot or cache slot is -1, or that close no window, write nothing.
 
 Tiling: a program finishes a token's row with 512 dims across 4 warps, one token a
-program in decode-sized batches and TOKENS_PER_PROGRAM in larger ones (most tokens close
-no window and cost only four scalar loads). It merges the window itself (the ratio-4
-window, 8 rows, in one piece; the ratio-128 one, 128 x 512 values, ROW_CHUNK rows at a time
-with an online softmax), except at ratio 128 in decode-sized batches, where
+program, except at ratio 128 in batches past decode size: there TOKENS_PER_PROGRAM (most
+tokens close no window and cost only four scalar loads). It merges the window itself (the
+ratio-4 window, 8 rows, in one piece; the ratio-128 one, 128 x 512 values, ROW_CHUNK rows
+at a time with an online softmax), except at ratio 128 in decode-sized batches, where
 `_merge_slices_kernel` has merged it first over dim slices, many programs a window.
 """
 
@@ -50,15 +50,16 @@ ROW_CHUNK = 8
 # Batches of up to this many tokens (decode steps, small prefill chunks) close few windows,
 # and one program a token costs little. At ratio 128 one program a window streams its
 # 512 KB alone, so there the window is first merged by HEAD_DIM // MERGE_SLICE programs of
-# MERGE_SLICE dims each (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 9.3 us, 64
-# windows 31.2 -> 13.1 us; at T=2048, 16 windows, 30.4 -> 26.8 us, at T=4096 slower).
+# MERGE_SLICE dims each (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 7.5 us, 64
+# windows 31.2 -> 11.2 us; T=2048, 16 windows: 31.2 -> 26.9 us; at T=4096 slower).
 DECODE_PLAN_MAX_TOKENS = 2048
 MERGE_SLICE = 32
 SLICE_ROW_CHUNK = 64  # [64 rows, 32 dims] fp32 kv and scores over 64 threads
-# Larger batches are prefill chunks: at most one token in `ratio` closes a window, and the
-# rest would each cost a program that loads four scalars and stops (T=32768, ratio 128:
-# 89.5 us at 1 token a program, 60.8 at 8; ratio 4: 91.2 -> 87.1 us; 16 and more tokens a
-# program are slower at ratio 4).
+# Larger batches are prefill chunks. At ratio 128 at most one token in 128 closes a
+# window, and the rest would each cost a program that loads four scalars and stops, so a
+# program walks TOKENS_PER_PROGRAM tokens (T=32768: 78.3 -> 62.2 us; 16 or more tokens no
+# better). At ratio 4 a quarter of the tokens close one, and walking them in one program
+# only serializes windows (T=32768: 82.8 -> 87.5 us at 8 tokens), so there it stays one.
 TOKENS_PER_PROGRAM = 8
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
 NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
@@ -214,7 +215,7 @@ def kv_compress_insert(
             ROW_CHUNK=SLICE_ROW_CHUNK,
             num_warps=2,
         )
-    tokens_per_program = 1 if decode_plan else TOKENS_PER_PROGRAM
+    tokens_per_program = 1 if decode_plan or compress_ratio == 4 else TOKENS_PER_PROGRAM
     _kv_compress_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
         *window_kernel_args(state_cache, token_to_req_indices, positions, slot_mapping,
                             block_table, rms_norm_weight, cos_sin_cache, kv_cache,
