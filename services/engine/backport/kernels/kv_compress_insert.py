@@ -50,8 +50,8 @@ ROW_CHUNK = 8
 # Batches of up to this many tokens (decode steps, small prefill chunks) close few windows,
 # and one program a token costs little. At ratio 128 one program a window streams its
 # 512 KB alone, so there the window is first merged by HEAD_DIM // MERGE_SLICE programs of
-# MERGE_SLICE dims each (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 7.5 us, 64
-# windows 31.2 -> 11.2 us; T=2048, 16 windows: 31.2 -> 26.9 us; at T=4096 slower).
+# MERGE_SLICE dims each (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 7.6 us, 64
+# windows 31.1 -> 11.3 us; T=2048, 16 windows: 31.3 -> 26.8 us; at T=4096 slower).
 DECODE_PLAN_MAX_TOKENS = 2048
 MERGE_SLICE = 32
 SLICE_ROW_CHUNK = 64  # [64 rows, 32 dims] fp32 kv and scores over 64 threads
@@ -59,7 +59,7 @@ SLICE_ROW_CHUNK = 64  # [64 rows, 32 dims] fp32 kv and scores over 64 threads
 # window, and the rest would each cost a program that loads four scalars and stops, so a
 # program walks TOKENS_PER_PROGRAM tokens (T=32768: 78.3 -> 62.2 us; 16 or more tokens no
 # better). At ratio 4 a quarter of the tokens close one, and walking them in one program
-# only serializes windows (T=32768: 82.8 -> 87.5 us at 8 tokens), so there it stays one.
+# only serializes windows (T=32768: 82.7 -> 87.5 us at 8 tokens), so there it stays one.
 TOKENS_PER_PROGRAM = 8
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
 NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
@@ -158,8 +158,8 @@ def _merge_slices_kernel(
 ):
     """Program (token, s) merges dims s * SLICE.. of the token's window into merged[token]."""
     token = tl.program_id(0).to(tl.int64)
-    position, cache_slot, closes = closing_token(positions_ptr, state_slots_ptr,
-                                                 cache_slots_ptr, token, RATIO)
+    position, _, closes = closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr, token,
+                                        RATIO)
     if not closes:
         return
     request = tl.load(token_to_req_ptr + token).to(tl.int64)
