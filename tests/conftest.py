@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -20,19 +21,36 @@ MESH_START_TIMEOUT_S = 900.0
 
 
 _handed_out_ports: set[int] = set()
+_port_choice = random.Random()  # its own: tests that seed `random` must not repeat ports
+# Ports the tests hand out sit below the kernel's ephemeral range: a port taken from that
+# range (by binding port 0) can be given to another socket's outgoing connection before
+# the service it was meant for binds it, which once cost a CI run its gateway port.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+TEST_PORT_SPAN = 12000
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port(count: int = 1) -> int:
-    """A port P with P..P+count-1 free and none of them handed out before in this test run.
-    `backport up` numbers its engines' ports upwards from a base, and successive free
-    ports are often neighbours: a cluster run once gave engine B the metrics port another
-    process had been handed."""
+    """A port P with P..P+count-1 free, below the ephemeral range, and none of them handed
+    out before in this test run. `backport up` numbers its engines' ports upwards from a
+    base, so a run of ports is reserved whole."""
+    top = _ephemeral_floor()
+    bottom = max(1024, top - TEST_PORT_SPAN)
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+        if top - count > bottom:
+            base = _port_choice.randrange(bottom, top - count)
+        else:  # no room below the ephemeral range: let the kernel pick
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
         ports = range(base, base + count)
-        if _handed_out_ports.isdisjoint(ports) and all(_bindable(p) for p in ports[1:]):
+        if _handed_out_ports.isdisjoint(ports) and all(_bindable(p) for p in ports):
             _handed_out_ports.update(ports)
             return base
 

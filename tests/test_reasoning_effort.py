@@ -25,6 +25,7 @@ from services.gateway.reasoning_effort import (
     resolve_session_effort,
     session_key,
 )
+from tests.conftest import free_port
 
 HIGH, LOW, MAX = Effort(True, "high"), Effort(True, "low"), Effort(True, "max")
 
@@ -154,9 +155,7 @@ def redis_url() -> Iterator[str]:
     if server_binary is None:
         pytest.skip("redis-server is not installed (Debian package redis-server)")
     pytest.importorskip("redis", reason="redis-py is not installed")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([server_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -6,7 +6,6 @@ here is vLLM's device-resident class, which holds the same table and returns the
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from services.engine.backport import ple as ple_hook  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 from tests.ple.service_process import ServiceProcess  # noqa: E402
 
 PREFIX = "model.layers.0.ple.ple_embedding"
@@ -37,12 +37,9 @@ def vllm_config() -> Iterator[object]:
 
     config = VllmConfig()
     config.engram_config = EngramConfig(cpu_offload=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         initialize_model_parallel(1, 1)
         try:
             yield config
