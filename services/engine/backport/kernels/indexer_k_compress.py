@@ -30,6 +30,7 @@ import triton.language as tl
 
 from services.engine.backport.kernels.compressor_window import (
     checked_state_width,
+    closing_token,
     gptj_rotate,
     gptj_rotate_reference,
     merge_window,
@@ -84,11 +85,10 @@ def _indexer_k_compress_kernel(
     token = tl.program_id(0).to(tl.int64)
     # The token's four scalars in one round trip to memory: most programs (all but one
     # token in RATIO) stop right after them.
-    position = tl.load(positions_ptr + token)
-    state_slot = tl.load(state_slots_ptr + token)
-    cache_slot = tl.load(cache_slots_ptr + token).to(tl.int64)
     request = tl.load(token_to_req_ptr + token).to(tl.int64)
-    if (state_slot < 0) | ((position + 1) % RATIO != 0) | (cache_slot < 0):
+    position, cache_slot, closes = closing_token(positions_ptr, state_slots_ptr,
+                                                 cache_slots_ptr, token, RATIO)
+    if not closes:
         return
 
     # The window's state rows through the request's block table, merged and normalized.
