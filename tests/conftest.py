@@ -29,7 +29,7 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 TEST_PORT_SPAN = 12000
 
 
-def _ephemeral_floor() -> int:
+def ephemeral_port_floor() -> int:
     try:
         return int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -40,7 +40,7 @@ def free_port(count: int = 1) -> int:
     """A port P with P..P+count-1 free, below the ephemeral range, and none of them handed
     out before in this test run. `backport up` numbers its engines' ports upwards from a
     base, so a run of ports is reserved whole."""
-    top = _ephemeral_floor()
+    top = ephemeral_port_floor()
     bottom = max(1024, top - TEST_PORT_SPAN)
     while True:
         if top - count > bottom:
