@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +22,7 @@ from services.gateway.reasoning_effort import (
     resolve_session_effort,
     session_key,
 )
+from tests.cluster.processes import RedisServer, redis_server_binary
 from tests.conftest import free_port
 
 HIGH, LOW, MAX = Effort(True, "high"), Effort(True, "low"), Effort(True, "max")
@@ -150,28 +148,16 @@ def test_in_memory_sessions_expire_after_idle_ttl_and_stay_bounded() -> None:
 
 
 @pytest.fixture()
-def redis_url() -> Iterator[str]:
-    server_binary = shutil.which("redis-server")
-    if server_binary is None:
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    if redis_server_binary() is None:
         pytest.skip("redis-server is not installed (Debian package redis-server)")
     pytest.importorskip("redis", reason="redis-py is not installed")
-    port = free_port()
-    server = subprocess.Popen([server_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(free_port(), tmp_path / "redis.log")
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    pytest.fail("redis-server did not start")
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
 
 
 def test_sticky_effort_across_turns_in_redis(redis_url: str) -> None:
