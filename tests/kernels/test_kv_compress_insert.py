@@ -55,15 +55,26 @@ def compressed_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return layout.read_rows_reference(cache.cpu(), slots, CACHE_BLOCK_SIZE)
 
 
-@pytest.fixture(params=["decode-sized", "prefill-sized"])
+@pytest.fixture(params=["one-token-a-program", "scanning"])
 def batch_plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test under both launch plans: a batch of at most DECODE_PLAN_MAX_TOKENS
-    tokens (one token a program; ratio-128 windows merged over dim slices first) and a
-    larger one (at ratio 128, TOKENS_PER_PROGRAM tokens a program, each merging its own
-    windows)."""
-    if request.param == "prefill-sized":
-        monkeypatch.setattr(compressor, "DECODE_PLAN_MAX_TOKENS", 0)
+    """Runs a test under both ways a program finds its tokens: one token a program, or a
+    scan of several, finishing each closing one in turn (at ratio 128 the windows are
+    merged over dim slices first either way)."""
+    scan = 1 if request.param == "one-token-a-program" else 8
+    monkeypatch.setattr(compressor, "tokens_a_program", lambda *_: scan)
     return request.param
+
+
+def test_tokens_a_program() -> None:
+    """A scan as long as the batch's tokens a request (a power of two): decode steps one
+    token a program, a long prefill MAX_SCAN, a mixed batch between; ratio 4 always one."""
+    assert compressor.tokens_a_program(64, 64, 128) == 1
+    assert compressor.tokens_a_program(8192, 1, 128) == compressor.MAX_SCAN
+    assert compressor.tokens_a_program(2048, 257, 128) == 4
+    assert compressor.tokens_a_program(100, 1, 128) == 64
+    assert compressor.tokens_a_program(8192, 1, 4) == 1
+    # Never more programs than a grid's second axis takes.
+    assert compressor.tokens_a_program(200_000, 200_000, 128) == 4
 
 
 def compressed_by_kernel(args: dict, device: str) -> torch.Tensor:
@@ -92,7 +103,7 @@ def test_kv_compress_insert(
     # exp/rsqrt (and the online softmax at ratio 128) differ from torch's in the last fp32
     # bits; after the bf16 and fp8 roundings that moves a value by one step, rarely.
     record_max_error("_kv_compress_kernel", relative)
-    if compress_ratio == 128 and batch_plan == "decode-sized":
+    if compress_ratio == 128:
         record_max_error("_merge_slices_kernel", relative)
     assert relative < 1e-2
     # Nothing else in the cache was touched: the skipped token's slot stays zero.

@@ -114,6 +114,18 @@ def closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr, token, RATIO:
 
 
 @triton.jit
+def closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr, first_token, num_tokens,
+                   SCAN: tl.constexpr, RATIO: tl.constexpr):
+    """Tokens first_token.. [SCAN] and which of them write a row (`closing_token`), in one
+    vector load each; tokens past the batch do not."""
+    tokens = first_token + tl.arange(0, SCAN)
+    in_batch = tokens < num_tokens
+    _, _, closes = closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr,
+                                 tl.minimum(tokens, num_tokens - 1), RATIO)
+    return tokens, closes & in_batch
+
+
+@triton.jit
 def rms_normalize(x, weight_ptr, eps, HEAD_DIM: tl.constexpr):
     """RMSNorm of x [HEAD_DIM] in fp32 with the weights at `weight_ptr`."""
     variance = tl.sum(x * x, axis=0) / HEAD_DIM

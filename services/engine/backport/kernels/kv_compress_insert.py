@@ -14,12 +14,15 @@ DeepSeek-V4's main (head 512) compressor. Upstream runs it as a CuTe-DSL kernel 
   rotated (GPT-J pairs, at position (p // ratio) * ratio) and stored as bf16.
 Tokens whose state slot or cache slot is -1, or that close no window, write nothing.
 
-Tiling: a program finishes a token's row with 512 dims across 4 warps, one token a
-program, except at ratio 128 in batches past decode size: there TOKENS_PER_PROGRAM (most
-tokens close no window and cost only four scalar loads). It merges the window itself (the
-ratio-4 window, 8 rows, in one piece; the ratio-128 one, 128 x 512 values, ROW_CHUNK rows
-at a time with an online softmax), except at ratio 128 in decode-sized batches, where
-`_merge_slices_kernel` has merged it first over dim slices, many programs a window.
+Tiling: a program scans SCAN consecutive tokens with one vector load and finishes each
+closing one in turn, a row of 512 dims across 4 warps. SCAN is 1 at ratio 4 (a quarter
+of the tokens close a window) and at ratio 128 as many tokens as the batch has a request,
+a power of two up to MAX_SCAN (`tokens_a_program`): a long prefill chunk closes one window
+in 128 tokens, and one program a token would mostly load four scalars and stop, while in
+a decode step every token may close one. The ratio-4 window (8 rows) is merged in one
+piece by the program that finishes it; the ratio-128 one (128 x 512 values) is merged
+first by `_merge_slices_kernel`, HEAD_DIM // MERGE_SLICE programs a window, each over its
+own dims, into an fp32 scratch row.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.compressor_window import (
     checked_state_width,
     closing_token,
+    closing_tokens,
     gptj_rotate,
     gptj_rotate_reference,
     merge_window,
@@ -43,24 +47,20 @@ from services.engine.backport.kernels.compressor_window import (
 from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
 from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
 
-# Rows of the window in registers at once when one program merges all 512 dims: [8, 512]
-# fp32 kv and scores over 128 threads (H200 sm80 mode, T=32768 ratio 128, graph ms: 4 rows
-# 0.0781, 8 0.0781, 16 0.0951, 32 0.1264).
+# The ratio-4 window, 8 rows, merged in one piece by the program that finishes its row:
+# [8, 512] fp32 kv and scores over 128 threads.
 ROW_CHUNK = 8
-# Batches of up to this many tokens (decode steps, small prefill chunks) close few windows,
-# and one program a token costs little. At ratio 128 one program a window streams its
-# 512 KB alone, so there the window is first merged by HEAD_DIM // MERGE_SLICE programs of
-# MERGE_SLICE dims each (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 7.6 us, 64
-# windows 31.1 -> 11.3 us; T=2048, 16 windows: 31.3 -> 26.8 us; at T=4096 slower).
-DECODE_PLAN_MAX_TOKENS = 2048
+# A merge program's share of a ratio-128 window: [64 rows, 32 dims] fp32 kv and scores a
+# step on 2 warps (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 7.6 us against one
+# program a window; 64-dim slices were faster only at T=32768).
 MERGE_SLICE = 32
-SLICE_ROW_CHUNK = 64  # [64 rows, 32 dims] fp32 kv and scores over 64 threads
-# Larger batches are prefill chunks. At ratio 128 at most one token in 128 closes a
-# window, and the rest would each cost a program that loads four scalars and stops, so a
-# program walks TOKENS_PER_PROGRAM tokens (T=32768: 78.3 -> 62.2 us; 16 or more tokens no
-# better). At ratio 4 a quarter of the tokens close one, and walking them in one program
-# only serializes windows (T=32768: 82.7 -> 87.5 us at 8 tokens), so there it stays one.
-TOKENS_PER_PROGRAM = 8
+SLICE_ROW_CHUNK = 64
+MERGE_WARPS = 2
+# Longer scans serialize windows (T=32768: 128 tokens 50.2 us, 256 48.8; T=8192: 13.2 us,
+# 19.0). CUDA takes at most MAX_GRID_Y programs on a grid's second axis, the tokens' axis
+# of the merge (slices on the first axis measured 0-10% faster).
+MAX_SCAN = 128
+MAX_GRID_Y = 65535
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
 NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
 HALF_ROPE = tl.constexpr(layout.ROPE_DIM // 2)
@@ -69,6 +69,70 @@ NUM_NOPE_TILES = tl.constexpr(layout.NUM_NOPE_TILES)
 DATA_BYTES = tl.constexpr(layout.DATA_BYTES_PER_TOKEN)
 SCALE_BYTES = tl.constexpr(layout.SCALE_BYTES_PER_TOKEN)
 ROW_TILES = tl.constexpr(TILES_PER_ROW)
+
+
+@triton.jit
+def next_closing(tokens, closes, num_tokens):
+    """The first token still marked in `closes`, and `closes` without it."""
+    token = tl.min(tl.where(closes, tokens, num_tokens))
+    return token, closes & (tokens != token)
+
+
+@triton.jit
+def compress_row(
+    token,
+    position,
+    cache_slot,
+    state_ptr,
+    token_to_req_ptr,
+    block_table_ptr,
+    norm_weight_ptr,
+    cos_sin_ptr,
+    cache_ptr,
+    merged_ptr,
+    norm_eps,
+    state_block_size,
+    stride_state_block,
+    stride_state_row,
+    stride_table_req,
+    stride_cos_sin,
+    cache_block_stride,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    STATE_WIDTH: tl.constexpr,
+    RATIO: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
+    HARDWARE_FP8: tl.constexpr,
+):
+    """Merge (or read the merged row), normalize, rotate, quantize and insert one token's row."""
+    if merged_ptr is None:
+        request = tl.load(token_to_req_ptr + token).to(tl.int64)
+        merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
+                              0, state_block_size, stride_state_block, stride_state_row,
+                              HEAD_DIM, HEAD_DIM, STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
+    else:  # merged by _merge_slices_kernel
+        merged = tl.load(merged_ptr + token * HEAD_DIM + tl.arange(0, HEAD_DIM))
+    normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
+    cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
+    # The NoPE dims come back from the rotation unchanged: bf16 of the normalized values
+    # (upstream's quant input), and bf16 of the rotated RoPE values (its stored ones).
+    row = round_to_bf16(gptj_rotate(normed, cos_sin_row, HEAD_DIM, HALF_ROPE))
+
+    slot = tl.zeros((1,), tl.int64) + cache_slot  # store_ds_mla_rows takes rows [R]
+    page = (slot // CACHE_BLOCK_SIZE) * cache_block_stride
+    in_page = slot % CACHE_BLOCK_SIZE
+    store_ds_mla_rows(
+        cache_ptr,
+        page + in_page * DATA_BYTES,
+        page + CACHE_BLOCK_SIZE * DATA_BYTES + in_page * SCALE_BYTES,
+        tl.reshape(row, (1, ROW_TILES, QUANT_TILE)),
+        slot >= 0,
+        NOPE_DIM,
+        QUANT_TILE,
+        NUM_NOPE_TILES,
+        ROW_TILES,
+        HARDWARE_FP8,
+    )
 
 
 @triton.jit
@@ -96,45 +160,44 @@ def _kv_compress_kernel(
     RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
-    TOKENS_PER_PROGRAM: tl.constexpr,
+    SCAN: tl.constexpr,
     HARDWARE_FP8: tl.constexpr,
 ):
-    first_token = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM
-    for step in range(TOKENS_PER_PROGRAM):  # a constant trip count: one token folds away
-        token = tl.minimum(first_token + step, num_tokens - 1)
+    """Program p finishes the rows of the closing tokens among tokens p * SCAN.."""
+    first_token = tl.program_id(0).to(tl.int64) * SCAN
+    if SCAN == 1:  # straight-line code: the scan's loop costs 8% at one token a program
         position, cache_slot, closes = closing_token(positions_ptr, state_slots_ptr,
-                                                     cache_slots_ptr, token, RATIO)
-        if closes & (first_token + step < num_tokens):
-            if merged_ptr is None:
-                request = tl.load(token_to_req_ptr + token).to(tl.int64)
-                merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req,
-                                      position, 0, state_block_size, stride_state_block,
-                                      stride_state_row, HEAD_DIM, HEAD_DIM, STATE_WIDTH, RATIO,
-                                      OVERLAP, ROW_CHUNK)
-            else:  # merged by _merge_slices_kernel
-                merged = tl.load(merged_ptr + token * HEAD_DIM + tl.arange(0, HEAD_DIM))
-            normed = rms_normalize(merged, norm_weight_ptr, norm_eps, HEAD_DIM)
-            cos_sin_row = cos_sin_ptr + (position // RATIO) * RATIO * stride_cos_sin
-            # The NoPE dims come back from the rotation unchanged: bf16 of the normalized
-            # values (upstream's quant input), and bf16 of the rotated RoPE values (its
-            # stored ones).
-            row = round_to_bf16(gptj_rotate(normed, cos_sin_row, HEAD_DIM, HALF_ROPE))
+                                                     cache_slots_ptr, first_token, RATIO)
+        if closes:
+            compress_row(first_token, position, cache_slot, state_ptr, token_to_req_ptr, block_table_ptr, norm_weight_ptr,
+                         cos_sin_ptr, cache_ptr, merged_ptr, norm_eps, state_block_size,
+                         stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
+                         cache_block_stride, CACHE_BLOCK_SIZE, STATE_WIDTH, RATIO, OVERLAP,
+                         ROW_CHUNK, HARDWARE_FP8)
+    else:
+        tokens, closes = closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr,
+                                        first_token, num_tokens, SCAN, RATIO)
+        for _ in range(tl.sum(closes.to(tl.int32))):
+            token, closes = next_closing(tokens, closes, num_tokens)
+            compress_row(token, tl.load(positions_ptr + token),
+                         tl.load(cache_slots_ptr + token).to(tl.int64), state_ptr, token_to_req_ptr, block_table_ptr, norm_weight_ptr,
+                         cos_sin_ptr, cache_ptr, merged_ptr, norm_eps, state_block_size,
+                         stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
+                         cache_block_stride, CACHE_BLOCK_SIZE, STATE_WIDTH, RATIO, OVERLAP,
+                         ROW_CHUNK, HARDWARE_FP8)
 
-            slot = tl.zeros((1,), tl.int64) + cache_slot  # store_ds_mla_rows takes rows [R]
-            page = (slot // CACHE_BLOCK_SIZE) * cache_block_stride
-            in_page = slot % CACHE_BLOCK_SIZE
-            store_ds_mla_rows(
-                cache_ptr,
-                page + in_page * DATA_BYTES,
-                page + CACHE_BLOCK_SIZE * DATA_BYTES + in_page * SCALE_BYTES,
-                tl.reshape(row, (1, ROW_TILES, QUANT_TILE)),
-                slot >= 0,
-                NOPE_DIM,
-                QUANT_TILE,
-                NUM_NOPE_TILES,
-                ROW_TILES,
-                HARDWARE_FP8,
-            )
+
+@triton.jit
+def merge_slice(token, position, first_dim, state_ptr, token_to_req_ptr, block_table_ptr,
+                merged_ptr, state_block_size, stride_state_block, stride_state_row,
+                stride_table_req, STATE_WIDTH: tl.constexpr, RATIO: tl.constexpr,
+                OVERLAP: tl.constexpr, SLICE: tl.constexpr, ROW_CHUNK: tl.constexpr):
+    """Merge dims first_dim.. [SLICE] of the token's window into merged[token]."""
+    request = tl.load(token_to_req_ptr + token).to(tl.int64)
+    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
+                          first_dim, state_block_size, stride_state_block, stride_state_row,
+                          SLICE, HEAD_DIM, STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
+    tl.store(merged_ptr + token * HEAD_DIM + first_dim + tl.arange(0, SLICE), merged)
 
 
 @triton.jit
@@ -146,6 +209,7 @@ def _merge_slices_kernel(
     block_table_ptr,
     cache_slots_ptr,
     merged_ptr,
+    num_tokens,
     state_block_size,
     stride_state_block,
     stride_state_row,
@@ -155,19 +219,39 @@ def _merge_slices_kernel(
     OVERLAP: tl.constexpr,
     SLICE: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
-    """Program (token, s) merges dims s * SLICE.. of the token's window into merged[token]."""
-    token = tl.program_id(0).to(tl.int64)
-    position, _, closes = closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr, token,
-                                        RATIO)
-    if not closes:
-        return
-    request = tl.load(token_to_req_ptr + token).to(tl.int64)
-    first_dim = tl.program_id(1) * SLICE
-    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
-                          first_dim, state_block_size, stride_state_block, stride_state_row,
-                          SLICE, HEAD_DIM, STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
-    tl.store(merged_ptr + token * HEAD_DIM + first_dim + tl.arange(0, SLICE), merged)
+    """Program (s, p) merges dims s * SLICE.. of the windows that tokens p * SCAN.. close."""
+    first_dim = tl.program_id(0) * SLICE
+    first_token = tl.program_id(1).to(tl.int64) * SCAN
+    if SCAN == 1:
+        position, _, closes = closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr,
+                                            first_token, RATIO)
+        if closes:
+            merge_slice(first_token, position, first_dim, state_ptr, token_to_req_ptr,
+                        block_table_ptr, merged_ptr, state_block_size, stride_state_block,
+                        stride_state_row, stride_table_req, STATE_WIDTH, RATIO, OVERLAP, SLICE,
+                        ROW_CHUNK)
+    else:
+        tokens, closes = closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr,
+                                        first_token, num_tokens, SCAN, RATIO)
+        for _ in range(tl.sum(closes.to(tl.int32))):
+            token, closes = next_closing(tokens, closes, num_tokens)
+            merge_slice(token, tl.load(positions_ptr + token), first_dim, state_ptr, token_to_req_ptr,
+                        block_table_ptr, merged_ptr, state_block_size, stride_state_block,
+                        stride_state_row, stride_table_req, STATE_WIDTH, RATIO, OVERLAP, SLICE,
+                        ROW_CHUNK)
+
+
+def tokens_a_program(num_tokens: int, num_requests: int, compress_ratio: int) -> int:
+    """SCAN (module doc): a program meets at most this many requests, so at most this many
+    windows when they all close in the same step."""
+    if compress_ratio == 4:
+        return 1
+    per_request = max(1, num_tokens // max(1, num_requests))
+    scan = min(MAX_SCAN, 1 << (per_request.bit_length() - 1))
+    fewest = triton.next_power_of_2(triton.cdiv(num_tokens, MAX_GRID_Y))
+    return max(scan, fewest)
 
 
 def kv_compress_insert(
@@ -192,11 +276,11 @@ def kv_compress_insert(
     if num_tokens == 0:
         return
     overlap = int(compress_ratio == 4)
-    decode_plan = num_tokens <= DECODE_PLAN_MAX_TOKENS
+    scan = tokens_a_program(num_tokens, block_table.shape[0], compress_ratio)
     merged = None
-    if compress_ratio == 128 and decode_plan:
+    if compress_ratio == 128:
         merged = torch.empty(num_tokens, layout.HEAD_DIM, device=state_cache.device)
-        _merge_slices_kernel[(num_tokens, layout.HEAD_DIM // MERGE_SLICE)](
+        _merge_slices_kernel[(layout.HEAD_DIM // MERGE_SLICE, triton.cdiv(num_tokens, scan))](
             state_cache,
             token_to_req_indices,
             positions,
@@ -204,6 +288,7 @@ def kv_compress_insert(
             block_table,
             kv_slot_mapping,
             merged,
+            num_tokens,
             state_cache.shape[1],
             state_cache.stride(0),
             state_cache.stride(1),
@@ -213,10 +298,10 @@ def kv_compress_insert(
             OVERLAP=overlap,
             SLICE=MERGE_SLICE,
             ROW_CHUNK=SLICE_ROW_CHUNK,
-            num_warps=2,
+            SCAN=scan,
+            num_warps=MERGE_WARPS,
         )
-    tokens_per_program = 1 if decode_plan or compress_ratio == 4 else TOKENS_PER_PROGRAM
-    _kv_compress_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
+    _kv_compress_kernel[(triton.cdiv(num_tokens, scan),)](
         *window_kernel_args(state_cache, token_to_req_indices, positions, slot_mapping,
                             block_table, rms_norm_weight, cos_sin_cache, kv_cache,
                             kv_slot_mapping, rms_norm_eps),
@@ -228,7 +313,7 @@ def kv_compress_insert(
         RATIO=compress_ratio,
         OVERLAP=overlap,
         ROW_CHUNK=ROW_CHUNK,
-        TOKENS_PER_PROGRAM=tokens_per_program,
+        SCAN=scan,
         HARDWARE_FP8=hardware_fp8_encode(kv_cache.device),
         num_warps=4,
     )
