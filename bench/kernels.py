@@ -494,9 +494,9 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     del state, index_cache
     # The attention compressor's state rows are 8 KB (ratio 4, two 512-dim sets) or 4 KB
     # (ratio 128); every row is read once, each closing token writes one 584-byte row.
-    kv_tokens = tokens // 4
+    # Beside the long sequence, an 8k-token prefill chunk (vLLM's default chunk).
     norm_weight = torch.ones(layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    for ratio in (4, 128):
+    for kv_tokens, ratio in ((tokens // 4, 4), (tokens // 4, 128), (8192, 128)):
         width = layout.HEAD_DIM * (1 + (ratio == 4))
         state = torch.randn(
             kv_tokens // state_block + 1, state_block, 2 * width, device="cuda"
