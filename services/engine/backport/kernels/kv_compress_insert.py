@@ -169,7 +169,8 @@ def _kv_compress_kernel(
         position, cache_slot, closes = closing_token(positions_ptr, state_slots_ptr,
                                                      cache_slots_ptr, first_token, RATIO)
         if closes:
-            compress_row(first_token, position, cache_slot, state_ptr, token_to_req_ptr, block_table_ptr, norm_weight_ptr,
+            compress_row(first_token, position, cache_slot,
+                         state_ptr, token_to_req_ptr, block_table_ptr, norm_weight_ptr,
                          cos_sin_ptr, cache_ptr, merged_ptr, norm_eps, state_block_size,
                          stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
                          cache_block_stride, CACHE_BLOCK_SIZE, STATE_WIDTH, RATIO, OVERLAP,
@@ -180,7 +181,8 @@ def _kv_compress_kernel(
         for _ in range(tl.sum(closes.to(tl.int32))):
             token, closes = next_closing(tokens, closes, num_tokens)
             compress_row(token, tl.load(positions_ptr + token),
-                         tl.load(cache_slots_ptr + token).to(tl.int64), state_ptr, token_to_req_ptr, block_table_ptr, norm_weight_ptr,
+                         tl.load(cache_slots_ptr + token).to(tl.int64),
+                         state_ptr, token_to_req_ptr, block_table_ptr, norm_weight_ptr,
                          cos_sin_ptr, cache_ptr, merged_ptr, norm_eps, state_block_size,
                          stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
                          cache_block_stride, CACHE_BLOCK_SIZE, STATE_WIDTH, RATIO, OVERLAP,
@@ -224,7 +226,7 @@ def _merge_slices_kernel(
     """Program (s, p) merges dims s * SLICE.. of the windows that tokens p * SCAN.. close."""
     first_dim = tl.program_id(0) * SLICE
     first_token = tl.program_id(1).to(tl.int64) * SCAN
-    if SCAN == 1:
+    if SCAN == 1:  # straight-line code, as in _kv_compress_kernel
         position, _, closes = closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr,
                                             first_token, RATIO)
         if closes:
@@ -237,10 +239,10 @@ def _merge_slices_kernel(
                                         first_token, num_tokens, SCAN, RATIO)
         for _ in range(tl.sum(closes.to(tl.int32))):
             token, closes = next_closing(tokens, closes, num_tokens)
-            merge_slice(token, tl.load(positions_ptr + token), first_dim, state_ptr, token_to_req_ptr,
-                        block_table_ptr, merged_ptr, state_block_size, stride_state_block,
-                        stride_state_row, stride_table_req, STATE_WIDTH, RATIO, OVERLAP, SLICE,
-                        ROW_CHUNK)
+            merge_slice(token, tl.load(positions_ptr + token), first_dim, state_ptr,
+                        token_to_req_ptr, block_table_ptr, merged_ptr, state_block_size,
+                        stride_state_block, stride_state_row, stride_table_req, STATE_WIDTH,
+                        RATIO, OVERLAP, SLICE, ROW_CHUNK)
 
 
 def tokens_a_program(num_tokens: int, num_requests: int, compress_ratio: int) -> int:
