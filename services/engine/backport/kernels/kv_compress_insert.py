@@ -50,11 +50,14 @@ from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store
 # The ratio-4 window, 8 rows, merged in one piece by the program that finishes its row:
 # [8, 512] fp32 kv and scores over 128 threads.
 ROW_CHUNK = 8
-# A merge program's share of a ratio-128 window: [64 rows, 32 dims] fp32 kv and scores a
-# step on 2 warps (H200 sm80 mode, 64 decode tokens: one window 26.5 -> 7.6 us against one
-# program a window; 64-dim slices were faster only at T=32768).
+# A merge program's share of a ratio-128 window: 32 dims, on 2 warps. One token a program
+# (decode steps) takes 64 rows a step, which finishes a lone window soonest (H200 sm80
+# mode, 112 SMs: 7.1 us against 8.7 at 32 rows); scanning programs (prefill) take 32, in
+# fewer registers, so more of them stay resident (an 8k-token chunk on 112 sm80 / 88 sm86
+# SMs: 19.3 -> 16.3 / 20.1 -> 17.4 us; a 32k one 54.8 -> 53.5 / 62.9 -> 58.4).
 MERGE_SLICE = 32
-SLICE_ROW_CHUNK = 64
+MERGE_ROWS_ONE_TOKEN = 64
+MERGE_ROWS_SCANNING = 32
 MERGE_WARPS = 2
 # Longer scans serialize windows (T=32768: 128 tokens 50.2 us, 256 48.8; T=8192: 13.2 us,
 # 19.0). CUDA takes at most MAX_GRID_Y programs on a grid's second axis, the tokens' axis
@@ -299,7 +302,7 @@ def kv_compress_insert(
             RATIO=compress_ratio,
             OVERLAP=overlap,
             SLICE=MERGE_SLICE,
-            ROW_CHUNK=SLICE_ROW_CHUNK,
+            ROW_CHUNK=MERGE_ROWS_ONE_TOKEN if scan == 1 else MERGE_ROWS_SCANNING,
             SCAN=scan,
             num_warps=MERGE_WARPS,
         )
