@@ -60,8 +60,9 @@ MERGE_ROWS_ONE_TOKEN = 64
 MERGE_ROWS_SCANNING = 32
 MERGE_WARPS = 2
 # Longer scans serialize windows (whole H200, 64-row merge steps: T=32768 128 tokens 50.2
-# us, 256 48.8; T=8192 13.2, 19.0). CUDA takes at most MAX_GRID_Y programs on a grid's second axis, the tokens' axis
-# of the merge (slices on the first axis measured 0-10% faster).
+# us, 256 48.8; T=8192 13.2, 19.0). CUDA takes at most MAX_GRID_Y programs on a grid's
+# second axis, the tokens' axis of the merge (slices on the first axis measured 0-10%
+# faster).
 MAX_SCAN = 128
 MAX_GRID_Y = 65535
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
