@@ -103,8 +103,6 @@ def test_kv_compress_insert(
     # exp/rsqrt (and the online softmax at ratio 128) differ from torch's in the last fp32
     # bits; after the bf16 and fp8 roundings that moves a value by one step, rarely.
     record_max_error("_kv_compress_kernel", relative)
-    if compress_ratio == 128:
-        record_max_error("_merge_slices_kernel", relative)
     assert relative < 1e-2
     # Nothing else in the cache was touched: the skipped token's slot stays zero.
     skipped = args["kv_slot_mapping"][args["slot_mapping"] < 0]

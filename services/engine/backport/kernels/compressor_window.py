@@ -126,6 +126,13 @@ def closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr, first_token,
 
 
 @triton.jit
+def next_closing(tokens, closes, num_tokens):
+    """The first token still marked in `closes`, and `closes` without it."""
+    token = tl.min(tl.where(closes, tokens, num_tokens))
+    return token, closes & (tokens != token)
+
+
+@triton.jit
 def rms_normalize(x, weight_ptr, eps, HEAD_DIM: tl.constexpr):
     """RMSNorm of x [HEAD_DIM] in fp32 with the weights at `weight_ptr`."""
     variance = tl.sum(x * x, axis=0) / HEAD_DIM

@@ -21,8 +21,7 @@ a power of two up to MAX_SCAN (`tokens_a_program`): a long prefill chunk closes 
 in 128 tokens, and one program a token would mostly load four scalars and stop, while in
 a decode step every token may close one. The ratio-4 window (8 rows) is merged in one
 piece by the program that finishes it; the ratio-128 one (128 x 512 values) is merged
-first by `_merge_slices_kernel`, HEAD_DIM // MERGE_SLICE programs a window, each over its
-own dims, into an fp32 scratch row.
+first by `kv_window_merge`, into an fp32 scratch row, with the same SCAN.
 """
 
 from __future__ import annotations
@@ -40,31 +39,21 @@ from services.engine.backport.kernels.compressor_window import (
     gptj_rotate_reference,
     merge_window,
     merge_window_reference,
+    next_closing,
     rms_normalize,
     rms_normalize_reference,
     window_kernel_args,
 )
 from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
 from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
+from services.engine.backport.kernels.kv_window_merge import MAX_GRID_Y, merge_windows
 
 # The ratio-4 window, 8 rows, merged in one piece by the program that finishes its row:
 # [8, 512] fp32 kv and scores over 128 threads.
 ROW_CHUNK = 8
-# A merge program's share of a ratio-128 window: 32 dims, on 2 warps. One token a program
-# (decode steps) takes 64 rows a step, which finishes a lone window soonest (H200 sm80
-# mode, 112 SMs: 7.1 us against 8.7 at 32 rows); scanning programs (prefill) take 32, in
-# fewer registers, so more of them stay resident (an 8k-token chunk on 112 sm80 / 88 sm86
-# SMs: 19.3 -> 16.3 / 20.1 -> 17.4 us; a 32k one 54.8 -> 53.5 / 62.9 -> 58.4).
-MERGE_SLICE = 32
-MERGE_ROWS_ONE_TOKEN = 64
-MERGE_ROWS_SCANNING = 32
-MERGE_WARPS = 2
 # Longer scans serialize windows (whole H200, 64-row merge steps: T=32768 128 tokens 50.2
-# us, 256 48.8; T=8192 13.2, 19.0). CUDA takes at most MAX_GRID_Y programs on a grid's
-# second axis, the tokens' axis of the merge (slices on the first axis measured 0-10%
-# faster).
+# us, 256 48.8; T=8192 13.2, 19.0).
 MAX_SCAN = 128
-MAX_GRID_Y = 65535
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
 NOPE_DIM = tl.constexpr(layout.NOPE_DIM)
 HALF_ROPE = tl.constexpr(layout.ROPE_DIM // 2)
@@ -73,13 +62,6 @@ NUM_NOPE_TILES = tl.constexpr(layout.NUM_NOPE_TILES)
 DATA_BYTES = tl.constexpr(layout.DATA_BYTES_PER_TOKEN)
 SCALE_BYTES = tl.constexpr(layout.SCALE_BYTES_PER_TOKEN)
 ROW_TILES = tl.constexpr(TILES_PER_ROW)
-
-
-@triton.jit
-def next_closing(tokens, closes, num_tokens):
-    """The first token still marked in `closes`, and `closes` without it."""
-    token = tl.min(tl.where(closes, tokens, num_tokens))
-    return token, closes & (tokens != token)
 
 
 @triton.jit
@@ -193,62 +175,6 @@ def _kv_compress_kernel(
                          ROW_CHUNK, HARDWARE_FP8)
 
 
-@triton.jit
-def merge_slice(token, position, first_dim, state_ptr, token_to_req_ptr, block_table_ptr,
-                merged_ptr, state_block_size, stride_state_block, stride_state_row,
-                stride_table_req, STATE_WIDTH: tl.constexpr, RATIO: tl.constexpr,
-                OVERLAP: tl.constexpr, SLICE: tl.constexpr, ROW_CHUNK: tl.constexpr):
-    """Merge dims first_dim.. [SLICE] of the token's window into merged[token]."""
-    request = tl.load(token_to_req_ptr + token).to(tl.int64)
-    merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
-                          first_dim, state_block_size, stride_state_block, stride_state_row,
-                          SLICE, HEAD_DIM, STATE_WIDTH, RATIO, OVERLAP, ROW_CHUNK)
-    tl.store(merged_ptr + token * HEAD_DIM + first_dim + tl.arange(0, SLICE), merged)
-
-
-@triton.jit
-def _merge_slices_kernel(
-    state_ptr,
-    token_to_req_ptr,
-    positions_ptr,
-    state_slots_ptr,
-    block_table_ptr,
-    cache_slots_ptr,
-    merged_ptr,
-    num_tokens,
-    state_block_size,
-    stride_state_block,
-    stride_state_row,
-    stride_table_req,
-    STATE_WIDTH: tl.constexpr,
-    RATIO: tl.constexpr,
-    OVERLAP: tl.constexpr,
-    SLICE: tl.constexpr,
-    ROW_CHUNK: tl.constexpr,
-    SCAN: tl.constexpr,
-):
-    """Program (s, p) merges dims s * SLICE.. of the windows that tokens p * SCAN.. close."""
-    first_dim = tl.program_id(0) * SLICE
-    first_token = tl.program_id(1).to(tl.int64) * SCAN
-    if SCAN == 1:  # straight-line code, as in _kv_compress_kernel
-        position, _, closes = closing_token(positions_ptr, state_slots_ptr, cache_slots_ptr,
-                                            first_token, RATIO)
-        if closes:
-            merge_slice(first_token, position, first_dim, state_ptr, token_to_req_ptr,
-                        block_table_ptr, merged_ptr, state_block_size, stride_state_block,
-                        stride_state_row, stride_table_req, STATE_WIDTH, RATIO, OVERLAP, SLICE,
-                        ROW_CHUNK)
-    else:
-        tokens, closes = closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr,
-                                        first_token, num_tokens, SCAN, RATIO)
-        for _ in range(tl.sum(closes.to(tl.int32))):
-            token, closes = next_closing(tokens, closes, num_tokens)
-            merge_slice(token, tl.load(positions_ptr + token), first_dim, state_ptr,
-                        token_to_req_ptr, block_table_ptr, merged_ptr, state_block_size,
-                        stride_state_block, stride_state_row, stride_table_req, STATE_WIDTH,
-                        RATIO, OVERLAP, SLICE, ROW_CHUNK)
-
-
 def tokens_a_program(num_tokens: int, num_requests: int, compress_ratio: int) -> int:
     """SCAN (module doc): a program meets at most this many requests, so at most this many
     windows when they all close in the same step."""
@@ -285,28 +211,8 @@ def kv_compress_insert(
     scan = tokens_a_program(num_tokens, block_table.shape[0], compress_ratio)
     merged = None
     if compress_ratio == 128:
-        merged = torch.empty(num_tokens, layout.HEAD_DIM, device=state_cache.device)
-        _merge_slices_kernel[(layout.HEAD_DIM // MERGE_SLICE, triton.cdiv(num_tokens, scan))](
-            state_cache,
-            token_to_req_indices,
-            positions,
-            slot_mapping,
-            block_table,
-            kv_slot_mapping,
-            merged,
-            num_tokens,
-            state_cache.shape[1],
-            state_cache.stride(0),
-            state_cache.stride(1),
-            block_table.stride(0),
-            STATE_WIDTH=state_width,
-            RATIO=compress_ratio,
-            OVERLAP=overlap,
-            SLICE=MERGE_SLICE,
-            ROW_CHUNK=MERGE_ROWS_ONE_TOKEN if scan == 1 else MERGE_ROWS_SCANNING,
-            SCAN=scan,
-            num_warps=MERGE_WARPS,
-        )
+        merged = merge_windows(state_cache, token_to_req_indices, positions, slot_mapping,
+                               block_table, kv_slot_mapping, scan)
     _kv_compress_kernel[(triton.cdiv(num_tokens, scan),)](
         *window_kernel_args(state_cache, token_to_req_indices, positions, slot_mapping,
                             block_table, rms_norm_weight, cos_sin_cache, kv_cache,
