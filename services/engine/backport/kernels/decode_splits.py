@@ -17,8 +17,8 @@ import triton
 @dataclass(frozen=True)
 class SplitCostModel:
     """A launch's time in steps of one block alone on an SM, fitted per decode to CUDA-graph
-    times of every split count on green contexts of 132, 112 and 88 SMs (docs/kernels.md,
-    `bench/kernels.py --sweep-splits`)."""
+    times of every split count on green contexts of 132, 112 and 88 SMs
+    (docs/kernels-history.md, `bench/kernels.py --sweep-splits`)."""
 
     keys_per_step: int
     lists_share_steps: bool  # both lists run as one (CUDA), or each in steps of its own

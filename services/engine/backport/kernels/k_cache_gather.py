@@ -60,7 +60,8 @@ def _gather_kernel(
     )
     slots = physical_block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE
     rows = load_k_block(
-        cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16, FAST_DEQUANT
+        cache_ptr, slots, in_range, block_stride, BLOCK_SIZE, BLOCK_TOKENS, tl.bfloat16,
+        FAST_DEQUANT,
     )
 
     dims = tl.arange(0, HEAD_DIM)

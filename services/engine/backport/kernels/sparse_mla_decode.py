@@ -27,8 +27,9 @@ Tiling:
   default is the cheapest count under a cost model (`decode_splits`); when num_splits > 1
   the programs write normalized partials and `combine_splits` merges them; with one
   split the program finalizes and writes the output itself.
-Measured (docs/kernels.md): correct in sm80/86/89 mode, but far from bandwidth-bound:
-255 registers a thread limit it to 2 programs per SM; see the notes there.
+Measured (docs/kernels.md, and how in docs/kernels-history.md): correct in sm80/86/89
+mode, but far from bandwidth-bound: 255 registers a thread limit it to 2 programs per
+SM; see the notes there.
 Grid = (head blocks, splits, tokens): head blocks of one (split, token) run side by
 side, so the K rows they share come from L2.
 """

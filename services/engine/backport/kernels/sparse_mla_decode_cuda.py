@@ -67,7 +67,7 @@ SPLIT_COST = SplitCostModel(
 # mode (the A100's shared memory would hold 3 blocks) it beats the 3-block build (168
 # registers, steps one after another) on every shape swept (top-k 2048 + 128: B=64 H=16
 # 0.0503 against 0.0539 ms, B=64 H=64 0.1509 against 0.1758, B=8 H=16 0.0170 against
-# 0.0186, B=1 0.0109 against 0.0117; docs/kernels.md). 3 and 4 stay selectable.
+# 0.0186, B=1 0.0109 against 0.0117; docs/kernels-history.md). 3 and 4 stay selectable.
 DEFAULT_MIN_BLOCKS = 2
 # Split partials in bf16: a block's last act is writing 16 x 512 of them, all blocks of the
 # wave at once, and the combine reads them back. Half the bytes: the decode kernel alone

@@ -2,9 +2,9 @@
 // counterpart of sparse_mla_decode.py's Triton kernel, for sm80/86/89.
 //
 // Why CUDA: the Triton kernel spends a 32-key step in 12 barrier-separated phases with 8
-// warps an SM (docs/kernels.md), and dequantizes every K value twice (once for QK^T, once
-// for PV). Here each fp8 value is dequantized once, into registers, and used by both
-// products; a step of 16 keys has one barrier.
+// warps an SM (docs/kernels-history.md), and dequantizes every K value twice (once for
+// QK^T, once for PV). Here each fp8 value is dequantized once, into registers, and used by
+// both products; a step of 16 keys has one barrier.
 //
 // One block = 16 heads (one mma M tile) of one token, one split of its slot lists; four
 // warps, warp w owns latent dims 128w..128w+127 for both products. Per step of 16 keys:
@@ -61,7 +61,7 @@ constexpr int kTilesPerWarp = kDimsPerWarp / 64;
 #define SPARSE_MLA_DECODE_STAGES 2
 #endif
 // Steps of rows in shared memory: a step's rows are requested kStages steps ahead and
-// must land within kStages - 1 steps (2 measured best: docs/kernels.md).
+// must land within kStages - 1 steps (2 measured best: docs/kernels-history.md).
 constexpr int kStages = SPARSE_MLA_DECODE_STAGES;
 // 576 = 4.5 x 128 bytes: keys k and k + 1 start 16 banks apart, so a quarter-warp's
 // 16-byte loads (two keys x 64 bytes) are conflict-free.
