@@ -37,13 +37,16 @@ MERGE_WARPS = 2
 # CUDA takes at most this many programs on a grid's second axis, the tokens' axis here.
 MAX_GRID_Y = 65535
 HEAD_DIM = tl.constexpr(layout.HEAD_DIM)
+# Ratio 128 has no overlap: a state row holds one set of kv and score dims.
+RATIO = tl.constexpr(128)
+OVERLAP = tl.constexpr(0)
+STATE_WIDTH = tl.constexpr(layout.HEAD_DIM)
 
 
 @triton.jit
 def merge_slice(token, position, first_dim, state_ptr, token_to_req_ptr, block_table_ptr,
                 merged_ptr, state_block_size, stride_state_block, stride_state_row,
-                stride_table_req, STATE_WIDTH: tl.constexpr, RATIO: tl.constexpr,
-                OVERLAP: tl.constexpr, SLICE: tl.constexpr, ROW_CHUNK: tl.constexpr):
+                stride_table_req, SLICE: tl.constexpr, ROW_CHUNK: tl.constexpr):
     """Merge dims first_dim.. [SLICE] of the token's window into merged[token]."""
     request = tl.load(token_to_req_ptr + token).to(tl.int64)
     merged = merge_window(state_ptr, block_table_ptr + request * stride_table_req, position,
@@ -66,9 +69,6 @@ def _merge_slices_kernel(
     stride_state_block,
     stride_state_row,
     stride_table_req,
-    STATE_WIDTH: tl.constexpr,
-    RATIO: tl.constexpr,
-    OVERLAP: tl.constexpr,
     SLICE: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
     SCAN: tl.constexpr,
@@ -82,8 +82,7 @@ def _merge_slices_kernel(
         if closes:
             merge_slice(first_token, position, first_dim, state_ptr, token_to_req_ptr,
                         block_table_ptr, merged_ptr, state_block_size, stride_state_block,
-                        stride_state_row, stride_table_req, STATE_WIDTH, RATIO, OVERLAP, SLICE,
-                        ROW_CHUNK)
+                        stride_state_row, stride_table_req, SLICE, ROW_CHUNK)
     else:
         tokens, closes = closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr,
                                         first_token, num_tokens, SCAN, RATIO)
@@ -91,8 +90,8 @@ def _merge_slices_kernel(
             token, closes = next_closing(tokens, closes, num_tokens)
             merge_slice(token, tl.load(positions_ptr + token), first_dim, state_ptr,
                         token_to_req_ptr, block_table_ptr, merged_ptr, state_block_size,
-                        stride_state_block, stride_state_row, stride_table_req, STATE_WIDTH,
-                        RATIO, OVERLAP, SLICE, ROW_CHUNK)
+                        stride_state_block, stride_state_row, stride_table_req, SLICE,
+                        ROW_CHUNK)
 
 
 def merge_windows(
@@ -121,9 +120,6 @@ def merge_windows(
         state_cache.stride(0),
         state_cache.stride(1),
         block_table.stride(0),
-        STATE_WIDTH=layout.HEAD_DIM,  # no overlap at ratio 128: one set of dims a row
-        RATIO=128,
-        OVERLAP=0,
         SLICE=MERGE_SLICE,
         ROW_CHUNK=MERGE_ROWS_ONE_TOKEN if scan == 1 else MERGE_ROWS_SCANNING,
         SCAN=scan,
