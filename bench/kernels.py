@@ -563,6 +563,65 @@ def quantizer_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     return results
 
 
+PREFILL_SHAPES = (  # (query tokens, heads, list width): C4A's 512 + window, top-k 2048 + window
+    (4096, 16, 640), (4096, 64, 640), (4096, 16, 2176), (4096, 64, 2176))
+PREFILL_KV_ROWS = 32768  # a chunk's gathered rows (bf16, 32 MiB)
+
+
+def prefill_cases(quick: bool) -> list[dict[str, object]]:
+    """The sparse prefill on a chunk's gathered rows, beside a dense bf16 matmul of the
+    same flops by cuBLAS in the same run (Hopper's wgmma on the H200: a ceiling that sm80
+    code, limited to mma.sync, cannot reach; an A100's bf16 peak is 312 TFLOP/s)."""
+    from services.engine.backport.kernels import ds_mla_cache as layout
+    from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
+
+    kv = torch.randn(PREFILL_KV_ROWS, 1, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    configs = [{}] if quick else [
+        {}, {"num_stages": 1}, {"num_stages": 3}, {"block_n": 64},
+        {"heads_per_program": 32, "num_warps": 8}, {"heads_per_program": 64, "num_warps": 8}]
+    for tokens, heads, width in PREFILL_SHAPES[:2] if quick else PREFILL_SHAPES:
+        q = torch.randn(tokens, heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        picks = torch.stack([torch.randperm(PREFILL_KV_ROWS, device="cuda")[:width]
+                             for _ in range(tokens)])
+        indices = picks.to(torch.int32).unsqueeze(1)
+        sink = torch.randn(heads, device="cuda")
+        out = torch.empty_like(q)
+        flops = 4 * tokens * heads * width * layout.HEAD_DIM
+        scores = torch.randn(tokens * heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        keys = torch.randn(layout.HEAD_DIM, width, device="cuda", dtype=torch.bfloat16)
+        dense_ms = bench_graph_ms(lambda: torch.matmul(scores, keys))
+        dense_rate = 2 * tokens * heads * width * layout.HEAD_DIM / dense_ms * 1e-9
+        for config in configs:
+            def run(config: dict[str, int] = config) -> object:
+                return sparse_mla_prefill(q, kv, indices, layout.HEAD_DIM**-0.5,
+                                          attn_sink=sink, out=out, **config)
+            try:
+                graph_ms = bench_graph_ms(run)
+            except Exception as error:  # noqa: BLE001 - a config over the limits is a result
+                print(f"prefill {config} failed: {type(error).__name__}: {error}", flush=True)
+                continue
+            rows.append({
+                "shape": f"S_q={tokens} H={heads} K={width}",
+                "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
+                "graph ms": graph_ms,
+                "TFLOP/s": flops / graph_ms * 1e-9,
+                "dense bf16 TFLOP/s": dense_rate,
+            })
+            print(prefill_markdown(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+def prefill_markdown(rows: list[dict[str, object]]) -> str:
+    lines = ["| shape | config | graph ms | TFLOP/s | cuBLAS dense bf16 TFLOP/s | ratio |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['shape']} | {row['config']} | {row['graph ms']:.4g} | "
+                     f"{row['TFLOP/s']:.4g} | {row['dense bf16 TFLOP/s']:.4g} | "
+                     f"{row['TFLOP/s'] / row['dense bf16 TFLOP/s']:.0%} |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict[str, object]]) -> str:
     header = [
         "kernel",
@@ -625,6 +684,10 @@ def main() -> None:
         "--quantizers", action="store_true", help="only time the quantizers and gathers"
     )
     parser.add_argument(
+        "--prefill", action="store_true",
+        help="only time the sparse prefill (tiling choices too unless --quick)",
+    )
+    parser.add_argument(
         "--sweep-splits",
         action="store_true",
         help="only time the decode (--decode-backend) at every split count beside its rule's "
@@ -674,6 +737,9 @@ def main() -> None:
     if args.quantizers:
         print(markdown(quantizer_cases(bandwidth, args.quick)))
         return
+    if args.prefill:
+        print(prefill_markdown(prefill_cases(args.quick)))
+        return
     rows: list[dict[str, object]] = []
     contexts = [8192, 131072] if args.quick else [8192, 32768, 131072]
     max_batch = 64
@@ -697,6 +763,7 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - a config over the card's limits is a result too
             print(f"config {config} failed: {type(error).__name__}: {error}", flush=True)
     rows.extend(quantizer_cases(bandwidth, args.quick))
+    prefill_rows = prefill_cases(quick=True)
 
     from services.engine.backport.kernels import (
         indexer_k_compress,
@@ -706,11 +773,13 @@ def main() -> None:
         k_cache_insert,
         sparse_mla_combine,
         sparse_mla_decode,
+        sparse_mla_prefill,
     )
     from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
 
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; kernels compiled for {args.gpu_arch}\n")
     print(markdown(rows))
+    print("\nsparse MLA prefill (graph replay):\n" + prefill_markdown(prefill_rows))
     modules = [
         sparse_mla_decode,
         sparse_mla_combine,
@@ -719,6 +788,7 @@ def main() -> None:
         indexer_q_quant,
         inv_rope_fp8_quant,
         indexer_k_compress,
+        sparse_mla_prefill,
     ]
     print("\ncompiled variants (shared B, registers, spills):")
     for report in compiled_kernel_reports(modules):
@@ -729,7 +799,8 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(
             json.dumps(
-                {"copy_bytes_per_s": bandwidth, "arch": args.gpu_arch, "rows": rows}, indent=1
+                {"copy_bytes_per_s": bandwidth, "arch": args.gpu_arch, "rows": rows,
+                 "prefill_rows": prefill_rows}, indent=1
             )
         )
 
