@@ -40,10 +40,15 @@ def register() -> None:
     _registered = True
     from vllm.platforms import current_platform
 
-    from services.engine.backport import ple
+    from services.engine.backport import deepseek_v4, ple
 
     # A no-op unless a PLE service is configured; it acts only once Qwen4Exp loads.
     _apply("PLE offload hook", ple.install)
+    if current_platform.is_cuda():
+        # A no-op from sm90 up; it acts only once DeepSeek-V4's modules load.
+        capability = current_platform.get_device_capability()
+        _apply("DeepSeek-V4 kernels for sm80/86/89",
+               lambda: deepseek_v4.install(tuple(capability) if capability else None))
     if current_platform.is_cpu():
         try:
             fixes = _cpu_fixes()

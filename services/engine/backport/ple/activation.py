@@ -8,12 +8,16 @@ for Qwen4Exp models, so other models never load this code.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
 from types import ModuleType
+
+from services.engine.backport.module_patch import (
+    PatchOnImport,
+    patch_when_imported,
+    stop_patching,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,24 +39,19 @@ _EMBEDDING_CHOOSERS = (
 )
 _STOCK_CLASS_NAMES = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
 
-_installed = False
+_finder: PatchOnImport | None = None
 _stock_classes: dict[tuple[str, str], type] = {}
 
 
 def install() -> bool:
     """Turns the hook on when `BACKPORT_PLE_ADDRESS` names a PLE service. Idempotent;
     returns whether the hook is active."""
-    global _installed
-    if _installed:
+    global _finder
+    if _finder is not None:
         return True
     if not os.environ.get(ADDRESS_ENV):
         return False
-    _installed = True
-    for name in _EMBEDDING_CHOOSERS:
-        module = sys.modules.get(name)
-        if module is not None:
-            _swap_embedding_class(module)
-    sys.meta_path.insert(0, _PatchOnImport())
+    _finder = patch_when_imported(dict.fromkeys(_EMBEDDING_CHOOSERS, _swap_embedding_class))
     logger.info("Qwen4Exp PLE lookups will be served by the PLE service at %s",
                 os.environ[ADDRESS_ENV])
     return True
@@ -60,14 +59,15 @@ def install() -> bool:
 
 def uninstall() -> None:
     """Puts vLLM's own embedding classes back (for tests and for switching the hook off)."""
-    global _installed
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    global _finder
+    if _finder is not None:
+        stop_patching(_finder)
     for (module_name, name), cls in _stock_classes.items():
         module = sys.modules.get(module_name)
         if module is not None:
             setattr(module, name, cls)
     _stock_classes.clear()
-    _installed = False
+    _finder = None
 
 
 def _swap_embedding_class(module: ModuleType) -> None:
@@ -77,28 +77,3 @@ def _swap_embedding_class(module: ModuleType) -> None:
         if hasattr(module, name):
             _stock_classes.setdefault((module.__name__, name), getattr(module, name))
             setattr(module, name, ServicePleEmbedding)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs `_swap_embedding_class` right after one of the chooser modules executes."""
-
-    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _EMBEDDING_CHOOSERS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        _swap_embedding_class(module)

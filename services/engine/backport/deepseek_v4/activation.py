@@ -1,0 +1,116 @@
+"""Points vLLM's DeepSeek-V4 CUDA path at the backport's kernels on cards below sm90.
+
+The seams are the names vLLM's DeepSeek-V4 modules call at run time (`routes`), and the
+attention backend's compute-capability check, which admits only sm90/sm100. Each is
+replaced when vLLM imports its module, so other models never load this code.
+
+Still missing on these cards, so the model does not run end to end yet: the output
+projection's DeepGEMM fp8 einsum, the indexer's DeepGEMM fp8 logits and the MoE experts'
+kernels. The CUDA decode (`sparse_mla_decode_cuda`) is not routed: it must be loaded
+before CUDA-graph capture, and nothing here runs before capture yet; the Triton decode is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import ModuleType
+
+from services.engine.backport.module_patch import (
+    PatchOnImport,
+    patch_when_imported,
+    stop_patching,
+)
+
+logger = logging.getLogger(__name__)
+
+FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
+ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
+BACKEND_MODULE = "vllm.models.deepseek_v4.sparse_mla"
+BACKEND_CLASS = "DeepseekV4SparseMLABackend"
+
+
+def routes() -> dict[str, dict[str, Callable[..., object]]]:
+    """Module -> {name vLLM calls: the backport's function} (imports the kernels)."""
+    from services.engine.backport.deepseek_v4 import flashmla_ops
+    from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
+    from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
+
+    return {
+        FLASHMLA_LAYER_MODULE: {
+            "flash_mla_with_kvcache": flashmla_ops.flash_mla_with_kvcache,
+            "flash_mla_sparse_fwd": sparse_mla_prefill,
+            "dequantize_and_gather_k_cache": dequantize_and_gather_k_cache,
+        },
+        ATTENTION_MODULE: {
+            "fused_indexer_q_rope_quant": flashmla_ops.fused_indexer_q_rope_quant,
+        },
+    }
+
+
+ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE)
+_ABSENT = object()
+
+_finder: PatchOnImport | None = None
+_stock: dict[tuple[object, str], object] = {}  # (module or class, name) -> its own value
+
+
+def needs_backport(capability: tuple[int, int] | None) -> bool:
+    """Whether a CUDA card of this compute capability needs the backport's kernels: sm80
+    to sm89 (FlashMLA and the fp8 Triton ops need sm90)."""
+    return capability is not None and capability[0] == 8
+
+
+def install(capability: tuple[int, int] | None) -> bool:
+    """Turns the routing on for a card of `capability` (major, minor) that needs it.
+    Idempotent; returns whether it is active."""
+    global _finder
+    if _finder is not None:
+        return True
+    if not needs_backport(capability):
+        return False
+    patches: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(
+        ROUTED_MODULES, _route_names)
+    patches[BACKEND_MODULE] = _admit_sm8x
+    _finder = patch_when_imported(patches)
+    logger.info("DeepSeek-V4 attention on sm%d%d runs the backport's kernels", *capability)
+    return True
+
+
+def uninstall() -> None:
+    """Puts vLLM's own functions back."""
+    global _finder
+    if _finder is not None:
+        stop_patching(_finder)
+    for (owner, name), value in _stock.items():
+        if value is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
+    _stock.clear()
+    _finder = None
+
+
+def _replace(owner: object, name: str, value: object) -> None:
+    # The owner's own entry (a classmethod stays a classmethod when put back).
+    _stock.setdefault((owner, name), vars(owner).get(name, _ABSENT))
+    setattr(owner, name, value)
+
+
+def _route_names(module: ModuleType) -> None:
+    for name, function in routes()[module.__name__].items():
+        if hasattr(module, name):
+            _replace(module, name, function)
+        else:
+            logger.warning("backport: %s has no %s to route; vLLM changed", module.__name__, name)
+
+
+def _admit_sm8x(module: ModuleType) -> None:
+    backend = getattr(module, BACKEND_CLASS)
+    stock = backend.supports_compute_capability
+
+    def supports_compute_capability(cls: type, capability: object) -> bool:
+        return getattr(capability, "major", None) == 8 or stock(capability)
+
+    _replace(backend, "supports_compute_capability", classmethod(supports_compute_capability))
+

@@ -1,0 +1,136 @@
+"""vLLM's DeepSeek-V4 CUDA path routed to the backport's kernels (below sm90).
+
+vLLM's GPU build cannot be installed where these tests run, so the routed layer itself
+is not run here; what is checked is every seam it relies on, against the vLLM installed
+here (the same Python sources as the GPU build): the names exist and are called with
+arguments the backport's functions take, routing switches them and the backend's
+capability check and puts them back, and the decode adapter gives FlashMLA's results for
+the shapes vLLM passes it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+from services.engine.backport import deepseek_v4
+from services.engine.backport.deepseek_v4 import activation, flashmla_ops
+from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode_reference
+from tests.kernels.test_sparse_mla_decode import SOFTMAX_SCALE, _slot_lists, filled_cache
+
+
+def _calls(module_name: str, function_name: str) -> list[ast.Call]:
+    source = importlib.util.find_spec(module_name).origin
+    tree = ast.parse(open(source).read())
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id == function_name]
+
+
+@pytest.mark.parametrize("module_name, name", [
+    (module, name) for module, names in activation.routes().items() for name in names])
+def test_routed_functions_take_the_arguments_vllm_passes(module_name: str, name: str) -> None:
+    """Every call vLLM makes to a routed name binds to the backport's function."""
+    pytest.importorskip("vllm")
+    calls = _calls(module_name, name)
+    assert calls, f"{module_name} no longer calls {name}: the route is stale"
+    signature = inspect.signature(activation.routes()[module_name][name])
+    for call in calls:
+        assert not any(isinstance(a, ast.Starred) for a in call.args), ast.unparse(call)
+        assert all(k.arg is not None for k in call.keywords), ast.unparse(call)
+        try:
+            signature.bind(*range(len(call.args)), **{k.arg: None for k in call.keywords})
+        except TypeError as error:
+            pytest.fail(f"{module_name}: {ast.unparse(call)[:200]}: {error}")
+
+
+@pytest.fixture
+def routed_modules():
+    pytest.importorskip("vllm")
+    modules = [importlib.import_module(name) for name in activation.ROUTED_MODULES]
+    backend = getattr(importlib.import_module(activation.BACKEND_MODULE), activation.BACKEND_CLASS)
+    yield modules, backend
+    deepseek_v4.uninstall()
+
+
+def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
+    from vllm.platforms.interface import DeviceCapability
+
+    modules, backend = routed_modules
+    stock = {(m.__name__, n): getattr(m, n) for m in modules for n in activation.routes()[m.__name__]}
+    stock_check = vars(backend)["supports_compute_capability"]
+    assert not backend.supports_compute_capability(DeviceCapability(8, 6))
+
+    assert not deepseek_v4.install((9, 0))
+    assert not deepseek_v4.install(None)
+    assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
+
+    assert deepseek_v4.install((8, 6))
+    for module_name, functions in activation.routes().items():
+        module = importlib.import_module(module_name)
+        for name, function in functions.items():
+            assert getattr(module, name) is function
+    assert backend.supports_compute_capability(DeviceCapability(8, 0))
+    assert backend.supports_compute_capability(DeviceCapability(9, 0))
+    assert not backend.supports_compute_capability(DeviceCapability(7, 5))
+
+    deepseek_v4.uninstall()
+    assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
+    assert vars(backend)["supports_compute_capability"] is stock_check
+
+
+def test_decode_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: str) -> None:
+    """Shapes as `DeepseekV4FlashMLAAttention._forward_decode` passes them: q [T, 1, H, D],
+    caches [blocks, block_size, 1, 584], lists [T, 1, K], out a [T, 1, H, D] view."""
+    generator = torch.Generator().manual_seed(21)
+    num_tokens, num_heads, window, topk = 3, 16, 24, 40
+
+    def flashmla_view(num_rows: int, block_size: int) -> torch.Tensor:
+        cache = filled_cache(num_rows, block_size, kernel_device, generator)
+        return cache.as_strided((cache.shape[0], block_size, layout.BYTES_PER_TOKEN),
+                                (cache.stride(0), layout.BYTES_PER_TOKEN, 1)).unsqueeze(-2)
+
+    window_cache, compressed_cache = flashmla_view(96, 64), flashmla_view(160, 16)
+    window_slots, window_lengths = _slot_lists(num_tokens, window, 96, generator)
+    slots, lengths = _slot_lists(num_tokens, topk, 160, generator)
+    q = (torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=generator) * 2).to(
+        torch.bfloat16).to(kernel_device)
+    sink = (torch.randn(num_heads, generator=generator) * 3).to(kernel_device)
+    output = torch.zeros_like(q)
+    to_device = dict(window_slots=window_slots, window_lengths=window_lengths,
+                     slots=slots, lengths=lengths)
+    on = {name: value.to(kernel_device) for name, value in to_device.items()}
+
+    out, lse = flashmla_ops.flash_mla_with_kvcache(
+        q=q.unsqueeze(1), k_cache=window_cache, block_table=None, head_dim_v=512,
+        tile_scheduler_metadata=object(), cache_seqlens=None, is_fp8_kvcache=True,
+        indices=on["window_slots"].unsqueeze(1), topk_length=on["window_lengths"],
+        softmax_scale=SOFTMAX_SCALE, attn_sink=sink, extra_k_cache=compressed_cache,
+        extra_indices_in_kvcache=on["slots"].unsqueeze(1), extra_topk_length=on["lengths"],
+        out=output.unsqueeze(1))
+
+    want_out, want_lse = sparse_mla_decode_reference(
+        q, window_cache, on["window_slots"], SOFTMAX_SCALE, on["window_lengths"], sink,
+        compressed_cache, on["slots"], on["lengths"])
+    assert out.shape == (num_tokens, 1, num_heads, layout.HEAD_DIM)
+    assert out.data_ptr() == output.data_ptr()
+    got = output.float().cpu()
+    assert (got - want_out.cpu()).abs().max().item() <= 1e-2 * max(1.0, want_out.abs().max())
+    assert lse.shape == (num_tokens, num_heads, 1)
+    lonely = torch.isinf(want_lse.cpu())
+    assert lonely[-1].all(), "the last token's lists are all padding"
+    assert (lse.squeeze(-1).cpu()[lonely] == float("inf")).all()
+    assert torch.allclose(lse.squeeze(-1).cpu()[~lonely], want_lse.cpu()[~lonely], atol=1e-3)
+
+
+def test_decode_adapter_refuses_what_is_not_backported() -> None:
+    with pytest.raises(NotImplementedError, match="sparse fp8"):
+        flashmla_ops.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 512), torch.zeros(1),
+                                            None, None, 512, is_fp8_kvcache=False)
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+        flashmla_ops.fused_indexer_q_rope_quant(None, None, None, None, 1.0, 1.0, use_fp4=True)
