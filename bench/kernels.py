@@ -612,6 +612,69 @@ def prefill_cases(quick: bool) -> list[dict[str, object]]:
     return rows
 
 
+INDEXER_HEADS, INDEXER_DIM = 64, 128  # DeepSeek-V4's indexer: 64 heads of 128 dims
+
+
+def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
+    """The indexer's logits: a 4k-token prefill chunk at the end of a 128k-token context
+    (32k compressed keys), beside a dense bf16 matmul of the same flops by cuBLAS; decode
+    steps of B requests over 32k keys each, as bytes against the copy bandwidth."""
+    from services.engine.backport.kernels.mqa_logits import mqa_logits
+    from services.engine.backport.kernels.paged_mqa_logits import SCALE_BYTES, paged_mqa_logits
+
+    def fp8(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
+
+    rows = []
+    tokens, keys = 4096, 32768
+    q, k = fp8(tokens, INDEXER_HEADS, INDEXER_DIM), fp8(keys, INDEXER_DIM)
+    k_scale = torch.rand(keys, device="cuda")
+    weights = torch.randn(tokens, INDEXER_HEADS, device="cuda")
+    ks = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    ke = (keys - (tokens - 1 - torch.arange(tokens, device="cuda")) // 4).to(torch.int32)
+    flops = 2 * INDEXER_HEADS * INDEXER_DIM * int((ke - ks).sum())
+    graph_ms = bench_graph_ms(lambda: mqa_logits(q, k, k_scale, weights, ks, ke))
+    a = torch.randn(tokens * INDEXER_HEADS // 4, INDEXER_DIM, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(INDEXER_DIM, keys, device="cuda", dtype=torch.bfloat16)
+    dense_ms = bench_graph_ms(lambda: torch.matmul(a, b))
+    dense_rate = 2 * a.shape[0] * INDEXER_DIM * keys / dense_ms * 1e-9
+    rows.append({"shape": f"prefill M={tokens} N={keys} H={INDEXER_HEADS}",
+                 "graph ms": graph_ms, "TFLOP/s": flops / graph_ms * 1e-9,
+                 "baseline": f"cuBLAS bf16 {dense_rate:.0f} TFLOP/s",
+                 "ratio": flops / graph_ms * 1e-9 / dense_rate})
+    block_size, context = 64, 32768
+    for batch in (8, 64):
+        blocks = batch * context // block_size
+        cache = torch.randint(0, 255, (blocks, block_size * (INDEXER_DIM + SCALE_BYTES)),
+                              dtype=torch.uint8, device="cuda")
+        view = cache.view(blocks, block_size, 1, INDEXER_DIM + SCALE_BYTES)
+        cache[:, block_size * INDEXER_DIM:].view(torch.float32).copy_(
+            torch.rand(blocks, block_size, device="cuda"))
+        tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
+        qd = fp8(batch, 1, INDEXER_HEADS, INDEXER_DIM)
+        wd = torch.randn(batch, INDEXER_HEADS, device="cuda")
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        graph_ms = bench_graph_ms(lambda: paged_mqa_logits(qd, view, wd, lens, tables, context))
+        moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
+        rate = moved / (graph_ms * 1e-3)
+        rows.append({"shape": f"decode B={batch} keys={context} H={INDEXER_HEADS}",
+                     "graph ms": graph_ms,
+                     "TFLOP/s": 2 * batch * context * INDEXER_HEADS * INDEXER_DIM / graph_ms * 1e-9,
+                     "baseline": f"{rate / 1e9:.0f} GB/s of {bandwidth / 1e9:.0f} GB/s copy",
+                     "ratio": rate / bandwidth})
+        print(indexer_markdown(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+def indexer_markdown(rows: list[dict[str, object]]) -> str:
+    lines = ["| indexer logits | graph ms | TFLOP/s | baseline (same run) | ratio |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['shape']} | {row['graph ms']:.4g} | {row['TFLOP/s']:.4g} | "
+                     f"{row['baseline']} | {row['ratio']:.0%} |")
+    return "\n".join(lines)
+
+
 def prefill_markdown(rows: list[dict[str, object]]) -> str:
     lines = ["| shape | config | graph ms | TFLOP/s | cuBLAS dense bf16 TFLOP/s | ratio |",
              "|---|---|---|---|---|---|"]
@@ -684,6 +747,9 @@ def main() -> None:
         "--quantizers", action="store_true", help="only time the quantizers and gathers"
     )
     parser.add_argument(
+        "--indexer", action="store_true", help="only time the indexer's logits",
+    )
+    parser.add_argument(
         "--prefill", action="store_true",
         help="only time the sparse prefill (tiling choices too unless --quick)",
     )
@@ -740,6 +806,9 @@ def main() -> None:
     if args.prefill:
         print(prefill_markdown(prefill_cases(args.quick)))
         return
+    if args.indexer:
+        print(indexer_markdown(indexer_cases(bandwidth)))
+        return
     rows: list[dict[str, object]] = []
     contexts = [8192, 131072] if args.quick else [8192, 32768, 131072]
     max_batch = 64
@@ -764,6 +833,7 @@ def main() -> None:
             print(f"config {config} failed: {type(error).__name__}: {error}", flush=True)
     rows.extend(quantizer_cases(bandwidth, args.quick))
     prefill_rows = prefill_cases(quick=True)
+    indexer_rows = indexer_cases(bandwidth)
 
     from services.engine.backport.kernels import (
         indexer_k_compress,
@@ -771,6 +841,8 @@ def main() -> None:
         inv_rope_fp8_quant,
         k_cache_gather,
         k_cache_insert,
+        mqa_logits,
+        paged_mqa_logits,
         sparse_mla_combine,
         sparse_mla_decode,
         sparse_mla_prefill,
@@ -780,6 +852,7 @@ def main() -> None:
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; kernels compiled for {args.gpu_arch}\n")
     print(markdown(rows))
     print("\nsparse MLA prefill (graph replay):\n" + prefill_markdown(prefill_rows))
+    print("\n" + indexer_markdown(indexer_rows))
     modules = [
         sparse_mla_decode,
         sparse_mla_combine,
@@ -789,6 +862,8 @@ def main() -> None:
         inv_rope_fp8_quant,
         indexer_k_compress,
         sparse_mla_prefill,
+        mqa_logits,
+        paged_mqa_logits,
     ]
     print("\ncompiled variants (shared B, registers, spills):")
     for report in compiled_kernel_reports(modules):
@@ -800,7 +875,7 @@ def main() -> None:
         Path(args.out).write_text(
             json.dumps(
                 {"copy_bytes_per_s": bandwidth, "arch": args.gpu_arch, "rows": rows,
-                 "prefill_rows": prefill_rows}, indent=1
+                 "prefill_rows": prefill_rows, "indexer_rows": indexer_rows}, indent=1
             )
         )
 

@@ -19,9 +19,17 @@ import pytest
 import torch
 
 from services.engine.backport import deepseek_v4
-from services.engine.backport.deepseek_v4 import activation, flashmla_ops
+from services.engine.backport.deepseek_v4 import activation, op_adapters
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.mqa_logits import mqa_logits
+from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode_reference
+from tests.kernels.test_mqa_logits import (
+    INTERPRETER_PAGED,
+    INTERPRETER_RAGGED,
+    paged_inputs,
+    ragged_inputs,
+)
 from tests.kernels.test_sparse_mla_decode import SOFTMAX_SCALE, _slot_lists, filled_cache
 
 
@@ -62,7 +70,8 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     from vllm.platforms.interface import DeviceCapability
 
     modules, backend = routed_modules
-    stock = {(m.__name__, n): getattr(m, n) for m in modules for n in activation.routes()[m.__name__]}
+    stock = {(m.__name__, n): getattr(m, n)
+             for m in modules for n in activation.routes()[m.__name__]}
     stock_check = vars(backend)["supports_compute_capability"]
     assert not backend.supports_compute_capability(DeviceCapability(8, 6))
 
@@ -106,7 +115,7 @@ def test_decode_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: st
                      slots=slots, lengths=lengths)
     on = {name: value.to(kernel_device) for name, value in to_device.items()}
 
-    out, lse = flashmla_ops.flash_mla_with_kvcache(
+    out, lse = op_adapters.flash_mla_with_kvcache(
         q=q.unsqueeze(1), k_cache=window_cache, block_table=None, head_dim_v=512,
         tile_scheduler_metadata=object(), cache_seqlens=None, is_fp8_kvcache=True,
         indices=on["window_slots"].unsqueeze(1), topk_length=on["window_lengths"],
@@ -130,7 +139,30 @@ def test_decode_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: st
 
 def test_decode_adapter_refuses_what_is_not_backported() -> None:
     with pytest.raises(NotImplementedError, match="sparse fp8"):
-        flashmla_ops.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 512), torch.zeros(1),
+        op_adapters.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 512), torch.zeros(1),
                                             None, None, 512, is_fp8_kvcache=False)
     with pytest.raises(NotImplementedError, match="MXFP4"):
-        flashmla_ops.fused_indexer_q_rope_quant(None, None, None, None, 1.0, 1.0, use_fp4=True)
+        op_adapters.fused_indexer_q_rope_quant(None, None, None, None, 1.0, 1.0, use_fp4=True)
+
+
+def test_logits_adapters_take_deepgemm_arguments(kernel_device: str) -> None:
+    """(values, None) q tuples, a (k, scales) pair and DeepGEMM's schedule argument, as
+    vLLM's sparse-attention indexer passes them; MXFP4 and varlen rows are refused."""
+    ragged = ragged_inputs(INTERPRETER_RAGGED[0], kernel_device, seed=2)
+    got = op_adapters.fp8_fp4_mqa_logits(
+        (ragged["q"], None), (ragged["k"], ragged["k_scale"]), ragged["weights"],
+        ragged["cu_seqlen_ks"], ragged["cu_seqlen_ke"], clean_logits=True)
+    assert torch.equal(got.cpu(), mqa_logits(**ragged, clean_logits=True).cpu())
+
+    paged = paged_inputs(INTERPRETER_PAGED[0], kernel_device, seed=2)
+    got = op_adapters.fp8_fp4_paged_mqa_logits(
+        (paged["q"], None), paged["kv_cache"], paged["weights"], paged["context_lens"],
+        paged["block_tables"], None, max_model_len=paged["max_model_len"], clean_logits=True)
+    assert torch.equal(got.cpu(), paged_mqa_logits(**paged, clean_logits=True).cpu())
+
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+        op_adapters.fp8_fp4_mqa_logits((ragged["q"], ragged["k_scale"]), (None, None), None,
+                                       None, None, False)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        op_adapters.fp8_fp4_paged_mqa_logits((paged["q"], None), None, None, None, None, None,
+                                             1, False, indices=paged["context_lens"])

@@ -5,9 +5,9 @@ attention backend's compute-capability check, which admits only sm90/sm100. Each
 replaced when vLLM imports its module, so other models never load this code.
 
 Still missing on these cards, so the model does not run end to end yet: the output
-projection's DeepGEMM fp8 einsum, the indexer's DeepGEMM fp8 logits and the MoE experts'
-kernels. The CUDA decode (`sparse_mla_decode_cuda`) is not routed: it must be loaded
-before CUDA-graph capture, and nothing here runs before capture yet; the Triton decode is.
+projection's DeepGEMM fp8 einsum and the MoE experts' kernels. The CUDA decode
+(`sparse_mla_decode_cuda`) is not routed: it must be loaded before CUDA-graph capture,
+and nothing here runs before capture yet; the Triton decode is.
 """
 
 from __future__ import annotations
@@ -26,29 +26,34 @@ logger = logging.getLogger(__name__)
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
 ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
+INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 BACKEND_MODULE = "vllm.models.deepseek_v4.sparse_mla"
 BACKEND_CLASS = "DeepseekV4SparseMLABackend"
 
 
 def routes() -> dict[str, dict[str, Callable[..., object]]]:
     """Module -> {name vLLM calls: the backport's function} (imports the kernels)."""
-    from services.engine.backport.deepseek_v4 import flashmla_ops
+    from services.engine.backport.deepseek_v4 import op_adapters
     from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
     from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
 
     return {
         FLASHMLA_LAYER_MODULE: {
-            "flash_mla_with_kvcache": flashmla_ops.flash_mla_with_kvcache,
+            "flash_mla_with_kvcache": op_adapters.flash_mla_with_kvcache,
             "flash_mla_sparse_fwd": sparse_mla_prefill,
             "dequantize_and_gather_k_cache": dequantize_and_gather_k_cache,
         },
         ATTENTION_MODULE: {
-            "fused_indexer_q_rope_quant": flashmla_ops.fused_indexer_q_rope_quant,
+            "fused_indexer_q_rope_quant": op_adapters.fused_indexer_q_rope_quant,
+        },
+        INDEXER_MODULE: {
+            "fp8_fp4_mqa_logits": op_adapters.fp8_fp4_mqa_logits,
+            "fp8_fp4_paged_mqa_logits": op_adapters.fp8_fp4_paged_mqa_logits,
         },
     }
 
 
-ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE)
+ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE)
 _ABSENT = object()
 
 _finder: PatchOnImport | None = None

@@ -1,12 +1,12 @@
-"""FlashMLA's and DeepSeek-V4's op signatures, as vLLM's CUDA path calls them, over the
-backport's kernels.
+"""The signatures vLLM's DeepSeek-V4 CUDA path calls (FlashMLA's, DeepGEMM's, its own
+ops'), over the backport's kernels.
 
 vLLM's `DeepseekV4FlashMLAAttention` (`vllm/models/deepseek_v4/nvidia/flashmla.py`) calls
 FlashMLA's sparse fp8 decode and sparse prefill, and DeepSeek-V4's K gather; its indexer
-calls `fused_indexer_q_rope_quant`. FlashMLA runs on sm90/sm100 only and the upstream
-Triton ops use fp8 instructions that sm80/86 lack. The prefill and the K gather need no
-adapter (`sparse_mla_prefill`, `k_cache_gather` take the same arguments); the decode and
-the indexer's Q quant do.
+calls `fused_indexer_q_rope_quant` and DeepGEMM's two logits ops. FlashMLA and DeepGEMM
+run on sm90/sm100 only, and the upstream Triton ops use fp8 instructions that sm80/86
+lack. The prefill and the K gather need no adapter (`sparse_mla_prefill`,
+`k_cache_gather` take the same arguments); the others are below.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels import indexer_q_quant
+from services.engine.backport.kernels.mqa_logits import mqa_logits
+from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 
 
@@ -74,3 +76,44 @@ def fused_indexer_q_rope_quant(
     return indexer_q_quant.fused_indexer_q_rope_quant(
         positions, index_q, index_q_cos_sin_cache, index_weights,
         index_weights_softmax_scale, index_weights_head_scale)
+
+
+def _fp8_q(q: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    values, scales = q
+    if scales is not None:
+        raise NotImplementedError("the MXFP4 indexer (q with block scales) is not backported")
+    return values
+
+
+def fp8_fp4_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seqlen_ks: torch.Tensor,
+    cu_seqlen_ke: torch.Tensor,
+    clean_logits: bool,
+) -> torch.Tensor:
+    """DeepGEMM's fp8 indexer logits over a contiguous K: logits [M, N] fp32."""
+    k, k_scale = kv
+    return mqa_logits(_fp8_q(q), k, k_scale.reshape(-1), weights, cu_seqlen_ks, cu_seqlen_ke,
+                      clean_logits)
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    schedule_metadata: torch.Tensor | None,
+    max_model_len: int,
+    clean_logits: bool,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepGEMM's fp8 indexer logits over the paged cache: [B * next_n, max_model_len] fp32.
+    DeepGEMM's SM schedule is not needed; its varlen rows (`indices`, Blackwell's) are not
+    backported."""
+    if indices is not None:
+        raise NotImplementedError("varlen paged logits (indices) are not backported")
+    return paged_mqa_logits(_fp8_q(q), kv_cache, weights, context_lens, block_tables,
+                            max_model_len, clean_logits)

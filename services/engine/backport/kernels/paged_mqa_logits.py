@@ -1,0 +1,217 @@
+"""DeepSeek-V4's indexer logits over the paged fp8 indexer cache, for sm80/86/89.
+
+Replaces DeepGEMM's `fp8_paged_mqa_logits` (vLLM's `fp8_fp4_paged_mqa_logits` with fp8 q),
+which the sparse-attention indexer calls on decode steps; DeepGEMM runs on sm90/sm100
+only. The keys are the indexer cache `indexer_k_compress` writes: a page is [block_size
+x D fp8 bytes][block_size x 4 B fp32 scales][padding], given as the view
+[num_blocks, block_size, 1, D + 4] vLLM passes.
+
+Semantics, the reference being `paged_mqa_logits_reference`:
+- q [B, next_n, H, D] fp8 e4m3 (per-token scale folded into `weights` [B * next_n, H]);
+- row r = b * next_n + j sees keys n < L, L = context_lens[b, j] when context_lens is
+  [B, next_n], else context_lens[b] - next_n + 1 + j (the draft tokens' causal offset);
+  key n of request b is position n % block_size of page block_tables[b, n // block_size];
+- logits[r, n] = sum over h of weights[r, h] * relu(q[b, j, h] . k[n] * k_scale[n]) for
+  n < L; columns from L to max_model_len are left unwritten, or -inf with clean_logits;
+- returns logits [B * next_n, max_model_len] fp32.
+
+Tiling: a program owns one row (its H heads of q decoded to bf16 once) and
+KEYS_PER_PROGRAM keys, walked BLOCK_N at a time; each K tile is decoded once, and
+`head_weighted_logits` scores it for all heads in one dot (see `mqa_logits`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
+from services.engine.backport.kernels.mqa_logits import (
+    as_bytes,
+    head_weighted_logits,
+    load_q_rows,
+    mqa_logits_reference,
+)
+from services.engine.backport.kernels.sparse_mla_decode import dot_dtype
+
+SCALE_BYTES = 4  # one fp32 scale a cached row
+DEFAULT_BLOCK_N = 64
+DEFAULT_NUM_WARPS = 4
+# Keys a program walks: a decode step has few rows, so a 32k-key context is cut into 32
+# programs a row; q is decoded once per 1,024 keys.
+KEYS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr,
+    cache_ptr,
+    weights_ptr,
+    lengths_ptr,
+    block_table_ptr,
+    logits_ptr,
+    num_heads,
+    next_n,
+    logits_width,
+    block_stride,
+    stride_q_row,
+    stride_q_head,
+    stride_weights,
+    stride_lengths_request,
+    stride_lengths_draft,
+    stride_block_table,
+    stride_logits,
+    LENGTH_PER_ROW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
+    KEYS_PER_PROGRAM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CLEAN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk_start = tl.program_id(1) * KEYS_PER_PROGRAM
+    request = row // next_n
+    draft = row % next_n
+    if LENGTH_PER_ROW:
+        length = tl.load(lengths_ptr + request * stride_lengths_request
+                         + draft * stride_lengths_draft)
+    else:
+        length = tl.load(lengths_ptr + request * stride_lengths_request) - next_n + 1 + draft
+    length = tl.minimum(length, logits_width)
+    stop = tl.minimum(chunk_start + KEYS_PER_PROGRAM, length)
+    if CLEAN:
+        stop = tl.minimum(chunk_start + KEYS_PER_PROGRAM, logits_width)
+
+    heads = tl.arange(0, HEADS)
+    head_mask = heads < num_heads
+    rows = tl.zeros((HEADS,), dtype=tl.int32) + row
+    q = load_q_rows(q_ptr, rows, heads, head_mask, stride_q_row, stride_q_head,
+                    HEAD_DIM, DOT_DTYPE, FAST_DEQUANT)
+    weights = tl.load(weights_ptr + row.to(tl.int64) * stride_weights + heads,
+                      mask=head_mask, other=0.0)
+
+    dims = tl.arange(0, HEAD_DIM)
+    no_scale = tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    pages = block_table_ptr + request.to(tl.int64) * stride_block_table
+    logit_row = logits_ptr + row.to(tl.int64) * stride_logits
+    for key_start in range(chunk_start, stop, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        valid = keys < length
+        page = tl.load(pages + keys // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        position = keys % BLOCK_SIZE
+        data = page * block_stride + position * HEAD_DIM
+        raw = tl.load(cache_ptr + data[:, None] + dims[None, :], mask=valid[:, None], other=0)
+        k = e4m3_dequantize_bf16(raw, no_scale, FAST_DEQUANT).to(DOT_DTYPE)
+        scale_ptr = cache_ptr + page * block_stride + BLOCK_SIZE * HEAD_DIM + position * 4
+        k_scale = tl.load(scale_ptr.to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        logits = tl.reshape(head_weighted_logits(q, k, weights, 1, HEADS, BLOCK_N),
+                            (BLOCK_N,)) * k_scale
+        if CLEAN:
+            logits = tl.where(valid, logits, float("-inf"))
+        tl.store(logit_row + keys, logits, mask=keys < stop)
+
+
+def paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_model_len: int,
+    clean_logits: bool = False,
+    block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    keys_per_program: int = KEYS_PER_PROGRAM,
+) -> torch.Tensor:
+    """Indexer logits [B * next_n, max_model_len] fp32 (see module doc)."""
+    q = as_bytes(q)
+    if q.dim() != 4 or q.stride(-1) != 1 or q.stride(0) != q.shape[1] * q.stride(1):
+        raise ValueError(f"q must be [B, next_n, H, D] with evenly spaced tokens, got "
+                         f"{tuple(q.shape)}")
+    batch, next_n, num_heads, head_dim = q.shape
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4], got "
+                         f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    block_size = kv_cache.shape[1]
+    if kv_cache.shape[-1] != head_dim + SCALE_BYTES:
+        raise ValueError(f"kv_cache rows must be D + 4 = {head_dim + SCALE_BYTES} bytes")
+    if kv_cache.stride(0) < block_size * (head_dim + SCALE_BYTES):
+        raise ValueError(f"page stride {kv_cache.stride(0)} B too small for {block_size} rows")
+    num_rows = batch * next_n
+    if weights.shape != (num_rows, num_heads) or weights.stride(-1) != 1:
+        raise ValueError(f"weights must be [B * next_n, H] = {(num_rows, num_heads)}, got "
+                         f"{tuple(weights.shape)}")
+    length_per_row = context_lens.dim() == 2 and context_lens.shape[1] == next_n
+    if context_lens.shape[0] != batch or (context_lens.dim() == 2 and context_lens.shape[1]
+                                          not in (1, next_n)):
+        raise ValueError(f"context_lens must be [B], [B, 1] or [B, next_n], got "
+                         f"{tuple(context_lens.shape)}")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    logits = torch.empty((num_rows, max_model_len), dtype=torch.float32, device=q.device)
+    if num_rows == 0 or max_model_len == 0:
+        return logits
+    grid = (num_rows, triton.cdiv(max_model_len, keys_per_program))
+    _paged_mqa_logits_kernel[grid](
+        q, kv_cache, weights, context_lens, block_tables, logits,
+        num_heads, next_n, max_model_len, kv_cache.stride(0),
+        q.stride(1), q.stride(2), weights.stride(0),
+        context_lens.stride(0), context_lens.stride(1) if context_lens.dim() == 2 else 0,
+        block_tables.stride(0), logits.stride(0),
+        LENGTH_PER_ROW=length_per_row,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEADS=max(16, triton.next_power_of_2(num_heads)),
+        KEYS_PER_PROGRAM=keys_per_program,
+        BLOCK_N=block_n,
+        CLEAN=clean_logits,
+        DOT_DTYPE=dot_dtype(),
+        FAST_DEQUANT=not triton.knobs.runtime.interpret,
+        num_warps=num_warps,
+    )
+    return logits
+
+
+def row_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Keys each of the B * next_n rows sees (see module doc)."""
+    if context_lens.dim() == 2 and context_lens.shape[1] == next_n:
+        return context_lens.reshape(-1).to(torch.int64)
+    draft = torch.arange(next_n, device=context_lens.device)
+    return (context_lens.reshape(-1, 1).to(torch.int64) - next_n + 1 + draft).reshape(-1)
+
+
+def paged_mqa_logits_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_model_len: int,
+) -> torch.Tensor:
+    """Plain-torch reference in fp32: each row's keys read from its pages, then
+    `mqa_logits_reference`; -inf from each row's length on."""
+    batch, next_n, num_heads, head_dim = q.shape
+    block_size = kv_cache.shape[1]
+    pages = kv_cache.as_strided((kv_cache.shape[0], kv_cache.stride(0)), (kv_cache.stride(0), 1))
+    keys = torch.arange(min(max_model_len, block_tables.shape[1] * block_size), device=q.device)
+    lengths = row_lengths(context_lens, next_n)
+    rows = []
+    for request in range(batch):
+        page = pages[block_tables[request, keys // block_size].to(torch.int64)]
+        position = (keys % block_size).unsqueeze(1)
+        values = page.gather(1, position * head_dim + torch.arange(head_dim, device=q.device))
+        scale_bytes = page.gather(
+            1, block_size * head_dim + position * SCALE_BYTES
+            + torch.arange(SCALE_BYTES, device=q.device))
+        scales = scale_bytes.contiguous().view(torch.float32).squeeze(-1)
+        request_rows = slice(request * next_n, (request + 1) * next_n)
+        rows.append(mqa_logits_reference(
+            q[request], values, scales, weights[request_rows],
+            torch.zeros(next_n, dtype=torch.int64, device=q.device), lengths[request_rows]))
+    logits = torch.full((batch * next_n, max_model_len), float("-inf"), device=q.device)
+    logits[:, : keys.numel()] = torch.cat(rows)
+    return logits

@@ -1,0 +1,174 @@
+"""The indexer's logits (DeepGEMM's fp8_mqa_logits and fp8_paged_mqa_logits) against their
+plain-torch references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.engine.backport.kernels.mqa_logits import mqa_logits, mqa_logits_reference
+from services.engine.backport.kernels.paged_mqa_logits import (
+    SCALE_BYTES,
+    paged_mqa_logits,
+    paged_mqa_logits_reference,
+)
+
+
+def fp8_values(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Random fp8 e4m3 values over most of the format's range, a few of them zero."""
+    x = torch.randn(shape, generator=generator) * 4
+    x[torch.rand(shape, generator=generator) < 0.05] = 0.0
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def assert_logits_match(got: torch.Tensor, want: torch.Tensor, clean: bool) -> float:
+    """In-range logits match; with `clean`, -inf exactly where the reference has it.
+    Returns the max abs error relative to the largest logit."""
+    got, want = got.cpu(), want.cpu()
+    in_range = torch.isfinite(want)
+    scale = max(1.0, want[in_range].abs().max().item()) if in_range.any() else 1.0
+    error = (got[in_range] - want[in_range]).abs().max().item() / scale if in_range.any() else 0
+    # Products of fp8 values are exact in bf16 x bf16 -> fp32; only sums round.
+    assert error < 1e-5
+    if clean:
+        assert torch.equal(torch.isneginf(got), ~in_range)
+    return error
+
+
+@dataclass(frozen=True)
+class RaggedCase:
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_keys: int
+    clean: bool
+    tokens_per_program: int = 4
+    keys_per_program: int = 2048
+
+
+GPU_RAGGED = [
+    RaggedCase(300, 64, 128, 5000, clean=False),
+    RaggedCase(301, 64, 128, 3000, clean=True, keys_per_program=512),
+    RaggedCase(37, 40, 128, 700, clean=True, tokens_per_program=1),
+]
+INTERPRETER_RAGGED = [
+    RaggedCase(6, 20, 32, 150, clean=True, keys_per_program=64),
+    RaggedCase(5, 16, 32, 90, clean=False, tokens_per_program=2),
+]
+
+
+def ragged_inputs(case: RaggedCase, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """Tokens of three requests laid end to end: each sees a causal prefix of its own keys;
+    one token sees nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    q = fp8_values((case.num_tokens, case.num_heads, case.head_dim), generator)
+    k = fp8_values((case.num_keys, case.head_dim), generator)
+    k_scale = torch.rand(case.num_keys, generator=generator) + 0.01
+    weights = torch.randn(case.num_tokens, case.num_heads, generator=generator)
+    starts = torch.tensor([0, case.num_keys // 3, case.num_keys // 2])
+    request = torch.randint(0, 3, (case.num_tokens,), generator=generator)
+    ks = starts[request]
+    ke = ks + torch.randint(0, case.num_keys - case.num_keys // 2 + 1, (case.num_tokens,),
+                            generator=generator)
+    ke[0] = ks[0]
+    inputs = dict(q=q, k=k, k_scale=k_scale, weights=weights,
+                  cu_seqlen_ks=ks.to(torch.int32), cu_seqlen_ke=ke.to(torch.int32))
+    return {name: value.to(device) for name, value in inputs.items()}
+
+
+@pytest.mark.parametrize("case_index", range(len(GPU_RAGGED)))
+def test_mqa_logits_match_reference(kernel_device: str, case_index: int,
+                                    record_max_error) -> None:
+    cases = GPU_RAGGED if kernel_device == "cuda" else INTERPRETER_RAGGED
+    if case_index >= len(cases):
+        pytest.skip("large shapes run on a CUDA card only")
+    case = cases[case_index]
+    inputs = ragged_inputs(case, kernel_device, seed=case_index)
+    got = mqa_logits(**inputs, clean_logits=case.clean,
+                     tokens_per_program=case.tokens_per_program,
+                     keys_per_program=case.keys_per_program)
+    want = mqa_logits_reference(**inputs)
+    record_max_error("_mqa_logits_kernel", assert_logits_match(got, want, case.clean))
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    batch: int
+    next_n: int
+    num_heads: int
+    head_dim: int
+    block_size: int
+    max_model_len: int
+    per_draft_lengths: bool
+    clean: bool
+    keys_per_program: int = 1024
+
+
+GPU_PAGED = [
+    PagedCase(8, 1, 64, 128, 64, 4096, per_draft_lengths=False, clean=False),
+    PagedCase(5, 2, 64, 128, 64, 3000, per_draft_lengths=True, clean=True),
+    PagedCase(3, 2, 40, 128, 16, 700, per_draft_lengths=False, clean=True, keys_per_program=256),
+]
+INTERPRETER_PAGED = [
+    PagedCase(3, 1, 20, 32, 16, 100, per_draft_lengths=False, clean=True, keys_per_program=64),
+    PagedCase(2, 2, 16, 32, 8, 70, per_draft_lengths=True, clean=False),
+    PagedCase(2, 3, 16, 32, 8, 40, per_draft_lengths=False, clean=True),
+]
+
+
+def paged_inputs(case: PagedCase, device: str, seed: int) -> dict[str, object]:
+    """A cache of shuffled pages with padding after each page's scales, as vLLM's view."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_request = -(-case.max_model_len // case.block_size)
+    num_blocks = case.batch * blocks_per_request + 3
+    row_bytes = case.head_dim + SCALE_BYTES
+    page_bytes = case.block_size * row_bytes + 64
+    pages = torch.randint(0, 256, (num_blocks, page_bytes), generator=generator,
+                          dtype=torch.uint8)
+    values = fp8_values((num_blocks, case.block_size, case.head_dim), generator)
+    scales = torch.rand(num_blocks, case.block_size, generator=generator) + 0.01
+    values_end = case.block_size * case.head_dim
+    pages[:, :values_end] = values.view(torch.uint8).reshape(num_blocks, -1)
+    pages[:, values_end : values_end + case.block_size * SCALE_BYTES] = (
+        scales.view(torch.uint8).reshape(num_blocks, -1))
+    kv_cache = pages.as_strided((num_blocks, case.block_size, 1, row_bytes),
+                                (page_bytes, row_bytes, row_bytes, 1))
+    block_tables = torch.randperm(num_blocks, generator=generator)[
+        : case.batch * blocks_per_request].reshape(case.batch, blocks_per_request)
+    shape = (case.batch, case.next_n) if case.per_draft_lengths else (case.batch,)
+    context_lens = torch.randint(case.next_n, case.max_model_len + 1, shape, generator=generator)
+    context_lens.view(-1)[0] = case.max_model_len
+    q = fp8_values((case.batch, case.next_n, case.num_heads, case.head_dim), generator)
+    weights = torch.randn(case.batch * case.next_n, case.num_heads, generator=generator)
+    inputs = dict(q=q, kv_cache=kv_cache, weights=weights,
+                  context_lens=context_lens.to(torch.int32),
+                  block_tables=block_tables.to(torch.int32))
+    return {**{name: value.to(device) for name, value in inputs.items()},
+            "max_model_len": case.max_model_len}
+
+
+@pytest.mark.parametrize("case_index", range(len(GPU_PAGED)))
+def test_paged_mqa_logits_match_reference(kernel_device: str, case_index: int,
+                                          record_max_error) -> None:
+    cases = GPU_PAGED if kernel_device == "cuda" else INTERPRETER_PAGED
+    if case_index >= len(cases):
+        pytest.skip("large shapes run on a CUDA card only")
+    case = cases[case_index]
+    inputs = paged_inputs(case, kernel_device, seed=case_index)
+    got = paged_mqa_logits(**inputs, clean_logits=case.clean,
+                           keys_per_program=case.keys_per_program)
+    want = paged_mqa_logits_reference(**inputs)
+    record_max_error("_paged_mqa_logits_kernel", assert_logits_match(got, want, case.clean))
+
+
+def test_logits_refuse_mismatched_inputs(kernel_device: str) -> None:
+    inputs = ragged_inputs(INTERPRETER_RAGGED[0], kernel_device, seed=9)
+    with pytest.raises(TypeError, match="fp8 e4m3"):
+        mqa_logits(**{**inputs, "q": inputs["q"].float()})
+    with pytest.raises(ValueError, match="weights must be"):
+        mqa_logits(**{**inputs, "weights": inputs["weights"][:, :3]})
+    paged = paged_inputs(INTERPRETER_PAGED[0], kernel_device, seed=9)
+    with pytest.raises(ValueError, match="D \\+ 4"):
+        paged_mqa_logits(**{**paged, "kv_cache": paged["kv_cache"][..., :-1]})
