@@ -8,7 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.engine.backport.kernels.mqa_logits import mqa_logits, mqa_logits_reference
+from services.engine.backport.kernels.mqa_logits import (
+    DEFAULT_TOKENS,
+    mqa_logits,
+    mqa_logits_reference,
+)
 from services.engine.backport.kernels.paged_mqa_logits import (
     SCALE_BYTES,
     paged_mqa_logits,
@@ -44,14 +48,14 @@ class RaggedCase:
     head_dim: int
     num_keys: int
     clean: bool
-    tokens_per_program: int = 4
+    tokens_per_program: int = DEFAULT_TOKENS
     keys_per_program: int = 2048
 
 
 GPU_RAGGED = [
     RaggedCase(300, 64, 128, 5000, clean=False),
-    RaggedCase(301, 64, 128, 3000, clean=True, keys_per_program=512),
-    RaggedCase(37, 40, 128, 700, clean=True, tokens_per_program=1),
+    RaggedCase(301, 64, 128, 3000, clean=True, tokens_per_program=4, keys_per_program=512),
+    RaggedCase(37, 40, 128, 700, clean=True, tokens_per_program=2),
 ]
 INTERPRETER_RAGGED = [
     RaggedCase(6, 20, 32, 150, clean=True, keys_per_program=64),

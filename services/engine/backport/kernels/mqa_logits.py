@@ -17,7 +17,8 @@ Tiling:
   to bf16 once, then walks KEYS_PER_PROGRAM keys of their ranges BLOCK_N at a time;
 - each K tile is decoded once for all those rows (fp8 bytes to exact bf16, no fp8
   instruction) and one dot gives every row's scores; relu, the head weights and the sum
-  over each token's heads follow in registers;
+  over each token's heads follow in registers (as many instructions as the dot's
+  mma.sync: one relu and one fma per score against 128 multiply-adds);
 - a row's scale multiplies the summed logit: scales are positive and relu commutes with
   them.
 """
@@ -31,14 +32,15 @@ import triton.language as tl
 from services.engine.backport.kernels.fp8_e4m3 import decode_e4m3_reference, e4m3_dequantize_bf16
 from services.engine.backport.kernels.sparse_mla_decode import dot_dtype
 
-# 4 tokens x 64 heads = 256 rows of q a program: a K tile's decode is shared by all of
-# them, so the decode costs half the tensor-core work (a row of 128 values is 8 warp
-# instructions of decode against 256 rows x 128 / 2048 = 16 of mma.sync).
-DEFAULT_TOKENS = 4
-DEFAULT_BLOCK_N = 64
-DEFAULT_NUM_WARPS = 8
-# Keys a program walks: enough programs to fill the card on a 4k-token chunk
-# (1,024 token groups x 8k keys / 2,048), q decoded once per 2,048 keys.
+# One token's 64 heads and 128 keys a step at 4 warps. On the H200 in sm80 mode (a 4k-token
+# chunk over 32k keys) that ran 182 TFLOP/s; 4 tokens (256 rows sharing each K tile's
+# decode) at 8 warps 143, 2 tokens at 4 warps 168: sharing the decode costs more in
+# registers (250 a thread at 4 tokens) than it saves.
+DEFAULT_TOKENS = 1
+DEFAULT_BLOCK_N = 128
+DEFAULT_NUM_WARPS = 4
+# Keys a program walks: q is decoded once per 2,048 keys; a 4k-token chunk over 32k keys
+# is 4,096 x 16 programs.
 KEYS_PER_PROGRAM = 2048
 
 

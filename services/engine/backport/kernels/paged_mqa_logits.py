@@ -36,7 +36,9 @@ from services.engine.backport.kernels.mqa_logits import (
 from services.engine.backport.kernels.sparse_mla_decode import dot_dtype
 
 SCALE_BYTES = 4  # one fp32 scale a cached row
-DEFAULT_BLOCK_N = 64
+# 128 keys a step at 4 warps: 154 TFLOP/s on the H200 in sm80 mode (B=64, 32k keys),
+# 64 keys 119, 256 keys 97 (134 at 8 warps).
+DEFAULT_BLOCK_N = 128
 DEFAULT_NUM_WARPS = 4
 # Keys a program walks: a decode step has few rows, so a 32k-key context is cut into 32
 # programs a row; q is decoded once per 1,024 keys.
