@@ -73,6 +73,9 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     stock = {(m.__name__, n): getattr(m, n)
              for m in modules for n in activation.routes()[m.__name__]}
     stock_check = vars(backend)["supports_compute_capability"]
+    layer = getattr(importlib.import_module(activation.FLASHMLA_LAYER_MODULE),
+                    activation.LAYER_CLASS)
+    stock_init = vars(layer)["__init__"]
     assert not backend.supports_compute_capability(DeviceCapability(8, 6))
 
     assert not deepseek_v4.install((9, 0))
@@ -87,16 +90,19 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert backend.supports_compute_capability(DeviceCapability(8, 0))
     assert backend.supports_compute_capability(DeviceCapability(9, 0))
     assert not backend.supports_compute_capability(DeviceCapability(7, 5))
+    assert vars(layer)["__init__"] is not stock_init  # it also loads the CUDA decode
 
     deepseek_v4.uninstall()
     assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
     assert vars(backend)["supports_compute_capability"] is stock_check
+    assert vars(layer)["__init__"] is stock_init
 
 
-def test_decode_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: str) -> None:
-    """Shapes as `DeepseekV4FlashMLAAttention._forward_decode` passes them: q [T, 1, H, D],
-    caches [blocks, block_size, 1, 584], lists [T, 1, K], out a [T, 1, H, D] view."""
-    generator = torch.Generator().manual_seed(21)
+def decode_call(kernel_device: str, seed: int) -> tuple[dict[str, object], tuple[torch.Tensor, ...]]:
+    """The adapter's keyword arguments as `DeepseekV4FlashMLAAttention._forward_decode`
+    passes them (q [T, 1, H, D], caches [blocks, block_size, 1, 584], lists [T, 1, K], out
+    a [T, 1, H, D] view), and the reference's (out, lse)."""
+    generator = torch.Generator().manual_seed(seed)
     num_tokens, num_heads, window, topk = 3, 16, 24, 40
 
     def flashmla_view(num_rows: int, block_size: int) -> torch.Tensor:
@@ -115,26 +121,57 @@ def test_decode_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: st
                      slots=slots, lengths=lengths)
     on = {name: value.to(kernel_device) for name, value in to_device.items()}
 
-    out, lse = op_adapters.flash_mla_with_kvcache(
+    call = dict(
         q=q.unsqueeze(1), k_cache=window_cache, block_table=None, head_dim_v=512,
         tile_scheduler_metadata=object(), cache_seqlens=None, is_fp8_kvcache=True,
         indices=on["window_slots"].unsqueeze(1), topk_length=on["window_lengths"],
         softmax_scale=SOFTMAX_SCALE, attn_sink=sink, extra_k_cache=compressed_cache,
         extra_indices_in_kvcache=on["slots"].unsqueeze(1), extra_topk_length=on["lengths"],
         out=output.unsqueeze(1))
-
-    want_out, want_lse = sparse_mla_decode_reference(
+    want = sparse_mla_decode_reference(
         q, window_cache, on["window_slots"], SOFTMAX_SCALE, on["window_lengths"], sink,
         compressed_cache, on["slots"], on["lengths"])
+    return call, want
+
+
+def check_decode(out: torch.Tensor, lse: torch.Tensor, call: dict[str, object],
+                 want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    want_out, want_lse = want
+    num_tokens, _, num_heads, _ = call["q"].shape
     assert out.shape == (num_tokens, 1, num_heads, layout.HEAD_DIM)
-    assert out.data_ptr() == output.data_ptr()
-    got = output.float().cpu()
+    assert out.data_ptr() == call["out"].data_ptr()
+    got = out.float().cpu().squeeze(1)
     assert (got - want_out.cpu()).abs().max().item() <= 1e-2 * max(1.0, want_out.abs().max())
     assert lse.shape == (num_tokens, num_heads, 1)
     lonely = torch.isinf(want_lse.cpu())
     assert lonely[-1].all(), "the last token's lists are all padding"
     assert (lse.squeeze(-1).cpu()[lonely] == float("inf")).all()
     assert torch.allclose(lse.squeeze(-1).cpu()[~lonely], want_lse.cpu()[~lonely], atol=1e-3)
+
+
+def test_decode_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: str) -> None:
+    call, want = decode_call(kernel_device, seed=21)
+    check_decode(*op_adapters.flash_mla_with_kvcache(**call), call, want)
+
+
+def test_decode_adapter_runs_the_cuda_decode_in_a_cuda_graph(
+        kernel_device: str, gpu_arch: str | None) -> None:
+    """Loaded first (as the routed layer's constructor does), the CUDA decode is what the
+    adapter runs, and a CUDA graph captured around the adapter replays it."""
+    if kernel_device != "cuda":
+        pytest.skip("the CUDA decode needs a CUDA card")
+    call, want = decode_call(kernel_device, seed=22)
+    assert op_adapters.prepare_cuda_decode(torch.device("cuda"), gpu_arch)
+    assert op_adapters.runs_cuda_decode(call["q"], call["k_cache"], call["extra_k_cache"])
+    op_adapters.flash_mla_with_kvcache(**call)  # Triton's combine compiles outside capture
+    call["out"].zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = op_adapters.flash_mla_with_kvcache(**call)
+    call["out"].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_decode(out, lse, call, want)
 
 
 def test_decode_adapter_refuses_what_is_not_backported() -> None:

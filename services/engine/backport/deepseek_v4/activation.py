@@ -1,13 +1,13 @@
 """Points vLLM's DeepSeek-V4 CUDA path at the backport's kernels on cards below sm90.
 
-The seams are the names vLLM's DeepSeek-V4 modules call at run time (`routes`), and the
-attention backend's compute-capability check, which admits only sm90/sm100. Each is
-replaced when vLLM imports its module, so other models never load this code.
+The seams are the names vLLM's DeepSeek-V4 modules call at run time (`routes`), the
+attention backend's compute-capability check, which admits only sm90/sm100, and the
+attention layer's constructor, which now also loads the CUDA decode on the layer's GPU
+(models are built before CUDA graphs are captured). Each is replaced when vLLM imports
+its module, so other models never load this code.
 
 Still missing on these cards, so the model does not run end to end yet: the output
-projection's DeepGEMM fp8 einsum and the MoE experts' kernels. The CUDA decode
-(`sparse_mla_decode_cuda`) is not routed: it must be loaded before CUDA-graph capture,
-and nothing here runs before capture yet; the Triton decode is.
+projection's DeepGEMM fp8 einsum and the MoE experts' kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
 INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 BACKEND_MODULE = "vllm.models.deepseek_v4.sparse_mla"
 BACKEND_CLASS = "DeepseekV4SparseMLABackend"
+LAYER_CLASS = "DeepseekV4FlashMLAAttention"
 
 
 def routes() -> dict[str, dict[str, Callable[..., object]]]:
@@ -108,6 +109,23 @@ def _route_names(module: ModuleType) -> None:
             _replace(module, name, function)
         else:
             logger.warning("backport: %s has no %s to route; vLLM changed", module.__name__, name)
+    if module.__name__ == FLASHMLA_LAYER_MODULE:
+        _load_cuda_decode_with_layers(getattr(module, LAYER_CLASS))
+
+
+def _load_cuda_decode_with_layers(layer_class: type) -> None:
+    import torch
+
+    from services.engine.backport.deepseek_v4.op_adapters import prepare_cuda_decode
+
+    stock_init = layer_class.__init__
+
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
+        stock_init(self, *args, **kwargs)
+        if torch.cuda.is_available():
+            prepare_cuda_decode(torch.device("cuda", torch.cuda.current_device()))
+
+    _replace(layer_class, "__init__", __init__)
 
 
 def _admit_sm8x(module: ModuleType) -> None:
