@@ -98,7 +98,8 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert vars(layer)["__init__"] is stock_init
 
 
-def decode_call(kernel_device: str, seed: int) -> tuple[dict[str, object], tuple[torch.Tensor, ...]]:
+def decode_call(kernel_device: str, seed: int
+                ) -> tuple[dict[str, object], tuple[torch.Tensor, ...]]:
     """The adapter's keyword arguments as `DeepseekV4FlashMLAAttention._forward_decode`
     passes them (q [T, 1, H, D], caches [blocks, block_size, 1, 584], lists [T, 1, K], out
     a [T, 1, H, D] view), and the reference's (out, lse)."""
