@@ -76,6 +76,7 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     layer = getattr(importlib.import_module(activation.FLASHMLA_LAYER_MODULE),
                     activation.LAYER_CLASS)
     stock_init = vars(layer)["__init__"]
+    assert layer.get_padded_num_q_heads(16) == 64  # FlashMLA's minimum
     assert not backend.supports_compute_capability(DeviceCapability(8, 6))
 
     assert not deepseek_v4.install((9, 0))
@@ -91,11 +92,14 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert backend.supports_compute_capability(DeviceCapability(9, 0))
     assert not backend.supports_compute_capability(DeviceCapability(7, 5))
     assert vars(layer)["__init__"] is not stock_init  # it also loads the CUDA decode
+    assert layer.get_padded_num_q_heads(16) == 16
+    assert layer.get_padded_num_q_heads(40) == 40
 
     deepseek_v4.uninstall()
     assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
     assert vars(backend)["supports_compute_capability"] is stock_check
     assert vars(layer)["__init__"] is stock_init
+    assert layer.get_padded_num_q_heads(16) == 64
 
 
 def decode_call(kernel_device: str, seed: int
