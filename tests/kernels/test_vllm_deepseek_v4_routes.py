@@ -14,6 +14,8 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -30,29 +32,46 @@ from tests.kernels.test_mqa_logits import (
     paged_inputs,
     ragged_inputs,
 )
+from tests.kernels.test_kv_compress_insert import (
+    CACHE_BLOCK_SIZE,
+    NUM_CACHE_BLOCKS,
+    compressed_by_kernel,
+    compressor_inputs,
+)
 from tests.kernels.test_sparse_mla_decode import SOFTMAX_SCALE, _slot_lists, filled_cache
 
 
+# Where vLLM calls a routed name, when not in the module that holds it.
+CALLERS = {activation.CUTEDSL_COMPRESSOR_MODULE: activation.COMPRESSOR_MODULE}
+
+
 def _calls(module_name: str, function_name: str) -> list[ast.Call]:
+    """Calls of `function_name` in a module's source, directly or through a local name
+    it was assigned to."""
     source = importlib.util.find_spec(module_name).origin
     tree = ast.parse(open(source).read())
+    names = {function_name} | {
+        target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Name) and node.value.id == function_name
+        for target in node.targets if isinstance(target, ast.Name)}
     return [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name) and node.func.id == function_name]
+            and isinstance(node.func, ast.Name) and node.func.id in names]
 
 
 @pytest.mark.parametrize("module_name, name", [
     (module, name) for module, names in activation.routes().items() for name in names])
 def test_routed_functions_take_the_arguments_vllm_passes(module_name: str, name: str) -> None:
-    """Every call vLLM makes to a routed name binds to the backport's function."""
+    """Every call vLLM makes to a routed name binds to the backport's function (its named
+    arguments; a `**mapping` is not followed)."""
     pytest.importorskip("vllm")
-    calls = _calls(module_name, name)
-    assert calls, f"{module_name} no longer calls {name}: the route is stale"
+    calls = _calls(CALLERS.get(module_name, module_name), name)
+    assert calls, f"vLLM no longer calls {module_name}.{name}: the route is stale"
     signature = inspect.signature(activation.routes()[module_name][name])
     for call in calls:
         assert not any(isinstance(a, ast.Starred) for a in call.args), ast.unparse(call)
-        assert all(k.arg is not None for k in call.keywords), ast.unparse(call)
         try:
-            signature.bind(*range(len(call.args)), **{k.arg: None for k in call.keywords})
+            signature.bind(*range(len(call.args)),
+                           **{k.arg: None for k in call.keywords if k.arg is not None})
         except TypeError as error:
             pytest.fail(f"{module_name}: {ast.unparse(call)[:200]}: {error}")
 
@@ -60,7 +79,8 @@ def test_routed_functions_take_the_arguments_vllm_passes(module_name: str, name:
 @pytest.fixture
 def routed_modules():
     pytest.importorskip("vllm")
-    modules = [importlib.import_module(name) for name in activation.ROUTED_MODULES]
+    modules = [importlib.import_module(name) for name in activation.ROUTED_MODULES
+               if name != activation.CUTEDSL_COMPRESSOR_MODULE]
     backend = getattr(importlib.import_module(activation.BACKEND_MODULE), activation.BACKEND_CLASS)
     yield modules, backend
     deepseek_v4.uninstall()
@@ -84,6 +104,9 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
 
     assert deepseek_v4.install((8, 6))
+    if importlib.util.find_spec("cutlass") is None:  # vLLM's module cannot import: stood in
+        stand_in = importlib.import_module(activation.CUTEDSL_COMPRESSOR_MODULE)
+        assert not hasattr(stand_in, "cutlass")
     for module_name, functions in activation.routes().items():
         module = importlib.import_module(module_name)
         for name, function in functions.items():
@@ -96,6 +119,8 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert layer.get_padded_num_q_heads(40) == 40
 
     deepseek_v4.uninstall()
+    if importlib.util.find_spec("cutlass") is None:
+        assert activation.CUTEDSL_COMPRESSOR_MODULE not in sys.modules
     assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
     assert vars(backend)["supports_compute_capability"] is stock_check
     assert vars(layer)["__init__"] is stock_init
@@ -208,3 +233,45 @@ def test_logits_adapters_take_deepgemm_arguments(kernel_device: str) -> None:
     with pytest.raises(NotImplementedError, match="varlen"):
         op_adapters.fp8_fp4_paged_mqa_logits((paged["q"], None), None, None, None, None, None,
                                              1, False, indices=paged["context_lens"])
+
+
+def test_compressor_adapter_takes_vllms_arguments(kernel_device: str) -> None:
+    """The attention compressor as `DeepseekCompressor.forward` calls it: its cache slots
+    in the metadata, tokens past `num_actual` (CUDA-graph padding) left alone; the cache
+    ends up as `kv_compress_insert` on the actual tokens leaves it."""
+    args = compressor_inputs(4, 13, seed=3)
+    padded = dict(args)
+    for name in ("token_to_req_indices", "positions", "slot_mapping", "kv_slot_mapping"):
+        padding = torch.arange(15, 19) if name == "positions" else torch.zeros(4)
+        padded[name] = torch.cat([args[name], padding.to(args[name].dtype)])
+    padded["kv_slot_mapping"][-4:] = torch.arange(4) + 40  # would write, were they run
+    on = {k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v
+          for k, v in padded.items()}
+
+    def flashmla_view(cache: torch.Tensor) -> torch.Tensor:
+        return cache.as_strided((cache.shape[0], CACHE_BLOCK_SIZE, layout.BYTES_PER_TOKEN),
+                                (cache.stride(0), layout.BYTES_PER_TOKEN, 1))
+
+    got = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, kernel_device)
+    op_adapters.compress_norm_rope_store(
+        state_cache=on["state_cache"], num_actual=13,
+        token_to_req_indices=on["token_to_req_indices"], positions=on["positions"],
+        slot_mapping=on["slot_mapping"], block_table=on["block_table"], block_size=8,
+        state_width=on["state_cache"].shape[-1] // 2, cos_sin_cache=on["cos_sin_cache"],
+        kv_cache=flashmla_view(got),
+        k_cache_metadata=VllmSlotMetadataStandIn(on["kv_slot_mapping"]), pdl_kwargs={},
+        head_dim=layout.HEAD_DIM, rope_head_dim=64, compress_ratio=4, overlap=True,
+        use_fp4_cache=False, rms_norm_weight=on["rms_norm_weight"], rms_norm_eps=1e-6,
+        quant_block=64, token_stride=layout.BYTES_PER_TOKEN, scale_dim=8,
+        store_full_kv=False, store_full_fp8=False, fp8_scale=None)
+    want = compressed_by_kernel(args, kernel_device)
+    assert torch.equal(got.cpu(), want.cpu())
+    with pytest.raises(NotImplementedError, match="plain-row"):
+        op_adapters.compress_norm_rope_store(*[None] * 22, store_full_kv=True)
+
+
+@dataclass
+class VllmSlotMetadataStandIn:
+    """The one field of vLLM's compressed-cache attention metadata the compressor reads."""
+
+    slot_mapping: torch.Tensor

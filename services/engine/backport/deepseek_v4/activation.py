@@ -9,13 +9,19 @@ backport's kernels take any count, and at 16 heads the decode of a B=64 top-k 20
 takes 0.044 ms instead of 0.148 (H200, sm80 mode). Each is replaced when vLLM imports
 its module, so other models never load this code.
 
+The attention compressor is one name in vLLM's CuTe-DSL module, which the compressor
+imports when it runs. Where CuTe-DSL (`cutlass`) is not installed that module cannot
+import, so the backport puts a module with just that name in its place.
+
 Still missing on these cards, so the model does not run end to end yet: the output
 projection's DeepGEMM fp8 einsum and the MoE experts' kernels.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -30,6 +36,9 @@ logger = logging.getLogger(__name__)
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
 ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
 INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
+COMPRESSOR_MODULE = "vllm.models.deepseek_v4.compressor"
+# Imported by the compressor at call time on CUDA for head 512; it needs CuTe-DSL.
+CUTEDSL_COMPRESSOR_MODULE = "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"
 BACKEND_MODULE = "vllm.models.deepseek_v4.sparse_mla"
 BACKEND_CLASS = "DeepseekV4SparseMLABackend"
 LAYER_CLASS = "DeepseekV4FlashMLAAttention"
@@ -54,14 +63,22 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
             "fp8_fp4_mqa_logits": op_adapters.fp8_fp4_mqa_logits,
             "fp8_fp4_paged_mqa_logits": op_adapters.fp8_fp4_paged_mqa_logits,
         },
+        COMPRESSOR_MODULE: {
+            "compress_norm_rope_store_triton": op_adapters.compress_norm_rope_store,
+        },
+        CUTEDSL_COMPRESSOR_MODULE: {
+            "_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL": op_adapters.compress_norm_rope_store,
+        },
     }
 
 
-ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE)
+ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE, COMPRESSOR_MODULE,
+                  CUTEDSL_COMPRESSOR_MODULE)
 _ABSENT = object()
 
 _finder: PatchOnImport | None = None
 _stock: dict[tuple[object, str], object] = {}  # (module or class, name) -> its own value
+_stand_in_modules: list[str] = []
 
 
 def needs_backport(capability: tuple[int, int] | None) -> bool:
@@ -81,6 +98,8 @@ def install(capability: tuple[int, int] | None) -> bool:
     patches: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(
         ROUTED_MODULES, _route_names)
     patches[BACKEND_MODULE] = _admit_sm8x
+    if importlib.util.find_spec("cutlass") is None:
+        _stand_in(CUTEDSL_COMPRESSOR_MODULE)
     _finder = patch_when_imported(patches)
     logger.info("DeepSeek-V4 attention on sm%d%d runs the backport's kernels", *capability)
     return True
@@ -97,7 +116,18 @@ def uninstall() -> None:
         else:
             setattr(owner, name, value)
     _stock.clear()
+    for name in _stand_in_modules:
+        sys.modules.pop(name, None)
+    _stand_in_modules.clear()
     _finder = None
+
+
+def _stand_in(module_name: str) -> None:
+    """A module of just the routed names, for a vLLM module that cannot import here."""
+    module = ModuleType(module_name, "backport stand-in: the routed names only")
+    module.__dict__.update(routes()[module_name])
+    sys.modules[module_name] = module
+    _stand_in_modules.append(module_name)
 
 
 def _replace(owner: object, name: str, value: object) -> None:

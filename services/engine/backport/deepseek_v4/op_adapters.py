@@ -3,9 +3,10 @@ ops'), over the backport's kernels.
 
 vLLM's `DeepseekV4FlashMLAAttention` (`vllm/models/deepseek_v4/nvidia/flashmla.py`) calls
 FlashMLA's sparse fp8 decode and sparse prefill, and DeepSeek-V4's K gather; its indexer
-calls `fused_indexer_q_rope_quant` and DeepGEMM's two logits ops. FlashMLA and DeepGEMM
-run on sm90/sm100 only, and the upstream Triton ops use fp8 instructions that sm80/86
-lack. The prefill and the K gather need no adapter (`sparse_mla_prefill`,
+calls `fused_indexer_q_rope_quant` and DeepGEMM's two logits ops; its KV compressors call
+a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache). FlashMLA,
+DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
+use fp8 instructions that sm80/86 lack. The prefill and the K gather need no adapter (`sparse_mla_prefill`,
 `k_cache_gather` take the same arguments); the others are below.
 """
 
@@ -18,6 +19,8 @@ import torch
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels import indexer_q_quant
 from services.engine.backport.kernels.cuda_module import device_arch
+from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
+from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
 from services.engine.backport.kernels.mqa_logits import mqa_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
@@ -164,3 +167,54 @@ def fp8_fp4_paged_mqa_logits(
         raise NotImplementedError("varlen paged logits (indices) are not backported")
     return paged_mqa_logits(_fp8_q(q), kv_cache, weights, context_lens, block_tables,
                             max_model_len, clean_logits)
+
+
+def compress_norm_rope_store(
+    state_cache: torch.Tensor,
+    num_actual: int,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    state_width: int,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_cache_metadata: object,
+    pdl_kwargs: dict,
+    head_dim: int,
+    rope_head_dim: int,
+    compress_ratio: int,
+    overlap: bool,
+    use_fp4_cache: bool,
+    rms_norm_weight: torch.Tensor,
+    rms_norm_eps: float,
+    quant_block: int,
+    token_stride: int,
+    scale_dim: int,
+    store_full_kv: bool = False,
+    store_full_fp8: bool = False,
+    fp8_scale: torch.Tensor | None = None,
+) -> None:
+    """A compressor step as `DeepseekCompressor.forward` calls it: the window merge,
+    RMSNorm, RoPE, fp8 quant and insert of every window-closing token among the first
+    `num_actual`, into the attention cache (head 512, `kv_compress_insert`) or the
+    indexer's (head 128, `indexer_k_compress_insert`). The cache slots come from
+    `k_cache_metadata.slot_mapping`; the state cache's geometry from its shape."""
+    if use_fp4_cache:
+        raise NotImplementedError("the MXFP4 indexer cache is not backported")
+    if store_full_kv or store_full_fp8:
+        raise NotImplementedError("plain-row (bf16 or per-tensor fp8) caches are not "
+                                  "backported; the fp8_ds_mla cache is")
+    if bool(overlap) != (compress_ratio == 4):
+        raise ValueError(f"overlap={overlap} with compress ratio {compress_ratio}: DeepSeek-V4 "
+                         "overlaps windows at ratio 4 only")
+    actual = slice(0, num_actual)
+    operands = (state_cache, token_to_req_indices[actual], positions[actual],
+                slot_mapping[actual], block_table, cos_sin_cache, kv_cache,
+                k_cache_metadata.slot_mapping[actual], rms_norm_weight, rms_norm_eps,
+                compress_ratio)
+    if head_dim == layout.HEAD_DIM:
+        kv_compress_insert(*operands)
+    else:
+        indexer_k_compress_insert(*operands, head_dim=head_dim, rope_head_dim=rope_head_dim)
