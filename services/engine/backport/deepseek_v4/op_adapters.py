@@ -6,8 +6,8 @@ FlashMLA's sparse fp8 decode and sparse prefill, and DeepSeek-V4's K gather; its
 calls `fused_indexer_q_rope_quant` and DeepGEMM's two logits ops; its KV compressors call
 a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache). FlashMLA,
 DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
-use fp8 instructions that sm80/86 lack. The prefill and the K gather need no adapter (`sparse_mla_prefill`,
-`k_cache_gather` take the same arguments); the others are below.
+use fp8 instructions that sm80/86 lack. The prefill and the K gather need no adapter
+(`sparse_mla_prefill`, `k_cache_gather` take the same arguments); the others are below.
 """
 
 from __future__ import annotations
