@@ -20,6 +20,10 @@ caches and bandwidth stay the H200's.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
 side on the same inputs, beside what one device copy of the same bytes gets of the copy
 bandwidth (the ceiling for any single kernel at that size). The main table has a row for each.
+`--prefill` only times the sparse prefill (and its tiling choices unless `--quick`),
+`--indexer` only the indexer's logits; both are compute-bound and printed in TFLOP/s beside
+a cuBLAS bf16 matmul of the same flops in the same run (the decode logits beside the copy
+bandwidth too). The full run ends with both tables.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
 sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
