@@ -48,6 +48,7 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.cuda_module import context_sm_count
 from services.engine.backport.kernels.decode_splits import SplitCostModel
 from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
+from services.engine.backport.kernels.online_softmax import attend_block, normalized
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
 # Row geometry (ds_mla_cache) as compile-time constants for the kernels.
@@ -191,17 +192,7 @@ def attend_slot_range(
             cache_ptr, next_slots, next_valid, block_stride, BLOCK_SIZE
         )
         k = decode_rows(raw, scale_byte, rope, BLOCK_N, DOT_DTYPE, FAST_DEQUANT)
-
-        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # All-padding so far: keep the reference point finite so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
 
         raw, scale_byte, rope, valid = next_raw, next_scale_byte, next_rope, next_valid
         next_slots, next_valid = after_slots, after_valid
@@ -317,9 +308,7 @@ def _sparse_mla_decode_kernel(
         )
 
     # Write-back: normalized output and base-2 lse (-inf when nothing was valid).
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out, lse2, has_keys = normalized(acc, m_i, l_i)
     if IS_SINGLE_SPLIT:
         if HAS_SINK:
             out = apply_sink(out, lse2, sink_ptr, heads, head_mask)

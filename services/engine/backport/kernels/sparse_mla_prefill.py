@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.online_softmax import attend_block, normalized
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink
 from services.engine.backport.kernels.sparse_mla_decode import (
     HEAD_DIM,
@@ -103,21 +104,9 @@ def _sparse_mla_prefill_kernel(
         valid = (rows >= 0) & (rows < num_kv_rows)
         k_ptrs = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kv_row
         k = tl.load(k_ptrs + dims[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        m_i, l_i, acc = attend_block(q, k, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
 
-        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # All-padding so far: keep the reference point finite so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k)
-        m_i = m_new
-
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out, lse2, has_keys = normalized(acc, m_i, l_i)
     if HAS_SINK:
         out = apply_sink(out, lse2, sink_ptr, heads, head_mask)
     # A -inf sink against a token with no key would make 0 * NaN; such a token's out is 0.
