@@ -39,10 +39,22 @@ def dequantize_indexer_rows(
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("compress_ratio", [4, 128])
-def test_indexer_k_compress_insert(
-    kernel_device: str, compress_ratio: int, record_max_error
-) -> None:
+CACHE_BLOCK_SIZE = 4
+NUM_CACHE_BLOCKS = 16
+PAGE_BYTES = -(-CACHE_BLOCK_SIZE * (HEAD_DIM + 4) // 576) * 576
+
+
+def indexer_cache(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zeroed page storage, its [blocks, block_size, 132] view as vLLM passes it)."""
+    storage = torch.zeros(NUM_CACHE_BLOCKS, PAGE_BYTES, dtype=torch.uint8, device=device)
+    view = storage.as_strided((NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, HEAD_DIM + 4),
+                              (PAGE_BYTES, HEAD_DIM + 4, 1))
+    return storage, view
+
+
+def indexer_inputs(compress_ratio: int, kernel_device: str) -> dict:
+    """One sequence's compressor state and slots (one token's state slot is -1), on CPU;
+    the interpreter gets fewer tokens at ratio 128."""
     generator = torch.Generator().manual_seed(compress_ratio)
     overlap = compress_ratio == 4
     state_width = HEAD_DIM * (1 + overlap)
@@ -59,36 +71,35 @@ def test_indexer_k_compress_insert(
     if kernel_device == "cpu" and not overlap:
         positions = positions[compress_ratio - 2 :]  # the interpreter is slow: fewer tokens
     num_tokens = positions.shape[0]
-    token_to_req = torch.zeros(num_tokens, dtype=torch.int32)
     slot_mapping = torch.arange(num_tokens)
     slot_mapping[1] = -1
     closes_window = (positions + 1) % compress_ratio == 0
-    cache_block_size = 4
     kv_slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-    kv_slots[closes_window] = torch.randperm(64, generator=generator)[: int(closes_window.sum())]
-    page_bytes = -(-cache_block_size * (HEAD_DIM + 4) // 576) * 576
-    cache = torch.zeros(16, page_bytes, dtype=torch.uint8).as_strided(
-        (16, cache_block_size, HEAD_DIM + 4), (page_bytes, HEAD_DIM + 4, 1)
-    )
-    norm_weight = (torch.rand(HEAD_DIM, generator=generator) + 0.5).to(torch.bfloat16)
-    cos_sin = cos_sin_cache()
-    args = dict(
+    kv_slots[closes_window] = torch.randperm(NUM_CACHE_BLOCKS * CACHE_BLOCK_SIZE,
+                                             generator=generator)[: int(closes_window.sum())]
+    return dict(
         state_cache=state,
-        token_to_req_indices=token_to_req,
+        token_to_req_indices=torch.zeros(num_tokens, dtype=torch.int32),
         positions=positions,
         slot_mapping=slot_mapping,
         block_table=block_table,
-        cos_sin_cache=cos_sin,
+        cos_sin_cache=cos_sin_cache(),
         kv_slot_mapping=kv_slots,
-        rms_norm_weight=norm_weight,
+        rms_norm_weight=(torch.rand(HEAD_DIM, generator=generator) + 0.5).to(torch.bfloat16),
         rms_norm_eps=1e-6,
         compress_ratio=compress_ratio,
     )
-    want_storage = torch.zeros(16, page_bytes, dtype=torch.uint8)
-    want = want_storage.as_strided(cache.shape, cache.stride())
+
+
+@pytest.mark.parametrize("compress_ratio", [4, 128])
+def test_indexer_k_compress_insert(
+    kernel_device: str, compress_ratio: int, record_max_error
+) -> None:
+    args = indexer_inputs(compress_ratio, kernel_device)
+    kv_slots, slot_mapping = args["kv_slot_mapping"], args["slot_mapping"]
+    _, want = indexer_cache("cpu")
     indexer_k_compress_insert_reference(kv_cache=want, **args)
-    got_storage = torch.zeros(16, page_bytes, dtype=torch.uint8, device=kernel_device)
-    got = got_storage.as_strided(cache.shape, cache.stride())
+    got_storage, got = indexer_cache(kernel_device)
     device_args = {
         k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v for k, v in args.items()
     }
@@ -97,23 +108,19 @@ def test_indexer_k_compress_insert(
     written = kv_slots[(kv_slots >= 0) & (slot_mapping >= 0)]
     assert written.numel() > 0
     got_rows = dequantize_indexer_rows(
-        got_storage.cpu().as_strided(cache.shape, cache.stride()), cache_block_size, written
+        got_storage.cpu().as_strided(got.shape, got.stride()), CACHE_BLOCK_SIZE, written
     )
-    want_rows = dequantize_indexer_rows(want, cache_block_size, written)
+    want_rows = dequantize_indexer_rows(want, CACHE_BLOCK_SIZE, written)
     relative = ((got_rows - want_rows).norm() / want_rows.norm()).item()
     # exp/rsqrt differ from torch's in the last fp32 bits; after bf16 rounding and fp8
     # quantization that can move a value by one fp8 step, rarely.
     record_max_error("_indexer_k_compress_kernel", relative)
     assert relative < 1e-2
-    untouched = torch.ones(16 * page_bytes, dtype=torch.bool)
+    untouched = torch.ones(NUM_CACHE_BLOCKS * PAGE_BYTES, dtype=torch.bool)
     for slot in written.tolist():
-        page = (slot // cache_block_size) * page_bytes
-        in_page = slot % cache_block_size
+        page = (slot // CACHE_BLOCK_SIZE) * PAGE_BYTES
+        in_page = slot % CACHE_BLOCK_SIZE
         untouched[page + in_page * HEAD_DIM : page + (in_page + 1) * HEAD_DIM] = False
-        untouched[
-            page + cache_block_size * HEAD_DIM + in_page * 4 : page
-            + cache_block_size * HEAD_DIM
-            + in_page * 4
-            + 4
-        ] = False
+        scale_at = page + CACHE_BLOCK_SIZE * HEAD_DIM + in_page * 4
+        untouched[scale_at : scale_at + 4] = False
     assert (got_storage.cpu().view(-1)[untouched] == 0).all()

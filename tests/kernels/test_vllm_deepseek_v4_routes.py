@@ -23,6 +23,7 @@ import torch
 from services.engine.backport import deepseek_v4
 from services.engine.backport.deepseek_v4 import activation, op_adapters
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.mqa_logits import mqa_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode_reference
@@ -32,6 +33,7 @@ from tests.kernels.test_mqa_logits import (
     paged_inputs,
     ragged_inputs,
 )
+from tests.kernels.test_indexer_k_compress import indexer_cache, indexer_inputs
 from tests.kernels.test_kv_compress_insert import (
     CACHE_BLOCK_SIZE,
     NUM_CACHE_BLOCKS,
@@ -268,6 +270,27 @@ def test_compressor_adapter_takes_vllms_arguments(kernel_device: str) -> None:
     assert torch.equal(got.cpu(), want.cpu())
     with pytest.raises(NotImplementedError, match="plain-row"):
         op_adapters.compress_norm_rope_store(*[None] * 22, store_full_kv=True)
+
+
+def test_compressor_adapter_fills_the_indexer_cache(kernel_device: str) -> None:
+    """Head 128: the indexer's compressor (vLLM's Triton launcher's arguments) fills the
+    indexer cache as `indexer_k_compress_insert` does."""
+    args = indexer_inputs(4, kernel_device)
+    on = {k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    got_storage, got = indexer_cache(kernel_device)
+    op_adapters.compress_norm_rope_store(
+        state_cache=on["state_cache"], num_actual=on["positions"].shape[0],
+        token_to_req_indices=on["token_to_req_indices"], positions=on["positions"],
+        slot_mapping=on["slot_mapping"], block_table=on["block_table"], block_size=4,
+        state_width=on["state_cache"].shape[-1] // 2, cos_sin_cache=on["cos_sin_cache"],
+        kv_cache=got, k_cache_metadata=VllmSlotMetadataStandIn(on["kv_slot_mapping"]),
+        pdl_kwargs={}, head_dim=128, rope_head_dim=64, compress_ratio=4, overlap=True,
+        use_fp4_cache=False, rms_norm_weight=on["rms_norm_weight"], rms_norm_eps=1e-6,
+        quant_block=128, token_stride=128, scale_dim=1)
+    want_storage, want = indexer_cache(kernel_device)
+    indexer_k_compress_insert(kv_cache=want, **on)
+    assert got_storage.any()
+    assert torch.equal(got_storage.cpu(), want_storage.cpu())
 
 
 @dataclass
