@@ -132,6 +132,14 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert layer.get_padded_num_q_heads(16) == 64
 
 
+def test_routes_stay_off_when_the_setting_says_so(routed_modules,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(activation.ROUTES_ENV, "0")
+    assert not deepseek_v4.install((8, 0))
+    monkeypatch.setenv(activation.ROUTES_ENV, "1")
+    assert deepseek_v4.install((8, 0))
+
+
 def decode_call(kernel_device: str, seed: int
                 ) -> tuple[dict[str, object], tuple[torch.Tensor, ...]]:
     """The adapter's keyword arguments as `DeepseekV4FlashMLAAttention._forward_decode`

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -32,6 +33,9 @@ from services.engine.backport.module_patch import (
 )
 
 logger = logging.getLogger(__name__)
+
+# "0" leaves vLLM's DeepSeek-V4 path as it is (it then fails below sm90, as upstream does).
+ROUTES_ENV = "BACKPORT_DEEPSEEK_V4_ROUTES"
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
 ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
@@ -88,12 +92,12 @@ def needs_backport(capability: tuple[int, int] | None) -> bool:
 
 
 def install(capability: tuple[int, int] | None) -> bool:
-    """Turns the routing on for a card of `capability` (major, minor) that needs it.
-    Idempotent; returns whether it is active."""
+    """Turns the routing on for a card of `capability` (major, minor) that needs it,
+    unless `BACKPORT_DEEPSEEK_V4_ROUTES=0`. Idempotent; returns whether it is active."""
     global _finder
     if _finder is not None:
         return True
-    if not needs_backport(capability):
+    if not needs_backport(capability) or os.environ.get(ROUTES_ENV) == "0":
         return False
     patches: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(
         ROUTED_MODULES, _route_names)
