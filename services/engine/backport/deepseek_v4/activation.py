@@ -11,7 +11,8 @@ its module, so other models never load this code.
 
 The attention compressor is one name in vLLM's CuTe-DSL module, which the compressor
 imports when it runs. Where CuTe-DSL (`cutlass`) is not installed that module cannot
-import, so the backport puts a module with just that name in its place.
+import, so once the compressor's module loads, the backport puts a module with just that
+name in its place.
 
 Still missing on these cards, so the model does not run end to end yet: the output
 projection's DeepGEMM fp8 einsum and the MoE experts' kernels.
@@ -102,8 +103,6 @@ def install(capability: tuple[int, int] | None) -> bool:
     patches: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(
         ROUTED_MODULES, _route_names)
     patches[BACKEND_MODULE] = _admit_sm8x
-    if importlib.util.find_spec("cutlass") is None:
-        _stand_in(CUTEDSL_COMPRESSOR_MODULE)
     _finder = patch_when_imported(patches)
     logger.info("DeepSeek-V4 attention on sm%d%d runs the backport's kernels", *capability)
     return True
@@ -146,6 +145,8 @@ def _route_names(module: ModuleType) -> None:
             _replace(module, name, function)
         else:
             logger.warning("backport: %s has no %s to route; vLLM changed", module.__name__, name)
+    if module.__name__ == COMPRESSOR_MODULE and importlib.util.find_spec("cutlass") is None:
+        _stand_in(CUTEDSL_COMPRESSOR_MODULE)
     if module.__name__ == FLASHMLA_LAYER_MODULE:
         layer_class = getattr(module, LAYER_CLASS)
         _load_cuda_decode_with_layers(layer_class)
