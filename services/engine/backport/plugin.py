@@ -45,7 +45,7 @@ def register() -> None:
     # A no-op unless a PLE service is configured; it acts only once Qwen4Exp loads.
     _apply("PLE offload hook", ple.install)
     if current_platform.is_cuda():
-        # A no-op from sm90 up; it acts only once DeepSeek-V4's modules load.
+        # A no-op from sm90 up; it acts only once the vLLM modules it routes load.
         capability = current_platform.get_device_capability()
         _apply("DeepSeek-V4 kernels for sm80/86/89",
                lambda: deepseek_v4.install(tuple(capability) if capability else None))
