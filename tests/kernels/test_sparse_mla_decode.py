@@ -107,11 +107,12 @@ def run_case(
         )
     q = torch.randn(case.num_tokens, case.num_heads, layout.HEAD_DIM, generator=generator)
     q = (q * 2).to(torch.bfloat16).to(device)
-    sink = (
-        (torch.randn(case.num_heads, generator=generator) * 3).to(device)
-        if case.with_sink
-        else None
-    )
+    sink = None
+    if case.with_sink:
+        # FlashMLA takes +-inf sinks: -inf changes nothing, +inf zeroes the head's output.
+        sink = torch.randn(case.num_heads, generator=generator) * 3
+        sink[0], sink[1] = float("-inf"), float("inf")
+        sink = sink.to(device)
     common = dict(
         q=q,
         k_cache=window_cache,
@@ -269,6 +270,7 @@ def test_combine_matches_reference(
     partial_lse[1] = float("-inf")  # nothing valid at all
     partial_out[partial_lse.isinf()] = 0.0
     sink = torch.randn(num_heads, generator=generator)
+    sink[0], sink[1] = float("-inf"), float("inf")
     out = torch.empty(
         num_tokens, num_heads, layout.HEAD_DIM, dtype=torch.bfloat16, device=kernel_device
     )

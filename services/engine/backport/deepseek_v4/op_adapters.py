@@ -85,7 +85,7 @@ def flash_mla_with_kvcache(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's sparse fp8 decode: (out shaped as q, lse [T, H, 1], natural log, +inf
-    for a token with no valid key, as FlashMLA gives).
+    for a token with no valid key, as FlashMLA gives, and as the decodes write it).
 
     Only the sparse fp8 form DeepSeek-V4 uses: `block_table` and `cache_seqlens` are unused
     there, and FlashMLA's tile-scheduler plan is replaced by the decode's own split rule.
@@ -107,7 +107,6 @@ def flash_mla_with_kvcache(
                                               arch=_cuda_decode_archs[q.device.index])
     else:
         decoded, lse = sparse_mla_decode(*operands, out=out)
-    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     return (out if out is not None else decoded.view(q.shape)), lse.unsqueeze(-1)
 
 

@@ -7,7 +7,7 @@ result is sum_s w_s * o_s with w_s = 2**(lse_s - lse), lse = log2(sum_s 2**lse_s
 Attention sink (DeepSeek-V4, as FlashMLA applies it): a per-head logit that joins the
 softmax denominator but has no value row, so out *= 2**lse / (2**lse + e**sink).
 The returned lse is natural-log and excludes the sink; a query with no valid key
-gets out = 0 and lse = -inf.
+gets out = 0 and lse = +inf (FlashMLA's convention).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ LN2 = 0.6931471805599453
 def apply_sink(out, lse2, sink_ptr, heads, head_mask):
     """Scale normalized outputs [heads, D] by 2**lse2 / (2**lse2 + e**sink).
 
-    Written as 1 / (1 + 2**(sink * log2(e) - lse2)) so that lse2 = -inf gives 0.
+    Written as 1 / (1 + 2**(sink * log2(e) - lse2)) so that lse2 = -inf gives 0, also
+    against a sink of -inf (FlashMLA takes +-inf sinks), where the exponent is NaN.
     """
     sink = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
     keep = 1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
-    return out * keep[:, None]
+    return out * tl.where(lse2 == float("-inf"), 0.0, keep)[:, None]
 
 
 @triton.jit
@@ -91,13 +92,16 @@ def _combine_kernel(
     # Write-back: sink, output in out's dtype, natural-log lse.
     if HAS_SINK:
         sink = tl.load(sink_ptr + head).to(tl.float32)
-        acc = acc / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
+        keep = 1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
+        acc = acc * tl.where(has_keys, keep, 0.0)
     tl.store(
         out_ptr + token * stride_out_token + head * stride_out_head + dims,
         acc.to(out_ptr.dtype.element_ty),
     )
     if dim_block == 0:
-        tl.store(lse_ptr + token * num_heads + head, lse2 * 0.6931471805599453)
+        # FlashMLA's convention: +inf for a query with no valid key.
+        tl.store(lse_ptr + token * num_heads + head,
+                 tl.where(has_keys, lse2 * 0.6931471805599453, float("inf")))
 
 
 def combine_splits(
@@ -145,5 +149,5 @@ def combine_splits_reference(
     weights = torch.exp(partial_lse * LN2 - lse.unsqueeze(1)).nan_to_num(0.0)
     out = (weights.unsqueeze(-1) * partial_out).sum(dim=1)
     if attn_sink is not None:
-        out = out * torch.sigmoid(lse - attn_sink.float()).unsqueeze(-1)
-    return out, lse
+        out = out * torch.sigmoid(lse - attn_sink.float()).nan_to_num(0.0).unsqueeze(-1)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))

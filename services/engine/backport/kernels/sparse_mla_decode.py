@@ -13,7 +13,7 @@ Semantics, the reference being `sparse_mla_decode_reference`:
 - scores = softmax_scale * q . k over valid keys of both caches;
 - attention sink: out *= 2**lse / (2**lse + e**sink[h]) (see `sparse_mla_combine`);
 - returns out [T, H, 512] (q's dtype) and lse [T, H] (natural log, without the sink);
-  a token with no valid key gets out = 0, lse = -inf.
+  a token with no valid key gets out = 0, lse = +inf (FlashMLA's convention).
 
 Tiling:
 - a program owns HEADS_PER_PROGRAM heads of one token, so one pass over a K row
@@ -316,7 +316,8 @@ def _sparse_mla_decode_kernel(
             out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
         )
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-        tl.store(lse_ptr + token * num_heads + heads, lse2 * 0.6931471805599453, mask=head_mask)
+        tl.store(lse_ptr + token * num_heads + heads,
+                 tl.where(has_keys, lse2 * 0.6931471805599453, float("inf")), mask=head_mask)
     else:
         po_ptrs = (
             partial_out_ptr
@@ -587,5 +588,5 @@ def sparse_mla_decode_reference(
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.einsum("thk,tkd->thd", probs, rows)
     if attn_sink is not None:
-        out = out * torch.sigmoid(lse - attn_sink.float()).unsqueeze(-1)
-    return out, lse
+        out = out * torch.sigmoid(lse - attn_sink.float()).nan_to_num(0.0).unsqueeze(-1)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))

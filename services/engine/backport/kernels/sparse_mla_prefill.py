@@ -109,8 +109,6 @@ def _sparse_mla_prefill_kernel(
     out, lse2, has_keys = normalized(acc, m_i, l_i)
     if HAS_SINK:
         out = apply_sink(out, lse2, sink_ptr, heads, head_mask)
-    # A -inf sink against a token with no key would make 0 * NaN; such a token's out is 0.
-    out = tl.where(has_keys[:, None], out, 0.0)
     out_ptrs = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     stats = token * num_heads + heads
