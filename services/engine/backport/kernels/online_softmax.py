@@ -1,5 +1,6 @@
 """The online softmax both sparse MLA attentions (decode and prefill) run, in base 2.
 
+`initial_state` is a block of heads' running max m (-inf), sum l (0) and output acc (0);
 `attend_block` folds one block of keys into a block of heads' running max m, sum l and
 output acc: scores q . k^T (already scaled by log2(e) * softmax scale), padding keys at
 -inf, and the block's probabilities times the same K tile (K = V in MLA). `normalized`
@@ -11,6 +12,15 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def initial_state(HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(m, l, acc) before any key: -inf, 0 and zeros [HEADS, HEAD_DIM], fp32."""
+    m_i = tl.full((HEADS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((HEADS,), dtype=tl.float32)
+    acc = tl.zeros((HEADS, HEAD_DIM), dtype=tl.float32)
+    return m_i, l_i, acc
 
 
 @triton.jit

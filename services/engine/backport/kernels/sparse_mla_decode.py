@@ -48,7 +48,11 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.cuda_module import context_sm_count
 from services.engine.backport.kernels.decode_splits import SplitCostModel
 from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
-from services.engine.backport.kernels.online_softmax import attend_block, normalized
+from services.engine.backport.kernels.online_softmax import (
+    attend_block,
+    initial_state,
+    normalized,
+)
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
 
 # Row geometry (ds_mla_cache) as compile-time constants for the kernels.
@@ -256,9 +260,7 @@ def _sparse_mla_decode_kernel(
     q_ptrs = q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)
 
-    m_i = tl.full((HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((HEADS_PER_PROGRAM,), dtype=tl.float32)
-    acc = tl.zeros((HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
+    m_i, l_i, acc = initial_state(HEADS_PER_PROGRAM, HEAD_DIM)
 
     # Loop over this split's piece of the first slot list, then of the extra list.
     length = list_width

@@ -33,7 +33,11 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.online_softmax import attend_block, normalized
+from services.engine.backport.kernels.online_softmax import (
+    attend_block,
+    initial_state,
+    normalized,
+)
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink
 from services.engine.backport.kernels.sparse_mla_decode import (
     HEAD_DIM,
@@ -90,9 +94,7 @@ def _sparse_mla_prefill_kernel(
     q_ptrs = q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0).to(DOT_DTYPE)
 
-    m_i = tl.full((HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((HEADS_PER_PROGRAM,), dtype=tl.float32)
-    acc = tl.zeros((HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
+    m_i, l_i, acc = initial_state(HEADS_PER_PROGRAM, HEAD_DIM)
 
     length = list_width
     if HAS_LENGTHS:
