@@ -58,7 +58,7 @@ def _is_power_of_two_page(cache: torch.Tensor | None) -> bool:
 
 
 def runs_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor,
-                      extra_k_cache: torch.Tensor | None) -> bool:
+                     extra_k_cache: torch.Tensor | None) -> bool:
     """Whether the CUDA decode is loaded for q's GPU and takes these operands (bf16 q,
     power-of-two pages)."""
     return (q.is_cuda and q.device.index in _cuda_decode_archs and q.dtype == torch.bfloat16

@@ -48,11 +48,14 @@ from services.engine.backport.kernels.sparse_mla_decode import (
 
 LN2 = tl.constexpr(0.6931471805599453)  # natural log of 2: base-2 results to base e
 # 16 heads a program (tl.dot needs M >= 16) at 4 warps, as the decode; the K tile and
-# its pipeline stages are the shared memory: [32, 512] bf16 = 32 KiB a stage.
+# its pipeline stages are the shared memory: [32, 512] bf16 = 32 KiB a stage. On the H200
+# in sm80 mode (S_q=4096) 32 or 64 heads at 8 warps ran 1.3-4.6x slower, 16 or 64 keys a
+# step 1.4-1.5x, 2 or 8 warps 1.1-1.4x.
 DEFAULT_HEADS_PER_PROGRAM = 16
 DEFAULT_BLOCK_N = 32
 DEFAULT_NUM_WARPS = 4
-# Two stages (64 KiB of K tiles) fit sm86/89's 99 KiB a block with room for the rest.
+# Two stages: 84,224 B in all, within sm86/89's 101,376 B a block; one stage ran 1.6x
+# slower, three 1.1x.
 DEFAULT_NUM_STAGES = 2
 
 
