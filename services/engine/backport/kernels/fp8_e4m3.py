@@ -101,8 +101,9 @@ def e4m3_decode(byte):
 
 
 def hardware_fp8_encode(device: torch.device) -> bool:
-    """Whether kernels launched on `device` may encode fp8 in hardware: sm89 and later, by
-    the arch Triton lowers for (the fidelity harness's target, else the card's own)."""
+    """Whether kernels launched on `device` may encode fp8 in hardware (and multiply fp8 on
+    the tensor cores): sm89 and later, by the arch Triton lowers for (the fidelity
+    harness's target, else the card's own)."""
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     arch = triton.knobs.runtime.override_arch

@@ -17,7 +17,8 @@ Semantics, the reference being `paged_mqa_logits_reference`:
 
 Tiling: a program owns one row (its H heads of q decoded to bf16 once) and
 KEYS_PER_PROGRAM keys, walked BLOCK_N at a time; each K tile is decoded once, and
-`head_weighted_logits` scores it for all heads in one dot (see `mqa_logits`).
+`head_weighted_logits` scores it for all heads in one dot (see `mqa_logits`). On sm89 and
+later q and K go to the tensor cores as fp8, undecoded (`dot_operand`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
+from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode
 from services.engine.backport.kernels.mqa_logits import (
     as_bytes,
+    dot_operand,
     head_weighted_logits,
     load_q_rows,
     mqa_logits_reference,
@@ -72,6 +74,7 @@ def _paged_mqa_logits_kernel(
     BLOCK_N: tl.constexpr,
     CLEAN: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    FP8_DOT: tl.constexpr,
     FAST_DEQUANT: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -92,12 +95,11 @@ def _paged_mqa_logits_kernel(
     head_mask = heads < num_heads
     rows = tl.zeros((HEADS,), dtype=tl.int32) + row
     q = load_q_rows(q_ptr, rows, heads, head_mask, stride_q_row, stride_q_head,
-                    HEAD_DIM, DOT_DTYPE, FAST_DEQUANT)
+                    HEAD_DIM, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)
     weights = tl.load(weights_ptr + row.to(tl.int64) * stride_weights + heads,
                       mask=head_mask, other=0.0)
 
     dims = tl.arange(0, HEAD_DIM)
-    no_scale = tl.zeros((BLOCK_N, 1), dtype=tl.int32)
     pages = block_table_ptr + request.to(tl.int64) * stride_block_table
     logit_row = logits_ptr + row.to(tl.int64) * stride_logits
     for key_start in range(chunk_start, stop, BLOCK_N):
@@ -107,7 +109,7 @@ def _paged_mqa_logits_kernel(
         position = keys % BLOCK_SIZE
         data = page * block_stride + position * HEAD_DIM
         raw = tl.load(cache_ptr + data[:, None] + dims[None, :], mask=valid[:, None], other=0)
-        k = e4m3_dequantize_bf16(raw, no_scale, FAST_DEQUANT).to(DOT_DTYPE)
+        k = dot_operand(raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)
         scale_ptr = cache_ptr + page * block_stride + BLOCK_SIZE * HEAD_DIM + position * 4
         k_scale = tl.load(scale_ptr.to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
         logits = tl.reshape(head_weighted_logits(q, k, weights, 1, HEADS, BLOCK_N),
@@ -172,6 +174,7 @@ def paged_mqa_logits(
         BLOCK_N=block_n,
         CLEAN=clean_logits,
         DOT_DTYPE=dot_dtype(),
+        FP8_DOT=hardware_fp8_encode(q.device),
         FAST_DEQUANT=not triton.knobs.runtime.interpret,
         num_warps=num_warps,
     )
