@@ -5,7 +5,8 @@
 output acc: scores q . k^T (already scaled by log2(e) * softmax scale), padding keys at
 -inf, and the block's probabilities times the same K tile (K = V in MLA). `normalized`
 finishes: out = acc / l and lse2 = m + log2(l), or -inf for a head that saw no valid key
-(its acc, and so its out, stays 0).
+(its acc, and so its out, stays 0). `natural_lse` is what the kernels return: lse in
+natural log, +inf for a head with no valid key (FlashMLA's convention).
 """
 
 from __future__ import annotations
@@ -45,3 +46,9 @@ def normalized(acc, m_i, l_i):
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     return out, lse2, has_keys
+
+
+@triton.jit
+def natural_lse(lse2, has_keys):
+    """A base-2 lse as the kernels return it: natural log, +inf where no key was valid."""
+    return tl.where(has_keys, lse2 * 0.6931471805599453, float("inf"))

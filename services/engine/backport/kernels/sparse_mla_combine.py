@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.backport.kernels.online_softmax import natural_lse
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -99,9 +101,7 @@ def _combine_kernel(
         acc.to(out_ptr.dtype.element_ty),
     )
     if dim_block == 0:
-        # FlashMLA's convention: +inf for a query with no valid key.
-        tl.store(lse_ptr + token * num_heads + head,
-                 tl.where(has_keys, lse2 * 0.6931471805599453, float("inf")))
+        tl.store(lse_ptr + token * num_heads + head, natural_lse(lse2, has_keys))
 
 
 def combine_splits(

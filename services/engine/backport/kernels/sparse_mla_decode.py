@@ -51,6 +51,7 @@ from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
 from services.engine.backport.kernels.online_softmax import (
     attend_block,
     initial_state,
+    natural_lse,
     normalized,
 )
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink, combine_splits
@@ -318,8 +319,8 @@ def _sparse_mla_decode_kernel(
             out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
         )
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-        tl.store(lse_ptr + token * num_heads + heads,
-                 tl.where(has_keys, lse2 * 0.6931471805599453, float("inf")), mask=head_mask)
+        tl.store(lse_ptr + token * num_heads + heads, natural_lse(lse2, has_keys),
+                 mask=head_mask)
     else:
         po_ptrs = (
             partial_out_ptr

@@ -36,6 +36,7 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.online_softmax import (
     attend_block,
     initial_state,
+    natural_lse,
     normalized,
 )
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, apply_sink
@@ -118,7 +119,7 @@ def _sparse_mla_prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     stats = token * num_heads + heads
     tl.store(max_logits_ptr + stats, m_i * LN2, mask=head_mask)
-    tl.store(lse_ptr + stats, tl.where(has_keys, lse2 * LN2, float("inf")), mask=head_mask)
+    tl.store(lse_ptr + stats, natural_lse(lse2, has_keys), mask=head_mask)
 
 
 def _kv_rows(kv: torch.Tensor) -> torch.Tensor:
