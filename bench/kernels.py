@@ -23,7 +23,9 @@ bandwidth (the ceiling for any single kernel at that size). The main table has a
 `--prefill` only times the sparse prefill (and its tiling choices unless `--quick`),
 `--indexer` only the indexer's logits; both are compute-bound and printed in TFLOP/s beside
 a cuBLAS bf16 matmul of the same flops in the same run (the decode logits beside the copy
-bandwidth too). The full run ends with both tables.
+bandwidth too). `--einsum` only times the output projection's fp8 einsum: decode steps
+against the copy bandwidth, a prefill chunk against cuBLAS's bf16 bmm. The full run ends
+with the prefill, indexer and einsum tables.
 
 Sparse MLA decode: batch 1/8/64, top-k 512/2048 compressed rows plus the 128-row
 sliding window, contexts 8k/32k/128k tokens (the compressed cache holds context/4 rows
@@ -670,6 +672,84 @@ def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
     return rows
 
 
+# DeepSeek-V4-Flash's output projection: wo_a maps each group of 8 heads (8 x 512 dims) to
+# a 1024-wide slice; 8 groups at TP1, 2 at TP4 (the Ampere deployment).
+EINSUM_OUT_DIM, EINSUM_REDUCE_DIM = 1024, 4096
+EINSUM_DECODE_TILINGS = ((16, 16, 4, 4), (16, 32, 4, 6), (16, 64, 4, 4), (16, 32, 2, 4))
+EINSUM_PREFILL_TILINGS = ((128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3),
+                          (128, 128, 8, 4), (128, 256, 8, 3))
+
+
+def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
+    """The output projection's fp8 einsum: decode steps as bytes against the copy bandwidth
+    (and what one device copy of the same bytes gets), a 4k-token prefill chunk in TFLOP/s
+    beside cuBLAS's bf16 bmm of the same shape in the same run."""
+    from services.engine.backport.kernels.fp8_einsum import (
+        SCALE_BLOCK,
+        EinsumTiling,
+        default_tiling,
+        fp8_einsum,
+    )
+
+    rows = []
+    blocks = EINSUM_REDUCE_DIM // SCALE_BLOCK
+    for groups in (2, 8):
+        w = torch.randn(groups, EINSUM_OUT_DIM, EINSUM_REDUCE_DIM, device="cuda").to(
+            torch.float8_e4m3fn)
+        w_scale = torch.rand(groups, EINSUM_OUT_DIM // SCALE_BLOCK, blocks, device="cuda")
+        for tokens in (1, 8, 64, 4096):
+            x = torch.randn(groups, tokens, EINSUM_REDUCE_DIM, device="cuda").to(
+                torch.float8_e4m3fn).transpose(0, 1)
+            x_scale = torch.rand(groups, blocks, tokens, device="cuda").permute(2, 0, 1)
+            out = torch.empty(tokens, groups, EINSUM_OUT_DIM, device="cuda", dtype=torch.bfloat16)
+            moved = w.numel() + w_scale.numel() * 4 + x.numel() * 5 // 4 + out.numel() * 2
+            flops = 2 * tokens * groups * EINSUM_OUT_DIM * EINSUM_REDUCE_DIM
+            prefill = tokens > 64
+            if prefill:
+                a = torch.randn(groups, tokens, EINSUM_REDUCE_DIM, device="cuda",
+                                dtype=torch.bfloat16)
+                b = torch.randn(groups, EINSUM_REDUCE_DIM, EINSUM_OUT_DIM, device="cuda",
+                                dtype=torch.bfloat16)
+                dense_ms = bench_graph_ms(lambda: torch.bmm(a, b))
+                baseline = f"cuBLAS bf16 bmm {flops / dense_ms * 1e-9:.0f} TFLOP/s"
+            else:
+                baseline = f"one copy of the bytes: {copy_share(moved, bandwidth):.0%} of copy"
+            tilings = [default_tiling(tokens)]
+            if not quick:
+                tilings += [EinsumTiling(*t) for t in
+                            (EINSUM_PREFILL_TILINGS if prefill else EINSUM_DECODE_TILINGS)]
+            for tiling in tilings:
+                try:
+                    graph_ms = bench_graph_ms(
+                        lambda tiling=tiling: fp8_einsum(x, x_scale, w, w_scale, out, tiling))
+                except Exception as error:  # noqa: BLE001 - a tiling over the limits is a result
+                    print(f"einsum {tiling} failed: {type(error).__name__}: {error}", flush=True)
+                    continue
+                rows.append({
+                    "shape": f"T={tokens} G={groups}",
+                    "config": "default" if tiling is tilings[0] else
+                    f"{tiling.block_t}x{tiling.block_d} w{tiling.num_warps} s{tiling.num_stages}",
+                    "graph ms": graph_ms,
+                    "TFLOP/s": flops / graph_ms * 1e-9,
+                    "of copy": moved / (graph_ms * 1e-3) / bandwidth,
+                    "baseline": baseline,
+                    "ratio": dense_ms / graph_ms if prefill else moved / (graph_ms * 1e-3)
+                    / bandwidth,
+                })
+                print(einsum_markdown(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+def einsum_markdown(rows: list[dict[str, object]]) -> str:
+    lines = ["| fp8 einsum | config | graph ms | TFLOP/s | of copy | baseline (same run) | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['shape']} | {row['config']} | {row['graph ms']:.4g} | "
+                     f"{row['TFLOP/s']:.4g} | {row['of copy']:.0%} | {row['baseline']} | "
+                     f"{row['ratio']:.0%} |")
+    return "\n".join(lines)
+
+
 def indexer_markdown(rows: list[dict[str, object]]) -> str:
     lines = ["| indexer logits | graph ms | TFLOP/s | baseline (same run) | ratio |",
              "|---|---|---|---|---|"]
@@ -754,6 +834,10 @@ def main() -> None:
         "--indexer", action="store_true", help="only time the indexer's logits",
     )
     parser.add_argument(
+        "--einsum", action="store_true",
+        help="only time the output projection's fp8 einsum (tiling choices too unless --quick)",
+    )
+    parser.add_argument(
         "--prefill", action="store_true",
         help="only time the sparse prefill (tiling choices too unless --quick)",
     )
@@ -813,6 +897,9 @@ def main() -> None:
     if args.indexer:
         print(indexer_markdown(indexer_cases(bandwidth)))
         return
+    if args.einsum:
+        print(einsum_markdown(einsum_cases(bandwidth, args.quick)))
+        return
     rows: list[dict[str, object]] = []
     contexts = [8192, 131072] if args.quick else [8192, 32768, 131072]
     max_batch = 64
@@ -838,8 +925,10 @@ def main() -> None:
     rows.extend(quantizer_cases(bandwidth, args.quick))
     prefill_rows = prefill_cases(quick=True)
     indexer_rows = indexer_cases(bandwidth)
+    einsum_rows = einsum_cases(bandwidth, quick=True)
 
     from services.engine.backport.kernels import (
+        fp8_einsum,
         indexer_k_compress,
         indexer_q_quant,
         inv_rope_fp8_quant,
@@ -857,6 +946,7 @@ def main() -> None:
     print(markdown(rows))
     print("\nsparse MLA prefill (graph replay):\n" + prefill_markdown(prefill_rows))
     print("\n" + indexer_markdown(indexer_rows))
+    print("\n" + einsum_markdown(einsum_rows))
     modules = [
         sparse_mla_decode,
         sparse_mla_combine,
@@ -868,6 +958,7 @@ def main() -> None:
         sparse_mla_prefill,
         mqa_logits,
         paged_mqa_logits,
+        fp8_einsum,
     ]
     print("\ncompiled variants (shared B, registers, spills):")
     for report in compiled_kernel_reports(modules):

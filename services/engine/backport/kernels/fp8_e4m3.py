@@ -163,6 +163,19 @@ def e4m3_dequantize_bf16(byte, scale_exponent, USE_PTX: tl.constexpr):
 
 
 @triton.jit
+def dot_operand(raw, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
+                FAST_DEQUANT: tl.constexpr):
+    """fp8 e4m3 bytes as a dot operand: the fp8 values themselves where the tensor cores
+    multiply fp8 (sm89 and later), else decoded to exact bf16 (DOT_DTYPE)."""
+    if FP8_DOT:
+        operand = raw.to(tl.float8e4nv, bitcast=True)
+    else:
+        no_scale = tl.zeros((raw.shape[0], 1), dtype=tl.int32)
+        operand = e4m3_dequantize_bf16(raw, no_scale, FAST_DEQUANT).to(DOT_DTYPE)
+    return operand
+
+
+@triton.jit
 def e4m3_scale_exponent(amax):
     """ceil(log2(amax / 448)) for amax > 0, exactly, from amax's bits: the exponent of
     the power-of-two (UE8M0) scale that maps a block with this absolute maximum into

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from services.engine.backport.kernels.fp8_e4m3 import (
     decode_e4m3_reference,
-    e4m3_dequantize_bf16,
+    dot_operand,
     hardware_fp8_encode,
 )
 from services.engine.backport.kernels.sparse_mla_decode import dot_dtype
@@ -48,19 +48,6 @@ DEFAULT_NUM_WARPS = 4
 # Keys a program walks: q is decoded once per 2,048 keys; a 4k-token chunk over 32k keys
 # is 4,096 x 16 programs.
 KEYS_PER_PROGRAM = 2048
-
-
-@triton.jit
-def dot_operand(raw, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
-                FAST_DEQUANT: tl.constexpr):
-    """fp8 e4m3 bytes as a dot operand: the fp8 values themselves where the tensor cores
-    multiply fp8 (sm89 and later), else decoded to exact bf16 (DOT_DTYPE)."""
-    if FP8_DOT:
-        operand = raw.to(tl.float8e4nv, bitcast=True)
-    else:
-        no_scale = tl.zeros((raw.shape[0], 1), dtype=tl.int32)
-        operand = e4m3_dequantize_bf16(raw, no_scale, FAST_DEQUANT).to(DOT_DTYPE)
-    return operand
 
 
 @triton.jit

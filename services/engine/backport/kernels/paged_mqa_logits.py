@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode
+from services.engine.backport.kernels.fp8_e4m3 import dot_operand, hardware_fp8_encode
 from services.engine.backport.kernels.mqa_logits import (
     as_bytes,
-    dot_operand,
     head_weighted_logits,
     load_q_rows,
     mqa_logits_reference,

@@ -1,0 +1,118 @@
+"""The output projection's block-scaled fp8 einsum (DeepGEMM's fp8_einsum "bhr,hdr->bhd",
+recipe (1, 128, 128)) against its plain-torch reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.engine.backport.kernels.fp8_einsum import (
+    SCALE_BLOCK,
+    EinsumTiling,
+    dequantize_blocks,
+    fp8_einsum,
+    fp8_einsum_reference,
+)
+from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
+from tests.kernels.test_mqa_logits import fp8_values
+from tests.kernels.test_quantizers import MAX_POSITION, _cos_sin_cache
+
+
+@dataclass(frozen=True)
+class EinsumCase:
+    num_tokens: int
+    num_groups: int
+    out_dim: int
+    reduce_dim: int
+    tiling: EinsumTiling | None = None  # None: the launcher's own
+
+
+GPU_CASES = [
+    EinsumCase(1, 2, 1024, 4096),  # a decode step at TP4 (16 heads, 2 groups of 8)
+    EinsumCase(64, 8, 1024, 4096),
+    EinsumCase(300, 2, 1024, 4096),  # a prefill chunk with a partial token block
+    EinsumCase(37, 3, 200, 384),  # a partial weight scale block
+]
+INTERPRETER_CASES = [
+    EinsumCase(3, 2, 48, 256, EinsumTiling(block_t=16, block_d=16, num_warps=4, num_stages=1)),
+    EinsumCase(20, 1, 130, 128, EinsumTiling(block_t=16, block_d=32, num_warps=4, num_stages=1)),
+]
+
+
+def einsum_inputs(case: EinsumCase, generator: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x as the inverse-RoPE quant lays it out (a [T, G, R] view of a [G, T, R] buffer,
+    MN-major scales), w and its block scales as a checkpoint holds them."""
+    t, g, d, r = case.num_tokens, case.num_groups, case.out_dim, case.reduce_dim
+    blocks = r // SCALE_BLOCK
+    x = fp8_values((g, t, r), generator).transpose(0, 1)
+    x_scale = torch.exp2(torch.randint(-12, 4, (g, blocks, t), generator=generator).float())
+    w = fp8_values((g, d, r), generator)
+    w_scale = torch.rand(g, -(-d // SCALE_BLOCK), blocks, generator=generator) * 1e-2 + 1e-4
+    return x, x_scale.permute(2, 0, 1), w, w_scale
+
+
+def assert_einsum_matches(got: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor,
+                          w: torch.Tensor, w_scale: torch.Tensor) -> float:
+    """Each output within one bf16 ulp of the fp32 reference (the interpreter's bf16 cast
+    truncates), plus fp32 summation-order slack on the sum of the terms' magnitudes;
+    returns the worst error relative to the largest output."""
+    want = fp8_einsum_reference(x, x_scale, w, w_scale)
+    magnitudes = torch.einsum("tgr,gdr->tgd", dequantize_blocks(x, x_scale, (2,)).abs(),
+                              dequantize_blocks(w, w_scale, (1, 2)).abs())
+    error = (got.float() - want).abs()
+    assert torch.all(error <= want.abs() * 2.0**-7 + magnitudes * 1e-5), error.max()
+    return error.max().item() / max(want.abs().max().item(), 1e-30)
+
+
+@pytest.mark.parametrize("case_index", range(len(GPU_CASES)))
+def test_fp8_einsum_matches_reference(kernel_device: str, case_index: int,
+                                      record_max_error) -> None:
+    cases = GPU_CASES if kernel_device == "cuda" else INTERPRETER_CASES
+    if case_index >= len(cases):
+        pytest.skip("large shapes run on a CUDA card only")
+    case = cases[case_index]
+    x, x_scale, w, w_scale = einsum_inputs(case, torch.Generator().manual_seed(case_index))
+    out = torch.full((case.num_tokens, case.num_groups, case.out_dim), float("nan"),
+                     dtype=torch.bfloat16, device=kernel_device)
+    got = fp8_einsum(x.to(kernel_device), x_scale.to(kernel_device), w.to(kernel_device),
+                     w_scale.to(kernel_device), out=out, tiling=case.tiling)
+    assert got is out
+    record_max_error("_fp8_einsum_kernel",
+                     assert_einsum_matches(got.cpu(), x, x_scale, w, w_scale))
+
+
+def test_fp8_einsum_after_inv_rope_quant(kernel_device: str) -> None:
+    """The pair vLLM's `deep_gemm_fp8_o_proj` runs: the quant's own output layout in."""
+    generator = torch.Generator().manual_seed(11)
+    num_tokens, n_groups, heads_per_group, out_dim = (
+        (70, 2, 8, 1024) if kernel_device == "cuda" else (5, 2, 1, 32))
+    o = torch.randn(num_tokens, n_groups * heads_per_group, 512, generator=generator)
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=generator)
+    x, x_scale = fused_inv_rope_fp8_quant(
+        o.to(torch.bfloat16).to(kernel_device), positions.to(kernel_device),
+        _cos_sin_cache(kernel_device), n_groups, heads_per_group)
+    w = fp8_values((n_groups, out_dim, heads_per_group * 512), generator)
+    w_scale = torch.rand(n_groups, -(-out_dim // SCALE_BLOCK), heads_per_group * 4,
+                         generator=generator) * 1e-2 + 1e-4
+    tiling = None if kernel_device == "cuda" else EinsumTiling(16, 16, 4, 1)
+    got = fp8_einsum(x, x_scale, w.to(kernel_device), w_scale.to(kernel_device), tiling=tiling)
+    assert_einsum_matches(got.cpu(), x.cpu(), x_scale.cpu(), w, w_scale)
+
+
+def test_fp8_einsum_refuses_mismatched_inputs(kernel_device: str) -> None:
+    case = INTERPRETER_CASES[0]
+    x, x_scale, w, w_scale = (t.to(kernel_device) for t in
+                              einsum_inputs(case, torch.Generator().manual_seed(3)))
+    with pytest.raises(TypeError, match="fp8 e4m3"):
+        fp8_einsum(x.float(), x_scale, w, w_scale)
+    with pytest.raises(ValueError, match="w must be"):
+        fp8_einsum(x, x_scale, w[:, :, :128], w_scale)
+    with pytest.raises(ValueError, match="x_scale must be"):
+        fp8_einsum(x, x_scale[:, :, :1], w, w_scale)
+    with pytest.raises(ValueError, match="w_scale must be"):
+        fp8_einsum(x, x_scale, w, w_scale.double())
+    with pytest.raises(ValueError, match="out must be"):
+        fp8_einsum(x, x_scale, w, w_scale, out=torch.empty(1, device=kernel_device))
