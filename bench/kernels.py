@@ -675,9 +675,11 @@ def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
 # DeepSeek-V4-Flash's output projection: wo_a maps each group of 8 heads (8 x 512 dims) to
 # a 1024-wide slice; 8 groups at TP1, 2 at TP4 (the Ampere deployment).
 EINSUM_OUT_DIM, EINSUM_REDUCE_DIM = 1024, 4096
-EINSUM_DECODE_TILINGS = ((16, 16, 4, 4), (16, 32, 4, 6), (16, 64, 4, 4), (16, 32, 2, 4))
-EINSUM_PREFILL_TILINGS = ((128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3),
-                          (128, 128, 8, 4), (128, 256, 8, 3))
+EINSUM_DECODE_TILINGS = ((16, 16, 4, 4, 4), (16, 16, 4, 4, 2), (16, 32, 4, 3, 4),
+                         (16, 16, 2, 3, 4), (16, 16, 4, 2, 8), (16, 64, 4, 3, 2),
+                         (16, 16, 4, 4, 1), (64, 32, 4, 3, 4), (64, 16, 4, 3, 4))
+EINSUM_PREFILL_TILINGS = ((128, 128, 8, 2, 1), (128, 64, 4, 3, 1), (64, 128, 4, 3, 1),
+                          (128, 128, 8, 3, 1), (128, 128, 8, 2, 2), (64, 64, 4, 3, 1))
 
 
 def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
@@ -728,7 +730,8 @@ def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
                 rows.append({
                     "shape": f"T={tokens} G={groups}",
                     "config": "default" if tiling is tilings[0] else
-                    f"{tiling.block_t}x{tiling.block_d} w{tiling.num_warps} s{tiling.num_stages}",
+                    f"{tiling.block_t}x{tiling.block_d} w{tiling.num_warps} s{tiling.num_stages}"
+                    f" k{tiling.blocks_per_step}",
                     "graph ms": graph_ms,
                     "TFLOP/s": flops / graph_ms * 1e-9,
                     "of copy": moved / (graph_ms * 1e-3) / bandwidth,

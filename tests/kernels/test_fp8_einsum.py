@@ -36,7 +36,8 @@ GPU_CASES = [
     EinsumCase(37, 3, 200, 384),  # a partial weight scale block
 ]
 INTERPRETER_CASES = [
-    EinsumCase(3, 2, 48, 256, EinsumTiling(block_t=16, block_d=16, num_warps=4, num_stages=1)),
+    EinsumCase(3, 2, 48, 512, EinsumTiling(block_t=16, block_d=16, num_warps=4, num_stages=1,
+                                           blocks_per_step=4)),
     EinsumCase(20, 1, 130, 128, EinsumTiling(block_t=16, block_d=32, num_warps=4, num_stages=1)),
 ]
 

@@ -25,6 +25,7 @@ Tiling:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,15 +51,18 @@ class EinsumTiling:
     block_d: int
     num_warps: int
     num_stages: int
+    # Scale blocks of R a loop iteration (a divisor of their count is used): more bytes in
+    # flight a pipeline stage.
+    blocks_per_step: int = 1
 
 
 def default_tiling(num_tokens: int) -> EinsumTiling:
     """The tiling for T tokens: decode steps are weight reads, prefill chunks compute."""
     if num_tokens <= 16:
-        return EinsumTiling(block_t=16, block_d=32, num_warps=4, num_stages=4)
+        return EinsumTiling(block_t=16, block_d=16, num_warps=4, num_stages=3, blocks_per_step=4)
     if num_tokens <= 64:
-        return EinsumTiling(block_t=64, block_d=32, num_warps=4, num_stages=4)
-    return EinsumTiling(block_t=128, block_d=128, num_warps=8, num_stages=3)
+        return EinsumTiling(block_t=64, block_d=32, num_warps=4, num_stages=3, blocks_per_step=2)
+    return EinsumTiling(block_t=128, block_d=128, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -85,6 +89,7 @@ def _fp8_einsum_kernel(
     stride_out_group,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCKS_PER_STEP: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     FP8_DOT: tl.constexpr,
@@ -106,14 +111,16 @@ def _fp8_einsum_kernel(
     w_scales = w_scale_ptr + group * stride_ws_group + (rows // SCALE_BLOCK) * stride_ws_row
 
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for block in range(num_blocks):
-        x_raw = tl.load(x_tile + block * SCALE_BLOCK, mask=token_mask[:, None], other=0)
-        w_raw = tl.load(w_tile + block * SCALE_BLOCK, mask=row_mask[:, None], other=0)
-        sums = tl.dot(dot_operand(x_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT),
-                      tl.trans(dot_operand(w_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)))
-        x_scale = tl.load(x_scales + block * stride_xs_block, mask=token_mask, other=0.0)
-        w_scale = tl.load(w_scales + block * stride_ws_block, mask=row_mask, other=0.0)
-        acc += sums * x_scale[:, None] * w_scale[None, :]
+    for first in range(0, num_blocks, BLOCKS_PER_STEP):
+        for offset in tl.static_range(BLOCKS_PER_STEP):
+            block = first + offset
+            x_raw = tl.load(x_tile + block * SCALE_BLOCK, mask=token_mask[:, None], other=0)
+            w_raw = tl.load(w_tile + block * SCALE_BLOCK, mask=row_mask[:, None], other=0)
+            sums = tl.dot(dot_operand(x_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT),
+                          tl.trans(dot_operand(w_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)))
+            x_scale = tl.load(x_scales + block * stride_xs_block, mask=token_mask, other=0.0)
+            w_scale = tl.load(w_scales + block * stride_ws_block, mask=row_mask, other=0.0)
+            acc += sums * x_scale[:, None] * w_scale[None, :]
 
     out = (out_ptr + tokens.to(tl.int64)[:, None] * stride_out_token + group * stride_out_group
            + rows[None, :])
@@ -170,6 +177,7 @@ def fp8_einsum(
         out.stride(0), out.stride(1),
         BLOCK_T=tiling.block_t,
         BLOCK_D=tiling.block_d,
+        BLOCKS_PER_STEP=math.gcd(tiling.blocks_per_step, num_blocks),
         SCALE_BLOCK=SCALE_BLOCK,
         DOT_DTYPE=dot_dtype(),
         FP8_DOT=hardware_fp8_encode(x.device),
