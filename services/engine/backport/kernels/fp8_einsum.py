@@ -19,13 +19,13 @@ Tiling:
   fp8 instruction; on sm89 and later the fp8 bytes as they are), one dot gives the
   block's fp32 sums, and the two scales multiply them before they join the accumulator,
   as DeepGEMM promotes its per-block sums;
-- a decode step (few tokens) is a read of the weight: narrow row blocks spread it over
-  enough programs to keep every SM streaming; a prefill chunk takes square tiles.
+- a decode step (few tokens) is a read of the weight, far too few tiles to fill the card:
+  R is split over several programs a tile (split-K), and the last of them to finish adds
+  the splits' fp32 sums; a prefill chunk takes square tiles, unsplit.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +51,21 @@ class EinsumTiling:
     block_d: int
     num_warps: int
     num_stages: int
-    # Scale blocks of R a loop iteration (a divisor of their count is used): more bytes in
-    # flight a pipeline stage.
-    blocks_per_step: int = 1
+    # Programs sharing one output tile's reduction (decode steps): 0 picks enough to put
+    # about TARGET_PROGRAMS_PER_SM programs on each SM, 1 is no split.
+    splits: int = 1
+
+
+TARGET_PROGRAMS_PER_SM = 4
 
 
 def default_tiling(num_tokens: int) -> EinsumTiling:
-    """The tiling for T tokens: decode steps are weight reads, prefill chunks compute."""
+    """The tiling for T tokens: decode steps read the weight, split along R over the
+    card; prefill chunks compute, in square tiles."""
     if num_tokens <= 16:
-        return EinsumTiling(block_t=16, block_d=16, num_warps=4, num_stages=3, blocks_per_step=4)
+        return EinsumTiling(block_t=16, block_d=64, num_warps=4, num_stages=3, splits=0)
     if num_tokens <= 64:
-        return EinsumTiling(block_t=64, block_d=32, num_warps=4, num_stages=3, blocks_per_step=2)
+        return EinsumTiling(block_t=64, block_d=64, num_warps=4, num_stages=3, splits=0)
     return EinsumTiling(block_t=128, block_d=128, num_warps=8, num_stages=2)
 
 
@@ -72,6 +76,8 @@ def _fp8_einsum_kernel(
     w_ptr,
     w_scale_ptr,
     out_ptr,
+    partial_ptr,
+    arrivals_ptr,
     num_tokens,
     out_dim,
     num_blocks,
@@ -89,16 +95,19 @@ def _fp8_einsum_kernel(
     stride_out_group,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCKS_PER_STEP: tl.constexpr,
+    SPLITS: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     FP8_DOT: tl.constexpr,
     FAST_DEQUANT: tl.constexpr,
 ):
     # Row blocks vary fastest, so programs running together share their token tile.
-    rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_block = tl.program_id(0)
+    token_block = tl.program_id(1) // SPLITS
+    split = tl.program_id(1) % SPLITS
     group = tl.program_id(2)
+    rows = row_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    tokens = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < out_dim
     token_mask = tokens < num_tokens
     dims = tl.arange(0, SCALE_BLOCK)
@@ -110,22 +119,71 @@ def _fp8_einsum_kernel(
     x_scales = x_scale_ptr + group * stride_xs_group + tokens * stride_xs_token
     w_scales = w_scale_ptr + group * stride_ws_group + (rows // SCALE_BLOCK) * stride_ws_row
 
+    blocks_per_split = tl.cdiv(num_blocks, SPLITS)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for first in range(0, num_blocks, BLOCKS_PER_STEP):
-        for offset in tl.static_range(BLOCKS_PER_STEP):
-            block = first + offset
-            x_raw = tl.load(x_tile + block * SCALE_BLOCK, mask=token_mask[:, None], other=0)
-            w_raw = tl.load(w_tile + block * SCALE_BLOCK, mask=row_mask[:, None], other=0)
-            sums = tl.dot(dot_operand(x_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT),
-                          tl.trans(dot_operand(w_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)))
-            x_scale = tl.load(x_scales + block * stride_xs_block, mask=token_mask, other=0.0)
-            w_scale = tl.load(w_scales + block * stride_ws_block, mask=row_mask, other=0.0)
-            acc += sums * x_scale[:, None] * w_scale[None, :]
+    for block in range(split * blocks_per_split,
+                       tl.minimum((split + 1) * blocks_per_split, num_blocks)):
+        x_raw = tl.load(x_tile + block * SCALE_BLOCK, mask=token_mask[:, None], other=0)
+        w_raw = tl.load(w_tile + block * SCALE_BLOCK, mask=row_mask[:, None], other=0)
+        sums = tl.dot(dot_operand(x_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT),
+                      tl.trans(dot_operand(w_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)))
+        x_scale = tl.load(x_scales + block * stride_xs_block, mask=token_mask, other=0.0)
+        w_scale = tl.load(w_scales + block * stride_ws_block, mask=row_mask, other=0.0)
+        acc += sums * x_scale[:, None] * w_scale[None, :]
 
     out = (out_ptr + tokens.to(tl.int64)[:, None] * stride_out_token + group * stride_out_group
            + rows[None, :])
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=token_mask[:, None] & row_mask[None, :])
+    out_mask = token_mask[:, None] & row_mask[None, :]
+    if SPLITS == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Each split leaves its fp32 sums in its own slot; the last of the tile's programs
+        # to arrive adds the slots in split order (the same result every run), writes the
+        # tile and resets the tile's arrival count for the next launch.
+        tile = (group * tl.num_programs(1) // SPLITS + token_block) * tl.num_programs(0) + row_block
+        slots = (partial_ptr + tile.to(tl.int64) * SPLITS * BLOCK_T * BLOCK_D
+                 + tl.arange(0, BLOCK_T)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :])
+        # Padding tokens' rows stay unwritten and unread: a decode step of one token
+        # moves one row a split, not BLOCK_T.
+        tl.store(slots + split * BLOCK_T * BLOCK_D, acc, mask=token_mask[:, None])
+        # acq_rel: this split's sums are visible before its arrival counts, and the last
+        # arrival sees every other split's.
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            total = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            for other in range(SPLITS):
+                total += tl.load(slots + other * BLOCK_T * BLOCK_D, mask=token_mask[:, None],
+                                 other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(arrivals_ptr + tile, 0)
+
+
+# Arrival counts per output tile, zero between launches (the last arrival resets its
+# tile's), so a launch needs no memset (a node more in a CUDA graph). One set a stream:
+# launches on two streams at once must not share counts.
+_arrival_counts: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` zeroed int32 arrival counts for launches on `device`'s current
+    stream, reused across launches."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counts = _arrival_counts.get((device, stream))
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _arrival_counts[(device, stream)] = counts
+    return counts
+
+
+def split_count(tiling: EinsumTiling, tiles: int, num_blocks: int, device: torch.device) -> int:
+    """The splits of R a launch uses: the tiling's, or (0) enough for about
+    TARGET_PROGRAMS_PER_SM programs an SM, at least 2 scale blocks a split."""
+    if tiling.splits:
+        return max(1, min(tiling.splits, num_blocks))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if (
+        device.type == "cuda") else 4
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * sms, tiles)
+    return max(1, min(wanted, num_blocks // 2))
 
 
 def fp8_einsum(
@@ -165,10 +223,18 @@ def fp8_einsum(
     if num_tokens == 0:
         return out
     tiling = tiling or default_tiling(num_tokens)
-    grid = (triton.cdiv(out_dim, tiling.block_d), triton.cdiv(num_tokens, tiling.block_t),
-            num_groups)
-    _fp8_einsum_kernel[grid](
-        x, x_scale, w, w_scale, out,
+    row_blocks = triton.cdiv(out_dim, tiling.block_d)
+    token_blocks = triton.cdiv(num_tokens, tiling.block_t)
+    tiles = row_blocks * token_blocks * num_groups
+    splits = split_count(tiling, tiles, num_blocks, x.device)
+    if splits > 1:
+        partial = torch.empty(tiles * splits * tiling.block_t * tiling.block_d,
+                              dtype=torch.float32, device=x.device)
+        arrivals = arrival_counts(x.device, tiles)
+    else:
+        partial = arrivals = out  # not read without splits
+    _fp8_einsum_kernel[(row_blocks, token_blocks * splits, num_groups)](
+        x, x_scale, w, w_scale, out, partial, arrivals,
         num_tokens, out_dim, num_blocks,
         x.stride(0), x.stride(1),
         x_scale.stride(0), x_scale.stride(1), x_scale.stride(2),
@@ -177,7 +243,7 @@ def fp8_einsum(
         out.stride(0), out.stride(1),
         BLOCK_T=tiling.block_t,
         BLOCK_D=tiling.block_d,
-        BLOCKS_PER_STEP=math.gcd(tiling.blocks_per_step, num_blocks),
+        SPLITS=splits,
         SCALE_BLOCK=SCALE_BLOCK,
         DOT_DTYPE=dot_dtype(),
         FP8_DOT=hardware_fp8_encode(x.device),
