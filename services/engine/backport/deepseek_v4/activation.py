@@ -1,21 +1,24 @@
 """Points vLLM's DeepSeek-V4 CUDA path at the backport's kernels on cards below sm90.
 
 The seams are the names vLLM's DeepSeek-V4 modules call at run time (`routes`), the
-attention backend's compute-capability check, which admits only sm90/sm100, and two
-members of the attention layer: its constructor, which now also loads the CUDA decode on
-the layer's GPU (models are built before CUDA graphs are captured), and its q head
-padding. FlashMLA needs 64 or 128 heads, so upstream pads TP4's 16 heads to 64; the
-backport's kernels take any count, and at 16 heads the decode of a B=64 top-k 2048 step
-takes 0.044 ms instead of 0.148 (H200, sm80 mode). Each is replaced when vLLM imports
-its module, so other models never load this code.
+attention backend's compute-capability check, which admits only sm90/sm100, two members
+of the attention layer and the model's constructor. The layer's constructor also loads
+the CUDA decode on the layer's GPU (models are built before CUDA graphs are captured) and
+keeps wo_a's fp8 weight as loaded, for the output projection's routed einsum
+(`op_adapters.keep_fp8_wo_a`). The layer's q head padding goes: FlashMLA needs 64 or 128
+heads, so upstream pads TP4's 16 heads to 64; the backport's kernels take any count, and
+at 16 heads the decode of a B=64 top-k 2048 step takes 0.044 ms instead of 0.148 (H200,
+sm80 mode). The model's constructor turns vLLM's JIT kernel warmup off
+(`_without_jit_warmup` says why). Each is replaced when vLLM imports its module, so
+other models never load this code.
 
 The attention compressor is one name in vLLM's CuTe-DSL module, which the compressor
 imports when it runs. Where CuTe-DSL (`cutlass`) is not installed that module cannot
 import, so once the compressor's module loads, the backport puts a module with just that
 name in its place.
 
-Still missing on these cards, so the model does not run end to end yet: the output
-projection's DeepGEMM fp8 einsum and the MoE experts' kernels.
+Not looked at yet: the MoE experts' kernels, so the model is not known to run end to end
+on these cards.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from services.engine.backport.module_patch import (
     PatchOnImport,
@@ -44,9 +48,12 @@ INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 COMPRESSOR_MODULE = "vllm.models.deepseek_v4.compressor"
 # Imported by the compressor at call time on CUDA for head 512; it needs CuTe-DSL.
 CUTEDSL_COMPRESSOR_MODULE = "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"
+O_PROJ_MODULE = "vllm.models.deepseek_v4.nvidia.ops.o_proj"
 BACKEND_MODULE = "vllm.models.deepseek_v4.sparse_mla"
 BACKEND_CLASS = "DeepseekV4SparseMLABackend"
 LAYER_CLASS = "DeepseekV4FlashMLAAttention"
+MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
+MODEL_CLASS = "DeepseekV4Model"
 
 
 def routes() -> dict[str, dict[str, Callable[..., object]]]:
@@ -74,11 +81,15 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
         CUTEDSL_COMPRESSOR_MODULE: {
             "_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL": op_adapters.compress_norm_rope_store,
         },
+        O_PROJ_MODULE: {
+            "fused_inv_rope_fp8_quant": op_adapters.fused_inv_rope_fp8_quant,
+            "fp8_einsum": op_adapters.fp8_einsum,
+        },
     }
 
 
 ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE, COMPRESSOR_MODULE,
-                  CUTEDSL_COMPRESSOR_MODULE)
+                  CUTEDSL_COMPRESSOR_MODULE, O_PROJ_MODULE)
 _ABSENT = object()
 
 _finder: PatchOnImport | None = None
@@ -103,6 +114,7 @@ def install(capability: tuple[int, int] | None) -> bool:
     patches: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(
         ROUTED_MODULES, _route_names)
     patches[BACKEND_MODULE] = _admit_sm8x
+    patches[MODEL_MODULE] = _skip_jit_warmup
     _finder = patch_when_imported(patches)
     logger.info("DeepSeek-V4 attention on sm%d%d runs the backport's kernels", *capability)
     return True
@@ -149,7 +161,7 @@ def _route_names(module: ModuleType) -> None:
         _stand_in(CUTEDSL_COMPRESSOR_MODULE)
     if module.__name__ == FLASHMLA_LAYER_MODULE:
         layer_class = getattr(module, LAYER_CLASS)
-        _load_cuda_decode_with_layers(layer_class)
+        _extend_layer_init(layer_class)
         _replace(layer_class, "get_padded_num_q_heads", classmethod(_unpadded_heads))
 
 
@@ -157,19 +169,48 @@ def _unpadded_heads(cls: type, num_heads: int) -> int:
     return num_heads
 
 
-def _load_cuda_decode_with_layers(layer_class: type) -> None:
+def _extend_layer_init(layer_class: type) -> None:
     import torch
 
-    from services.engine.backport.deepseek_v4.op_adapters import prepare_cuda_decode
+    from services.engine.backport.deepseek_v4.op_adapters import (
+        keep_fp8_wo_a,
+        prepare_cuda_decode,
+    )
 
     stock_init = layer_class.__init__
 
     def __init__(self: object, *args: object, **kwargs: object) -> None:
         stock_init(self, *args, **kwargs)
+        keep_fp8_wo_a(self)  # before the loader runs its quant method on the weights
         if torch.cuda.is_available():
             prepare_cuda_decode(torch.device("cuda", torch.cuda.current_device()))
 
     _replace(layer_class, "__init__", __init__)
+
+
+def _skip_jit_warmup(module: ModuleType) -> None:
+    model_class = getattr(module, MODEL_CLASS)
+    _replace(model_class, "__init__", _without_jit_warmup(model_class.__init__))
+
+
+def _without_jit_warmup(stock_init: Callable[..., None]) -> Callable[..., None]:
+    """The model's constructor with vLLM's JIT kernel warmup turned off first.
+
+    With the warmup on, DeepSeek-V4's layers register upstream kernels at construction
+    (Triton fp8 ones such as the inverse-RoPE quant, CuTe-DSL ones imported from the module
+    the backport stands in for, where the import itself fails) and the worker compiles
+    them before serving, a failure being fatal; they need sm89/sm90. The routed kernels
+    compile on first use instead, in the dummy runs before graph capture."""
+
+    def __init__(self: object, *, vllm_config: Any, prefix: str = "") -> None:
+        kernel_config = vllm_config.kernel_config
+        if kernel_config.enable_jit_warmup:
+            logger.info("backport: JIT kernel warmup off for DeepSeek-V4 on sm8x: it would "
+                        "compile upstream sm89/sm90 kernels the routes replace")
+            kernel_config.enable_jit_warmup = False
+        stock_init(self, vllm_config=vllm_config, prefix=prefix)
+
+    return __init__
 
 
 def _admit_sm8x(module: ModuleType) -> None:

@@ -4,7 +4,9 @@ ops'), over the backport's kernels.
 vLLM's `DeepseekV4FlashMLAAttention` (`vllm/models/deepseek_v4/nvidia/flashmla.py`) calls
 FlashMLA's sparse fp8 decode and sparse prefill, and DeepSeek-V4's K gather; its indexer
 calls `fused_indexer_q_rope_quant` and DeepGEMM's two logits ops; its KV compressors call
-a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache). FlashMLA,
+a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache); its output
+projection (`deep_gemm_fp8_o_proj`) calls the inverse-RoPE fp8 quant and DeepGEMM's
+`fp8_einsum` on wo_a's fp8 weight, which `keep_fp8_wo_a` keeps as loaded. FlashMLA,
 DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
 use fp8 instructions that sm80/86 lack. The prefill and the K gather need no adapter
 (`sparse_mla_prefill`, `k_cache_gather` take the same arguments); the others are below.
@@ -12,12 +14,14 @@ use fp8 instructions that sm80/86 lack. The prefill and the K gather need no ada
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels import indexer_q_quant
+from services.engine.backport.kernels import fp8_einsum as einsum_kernel
+from services.engine.backport.kernels import indexer_q_quant, inv_rope_fp8_quant
 from services.engine.backport.kernels.cuda_module import device_arch
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
@@ -217,3 +221,94 @@ def compress_norm_rope_store(
         kv_compress_insert(*operands)
     else:
         indexer_k_compress_insert(*operands, head_dim=head_dim, rope_head_dim=rope_head_dim)
+
+
+def fused_inv_rope_fp8_quant(
+    o: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    n_groups: int,
+    heads_per_group: int,
+    nope_dim: int = 448,
+    rope_dim: int = 64,
+    quant_group_size: int = 128,
+    tma_aligned_scales: bool = False,
+    quantize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output projection's inverse RoPE + fp8 quant: (x [T, G, D] fp8, scales
+    [T, G, D / 128] fp32), sm90's scale layout."""
+    if tma_aligned_scales:
+        raise ValueError("tma_aligned_scales=True asks for SM100's packed UE8M0 scales; the "
+                         "backport writes sm90's fp32 scales (tma_aligned_scales=False)")
+    return inv_rope_fp8_quant.fused_inv_rope_fp8_quant(
+        o, positions, cos_sin_cache, n_groups, heads_per_group, nope_dim, rope_dim,
+        quant_group_size, quantize)
+
+
+EINSUM_EXPR = "bhr,hdr->bhd"
+EINSUM_RECIPE = (1, 128, 128)  # sm90's: per-token 128-dim x scales, 128 x 128 w blocks
+
+
+def fp8_einsum(
+    expr: str,
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    d: torch.Tensor,
+    c: torch.Tensor | None = None,
+    recipe: tuple[int, int, int] = EINSUM_RECIPE,
+) -> torch.Tensor:
+    """DeepGEMM's `fp8_einsum` in the one form the output projection uses: "bhr,hdr->bhd"
+    with recipe (1, 128, 128), a = (x [T, G, R] fp8, x scales [T, G, R / 128] fp32),
+    b = (w, w scales), written into d [T, G, D] bf16 (also returned). w is the checkpoint's
+    [G * D, R] or [G, D, R]; its scales [G * D / 128, R / 128] or [G, D / 128, R / 128],
+    fp32 or e8m0. DeepGEMM's accumulate input `c` is not backported."""
+    if expr != EINSUM_EXPR:
+        raise ValueError(f"only the einsum {EINSUM_EXPR!r} is backported, got {expr!r}")
+    if tuple(recipe) != EINSUM_RECIPE:
+        raise ValueError(f"only the recipe {EINSUM_RECIPE} (sm90's) is backported, got "
+                         f"{tuple(recipe)}")
+    if c is not None:
+        raise NotImplementedError("fp8_einsum's accumulate input (c) is not backported")
+    x, x_scale = a
+    w, w_scale = b
+    num_groups, reduce_dim = x.shape[1], x.shape[2]
+    num_scale_blocks = reduce_dim // einsum_kernel.SCALE_BLOCK
+    if w.dim() == 2:
+        w = w.view(num_groups, -1, reduce_dim)
+    if w_scale.dim() == 2:
+        # Row blocks of a [G * D, R] weight split by group only where D is whole blocks.
+        if w.shape[1] % einsum_kernel.SCALE_BLOCK:
+            raise ValueError(f"2-D weight scales need D a multiple of "
+                             f"{einsum_kernel.SCALE_BLOCK}, got D={w.shape[1]}")
+        w_scale = w_scale.view(num_groups, -1, num_scale_blocks)
+    if w_scale.dtype == torch.float8_e8m0fnu:
+        w_scale = w_scale.float()  # powers of two: exact
+    return einsum_kernel.fp8_einsum(x, x_scale, w, w_scale, out=d)
+
+
+def keep_fp8_wo_a(layer: torch.nn.Module) -> None:
+    """Where the attention layer's wo_a holds an fp8 weight, has its quant method's
+    `process_weights_after_loading` keep that weight as loaded ([G * D, R]) and only turn
+    its block scales fp32 (same attribute), for the routed `fp8_einsum`. The stock method
+    repacks the weight for its own GEMM (Marlin's int32 layout on sm80-89), which the
+    output projection never runs: it reads the weight itself, and unrecognised it falls
+    back to a bf16 matmul over the repacked bytes."""
+    wo_a = layer.wo_a
+    if wo_a.weight.dtype != torch.float8_e4m3fn:
+        return
+    stock_name = type(wo_a.quant_method).__name__
+
+    def process_weights_after_loading(linear: torch.nn.Module) -> None:
+        name = "weight_scale_inv" if hasattr(linear, "weight_scale_inv") else "weight_scale"
+        scale = getattr(linear, name)
+        _log_once(f"backport: wo_a keeps its fp8 weight for the routed fp8 einsum; its "
+                  f"{scale.dtype} block scales ({name}) become fp32, and {stock_name}'s own "
+                  f"weight processing (Marlin's repack on sm80-89) is skipped")
+        setattr(linear, name, torch.nn.Parameter(scale.data.float(), requires_grad=False))
+
+    wo_a.quant_method.process_weights_after_loading = process_weights_after_loading
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
