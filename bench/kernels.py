@@ -678,10 +678,10 @@ EINSUM_OUT_DIM, EINSUM_REDUCE_DIM = 1024, 4096
 # Decode steps cycle through this many bytes of weights (a copy a call, as a model's layers
 # do), so each call reads its weight from memory rather than from the 60 MB L2.
 EINSUM_DECODE_WEIGHT_BYTES = 256 << 20
-EINSUM_DECODE_TILINGS = ((16, 32, 4, 3, 0), (16, 128, 4, 3, 0), (16, 64, 4, 3, 4),
-                         (16, 64, 4, 3, 16), (16, 64, 4, 2, 0), (16, 64, 2, 3, 0),
-                         (16, 64, 4, 3, 1), (64, 32, 4, 3, 0), (64, 128, 8, 3, 0),
-                         (32, 64, 4, 3, 0))
+EINSUM_DECODE_TILINGS = ((16, 32, 4, 3, 0), (16, 128, 8, 3, 0), (16, 64, 8, 3, 0),
+                         (16, 64, 4, 3, 2), (16, 64, 4, 3, 4), (16, 64, 4, 3, 8),
+                         (16, 64, 4, 4, 0), (16, 64, 4, 3, 1), (64, 32, 4, 3, 0),
+                         (64, 128, 8, 3, 0))
 EINSUM_PREFILL_TILINGS = ((128, 128, 8, 3, 1), (128, 64, 4, 3, 1), (128, 128, 8, 2, 2),
                           (64, 128, 4, 3, 1))
 

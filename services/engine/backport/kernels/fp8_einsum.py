@@ -56,7 +56,7 @@ class EinsumTiling:
     splits: int = 1
 
 
-TARGET_PROGRAMS_PER_SM = 4
+TARGET_PROGRAMS_PER_SM = 3
 
 
 def default_tiling(num_tokens: int) -> EinsumTiling:
