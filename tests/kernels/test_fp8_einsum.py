@@ -103,8 +103,8 @@ def test_fp8_einsum_after_inv_rope_quant(kernel_device: str) -> None:
     w = fp8_values((n_groups, out_dim, heads_per_group * 512), generator)
     w_scale = torch.rand(n_groups, -(-out_dim // SCALE_BLOCK), heads_per_group * 4,
                          generator=generator) * 1e-2 + 1e-4
-    tiling = None if kernel_device == "cuda" else EinsumTiling(16, 16, 4, 1)
-    got = fp8_einsum(x, x_scale, w.to(kernel_device), w_scale.to(kernel_device), tiling=tiling)
+    # The default tiling: a decode step, R split over several programs a tile.
+    got = fp8_einsum(x, x_scale, w.to(kernel_device), w_scale.to(kernel_device))
     assert_einsum_matches(got.cpu(), x.cpu(), x_scale.cpu(), w, w_scale)
 
 

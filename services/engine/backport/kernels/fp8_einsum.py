@@ -56,16 +56,21 @@ class EinsumTiling:
     splits: int = 1
 
 
+# On the H200 in sm80 mode (weights cold in the L2) 3 ran a one-token step at G=8 in
+# 0.0191 ms against 0.0238 for 4; without splits a one-token step at G=2 took 2.8x as long.
 TARGET_PROGRAMS_PER_SM = 3
 
 
 def default_tiling(num_tokens: int) -> EinsumTiling:
     """The tiling for T tokens: decode steps read the weight, split along R over the
     card; prefill chunks compute, in square tiles."""
+    # 64 weight rows a program: 32 or 128 (at 8 warps) were up to 20% slower at 1-8 tokens.
     if num_tokens <= 16:
         return EinsumTiling(block_t=16, block_d=64, num_warps=4, num_stages=3, splits=0)
     if num_tokens <= 64:
         return EinsumTiling(block_t=64, block_d=64, num_warps=4, num_stages=3, splits=0)
+    # 2 stages: 3 need 131,072 B of shared memory, over sm86's limit, for 3% more speed;
+    # 64-wide tiles ran 1.4x slower.
     return EinsumTiling(block_t=128, block_d=128, num_warps=8, num_stages=2)
 
 
@@ -181,7 +186,7 @@ def split_count(tiling: EinsumTiling, tiles: int, num_blocks: int, device: torch
     if tiling.splits:
         return max(1, min(tiling.splits, num_blocks))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if (
-        device.type == "cuda") else 4
+        device.type == "cuda") else 4  # the interpreter: a few splits, to exercise them
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * sms, tiles)
     return max(1, min(wanted, num_blocks // 2))
 
