@@ -31,6 +31,7 @@ from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.fp8_einsum import SCALE_BLOCK
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.inv_rope_fp8_quant import (
+    fused_inv_rope_fp8_quant,
     fused_inv_rope_fp8_quant_reference,
 )
 from services.engine.backport.kernels.mqa_logits import mqa_logits
@@ -481,7 +482,7 @@ def test_vllms_o_proj_runs_the_backport_kernels(kernel_device: str, routed_modul
 def test_o_proj_adapters_refuse_what_is_not_backported() -> None:
     """SM100's packed scales, other einsums and recipes are refused, naming what came."""
     with pytest.raises(ValueError, match="tma_aligned_scales=True"):
-        op_adapters.fused_inv_rope_fp8_quant(None, None, None, 2, 1, tma_aligned_scales=True)
+        fused_inv_rope_fp8_quant(None, None, None, 2, 1, tma_aligned_scales=True)
     with pytest.raises(ValueError, match="'bhd,hdr->bhr'"):
         op_adapters.fp8_einsum("bhd,hdr->bhr", (None, None), (None, None), None,
                                recipe=(1, 128, 128))

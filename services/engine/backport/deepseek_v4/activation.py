@@ -59,6 +59,7 @@ MODEL_CLASS = "DeepseekV4Model"
 def routes() -> dict[str, dict[str, Callable[..., object]]]:
     """Module -> {name vLLM calls: the backport's function} (imports the kernels)."""
     from services.engine.backport.deepseek_v4 import op_adapters
+    from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
     from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
     from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
 
@@ -82,7 +83,7 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
             "_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL": op_adapters.compress_norm_rope_store,
         },
         O_PROJ_MODULE: {
-            "fused_inv_rope_fp8_quant": op_adapters.fused_inv_rope_fp8_quant,
+            "fused_inv_rope_fp8_quant": fused_inv_rope_fp8_quant,
             "fp8_einsum": op_adapters.fp8_einsum,
         },
     }

@@ -8,8 +8,9 @@ a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache); its o
 projection (`deep_gemm_fp8_o_proj`) calls the inverse-RoPE fp8 quant and DeepGEMM's
 `fp8_einsum` on wo_a's fp8 weight, which `keep_fp8_wo_a` keeps as loaded. FlashMLA,
 DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
-use fp8 instructions that sm80/86 lack. The prefill and the K gather need no adapter
-(`sparse_mla_prefill`, `k_cache_gather` take the same arguments); the others are below.
+use fp8 instructions that sm80/86 lack. The prefill, the K gather and the inverse-RoPE
+quant need no adapter (`sparse_mla_prefill`, `k_cache_gather`, `inv_rope_fp8_quant` take
+the same arguments); the others are below.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels import fp8_einsum as einsum_kernel
-from services.engine.backport.kernels import indexer_q_quant, inv_rope_fp8_quant
+from services.engine.backport.kernels import indexer_q_quant
 from services.engine.backport.kernels.cuda_module import device_arch
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
@@ -221,28 +222,6 @@ def compress_norm_rope_store(
         kv_compress_insert(*operands)
     else:
         indexer_k_compress_insert(*operands, head_dim=head_dim, rope_head_dim=rope_head_dim)
-
-
-def fused_inv_rope_fp8_quant(
-    o: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    n_groups: int,
-    heads_per_group: int,
-    nope_dim: int = 448,
-    rope_dim: int = 64,
-    quant_group_size: int = 128,
-    tma_aligned_scales: bool = False,
-    quantize: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output projection's inverse RoPE + fp8 quant: (x [T, G, D] fp8, scales
-    [T, G, D / 128] fp32), sm90's scale layout."""
-    if tma_aligned_scales:
-        raise ValueError("tma_aligned_scales=True asks for SM100's packed UE8M0 scales; the "
-                         "backport writes sm90's fp32 scales (tma_aligned_scales=False)")
-    return inv_rope_fp8_quant.fused_inv_rope_fp8_quant(
-        o, positions, cos_sin_cache, n_groups, heads_per_group, nope_dim, rope_dim,
-        quant_group_size, quantize)
 
 
 EINSUM_EXPR = "bhr,hdr->bhd"

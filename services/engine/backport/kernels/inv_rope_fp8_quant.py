@@ -133,9 +133,14 @@ def fused_inv_rope_fp8_quant(
     nope_dim: int = 448,
     rope_dim: int = 64,
     quant_group_size: int = 128,
+    tma_aligned_scales: bool = False,
     quantize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [T, G, D], scales [T, G, D / 128]); see module doc."""
+    """(output [T, G, D], scales [T, G, D / 128]); see module doc. `tma_aligned_scales`
+    (upstream's SM100 packed UE8M0 scales) is refused: this is sm90's fp32 layout."""
+    if tma_aligned_scales:
+        raise ValueError("tma_aligned_scales=True asks for SM100's packed UE8M0 scales; this "
+                         "kernel writes sm90's fp32 scales (tma_aligned_scales=False)")
     num_tokens, num_heads, head_dim = o.shape
     if num_heads != n_groups * heads_per_group or head_dim != nope_dim + rope_dim:
         raise ValueError("o must be [T, n_groups * heads_per_group, nope_dim + rope_dim]")
