@@ -752,33 +752,34 @@ def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     return rows
 
 
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def einsum_markdown(rows: list[dict[str, object]]) -> str:
-    lines = ["| fp8 einsum | config | graph ms | TFLOP/s | of copy | baseline (same run) | ratio |",
-             "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['shape']} | {row['config']} | {row['graph ms']:.4g} | "
-                     f"{row['TFLOP/s']:.4g} | {row['of copy']:.0%} | {row['baseline']} | "
-                     f"{row['ratio']:.0%} |")
-    return "\n".join(lines)
+    return table(
+        ["fp8 einsum", "config", "graph ms", "TFLOP/s", "of copy", "baseline (same run)",
+         "ratio"],
+        [[str(row["shape"]), str(row["config"]), f"{row['graph ms']:.4g}",
+          f"{row['TFLOP/s']:.4g}", f"{row['of copy']:.0%}", str(row["baseline"]),
+          f"{row['ratio']:.0%}"] for row in rows])
 
 
 def indexer_markdown(rows: list[dict[str, object]]) -> str:
-    lines = ["| indexer logits | graph ms | TFLOP/s | baseline (same run) | ratio |",
-             "|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['shape']} | {row['graph ms']:.4g} | {row['TFLOP/s']:.4g} | "
-                     f"{row['baseline']} | {row['ratio']:.0%} |")
-    return "\n".join(lines)
+    return table(
+        ["indexer logits", "graph ms", "TFLOP/s", "baseline (same run)", "ratio"],
+        [[str(row["shape"]), f"{row['graph ms']:.4g}", f"{row['TFLOP/s']:.4g}",
+          str(row["baseline"]), f"{row['ratio']:.0%}"] for row in rows])
 
 
 def prefill_markdown(rows: list[dict[str, object]]) -> str:
-    lines = ["| shape | config | graph ms | TFLOP/s | cuBLAS dense bf16 TFLOP/s | ratio |",
-             "|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['shape']} | {row['config']} | {row['graph ms']:.4g} | "
-                     f"{row['TFLOP/s']:.4g} | {row['dense bf16 TFLOP/s']:.4g} | "
-                     f"{row['TFLOP/s'] / row['dense bf16 TFLOP/s']:.0%} |")
-    return "\n".join(lines)
+    return table(
+        ["shape", "config", "graph ms", "TFLOP/s", "cuBLAS dense bf16 TFLOP/s", "ratio"],
+        [[str(row["shape"]), str(row["config"]), f"{row['graph ms']:.4g}",
+          f"{row['TFLOP/s']:.4g}", f"{row['dense bf16 TFLOP/s']:.4g}",
+          f"{row['TFLOP/s'] / row['dense bf16 TFLOP/s']:.0%}"] for row in rows])
 
 
 def markdown(rows: list[dict[str, object]]) -> str:
@@ -793,19 +794,15 @@ def markdown(rows: list[dict[str, object]]) -> str:
         "TFLOP/s",
         "new variants",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = []
-        for key in header:
-            value = row.get(key)
-            if key == "of copy":
-                cells.append(f"{value:.0%}")
-            elif isinstance(value, float):
-                cells.append(f"{value:.4g}")
-            else:
-                cells.append("-" if value is None else str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(key: str, value: object) -> str:
+        if key == "of copy":
+            return f"{value:.0%}"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "-" if value is None else str(value)
+
+    return table(header, [[cell(key, row.get(key)) for key in header] for row in rows])
 
 
 def main() -> None:
