@@ -489,3 +489,18 @@ def test_o_proj_adapters_refuse_what_is_not_backported() -> None:
     with pytest.raises(ValueError, match=r"\(1, 1, 128\)"):
         op_adapters.fp8_einsum("bhr,hdr->bhd", (None, None), (None, None), None,
                                recipe=(1, 1, 128))
+
+
+def test_indexer_builds_and_schedules_without_deep_gemm() -> None:
+    """The indexer's DeepGEMM gate answers yes, and the logits schedule its metadata
+    builder asks for every decode step has DeepGEMM's shape below sm90 (what vLLM's
+    buffer takes), whatever the request count."""
+    pytest.importorskip("vllm")
+    from vllm.utils.deep_gemm import _paged_mqa_logits_schedule_slots
+
+    assert op_adapters.indexer_logits_available()
+    for num_sms, context_lens in ((108, torch.ones(3, 1, dtype=torch.int32)),
+                                  (84, torch.ones(40, 2, dtype=torch.int32))):
+        schedule = op_adapters.paged_mqa_logits_schedule(context_lens, 64, num_sms)
+        slots = _paged_mqa_logits_schedule_slots(num_sms, context_lens.shape[1])
+        assert schedule.shape == (slots + 1, 2) and schedule.dtype == torch.int32

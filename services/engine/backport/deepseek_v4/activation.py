@@ -45,6 +45,8 @@ ROUTES_ENV = "BACKPORT_DEEPSEEK_V4_ROUTES"
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
 ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
 INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
+# The indexer's attention-metadata builder: it asks DeepGEMM for its logits schedule.
+INDEXER_METADATA_MODULE = "vllm.v1.attention.backends.mla.indexer"
 COMPRESSOR_MODULE = "vllm.models.deepseek_v4.compressor"
 # Imported by the compressor at call time on CUDA for head 512; it needs CuTe-DSL.
 CUTEDSL_COMPRESSOR_MODULE = "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"
@@ -75,6 +77,10 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
         INDEXER_MODULE: {
             "fp8_fp4_mqa_logits": op_adapters.fp8_fp4_mqa_logits,
             "fp8_fp4_paged_mqa_logits": op_adapters.fp8_fp4_paged_mqa_logits,
+            "has_deep_gemm": op_adapters.indexer_logits_available,
+        },
+        INDEXER_METADATA_MODULE: {
+            "get_paged_mqa_logits_metadata": op_adapters.paged_mqa_logits_schedule,
         },
         COMPRESSOR_MODULE: {
             "compress_norm_rope_store_triton": op_adapters.compress_norm_rope_store,
@@ -89,8 +95,9 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
     }
 
 
-ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE, COMPRESSOR_MODULE,
-                  CUTEDSL_COMPRESSOR_MODULE, O_PROJ_MODULE)
+ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE,
+                  INDEXER_METADATA_MODULE, COMPRESSOR_MODULE, CUTEDSL_COMPRESSOR_MODULE,
+                  O_PROJ_MODULE)
 _ABSENT = object()
 
 _finder: PatchOnImport | None = None

@@ -173,6 +173,26 @@ def fp8_fp4_paged_mqa_logits(
                             max_model_len, clean_logits)
 
 
+def indexer_logits_available() -> bool:
+    """vLLM's `has_deep_gemm()` where the sparse indexer asks it: the indexer refuses to
+    build on CUDA without DeepGEMM, whose logits ops are the only ones it needs, and the
+    backport routes those. True whether or not the `deep_gemm` package imports."""
+    return True
+
+
+def paged_mqa_logits_schedule(
+    context_lens: torch.Tensor,
+    block_size: int,
+    num_sms: int,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepGEMM's `get_paged_mqa_logits_metadata` as the indexer's metadata builder calls
+    it every decode step: the SM schedule of DeepGEMM's paged logits kernel ([num_sms + 1,
+    2] int32 below sm90), which DeepGEMM computes on sm90/sm100 only. The backport's
+    paged logits need no schedule, so this is zeros of that shape."""
+    return torch.zeros((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
+
+
 def compress_norm_rope_store(
     state_cache: torch.Tensor,
     num_actual: int,
