@@ -114,6 +114,8 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     stock_init = vars(layer)["__init__"]
     model = getattr(importlib.import_module(activation.MODEL_MODULE), activation.MODEL_CLASS)
     stock_model_init = vars(model)["__init__"]
+    mhc = importlib.import_module(activation.MHC_MODULE)
+    stock_prenorm_gemm = vars(mhc)[activation.MHC_PRENORM_GEMM]
     assert layer.get_padded_num_q_heads(16) == 64  # FlashMLA's minimum
     assert not backend.supports_compute_capability(DeviceCapability(8, 6))
 
@@ -134,6 +136,7 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert not backend.supports_compute_capability(DeviceCapability(7, 5))
     assert vars(layer)["__init__"] is not stock_init  # CUDA decode, wo_a's fp8 weight
     assert vars(model)["__init__"] is not stock_model_init  # JIT warmup off
+    assert vars(mhc)[activation.MHC_PRENORM_GEMM] is not stock_prenorm_gemm
     assert layer.get_padded_num_q_heads(16) == 16
     assert layer.get_padded_num_q_heads(40) == 40
 
@@ -144,6 +147,7 @@ def test_routes_switch_on_below_sm90_and_back_off(routed_modules) -> None:
     assert vars(backend)["supports_compute_capability"] is stock_check
     assert vars(layer)["__init__"] is stock_init
     assert vars(model)["__init__"] is stock_model_init
+    assert vars(mhc)[activation.MHC_PRENORM_GEMM] is stock_prenorm_gemm
     assert layer.get_padded_num_q_heads(16) == 64
 
 
@@ -504,3 +508,26 @@ def test_indexer_builds_and_schedules_without_deep_gemm() -> None:
         schedule = op_adapters.paged_mqa_logits_schedule(context_lens, 64, num_sms)
         slots = _paged_mqa_logits_schedule_slots(num_sms, context_lens.shape[1])
         assert schedule.shape == (slots + 1, 2) and schedule.dtype == torch.int32
+
+
+def test_mhc_prenorm_gemm_stays_in_tilelang() -> None:
+    """vLLM's first-layer broadcast pre-mix asks for DeepGEMM outright; routed, every
+    caller gets the TileLang fallback, told of rows as wide as x's."""
+    pytest.importorskip("vllm")
+    forced = [call for call in _calls(activation.MHC_MODULE, activation.MHC_PRENORM_GEMM)
+              if any(k.arg == "use_tilelang_fallback" and isinstance(k.value, ast.Constant)
+                     and k.value.value is False for k in call.keywords)]
+    assert forced, "vLLM no longer forces DeepGEMM for the mHC GEMM: the route is stale"
+    seen = []
+
+    def stock(x, fn, *, hidden_size, hc_mult, use_tilelang_fallback=True):
+        seen.append((hidden_size, hc_mult, use_tilelang_fallback))
+        return "outputs"
+
+    gemm = activation.tilelang_prenorm_gemm(stock)
+    broadcast_rows, mixed_rows = torch.empty(3, 256), torch.empty(3, 4 * 256)
+    fn = torch.empty(24, 256)
+    assert gemm(broadcast_rows, fn, hidden_size=256, hc_mult=4,
+                use_tilelang_fallback=False) == "outputs"
+    gemm(mixed_rows, fn, hidden_size=256, hc_mult=4)
+    assert seen == [(256, 1, True), (1024, 1, True)]

@@ -9,8 +9,9 @@ keeps wo_a's fp8 weight as loaded, for the output projection's routed einsum
 heads, so upstream pads TP4's 16 heads to 64; the backport's kernels take any count, and
 at 16 heads the decode of a B=64 top-k 2048 step takes 0.044 ms instead of 0.148 (H200,
 sm80 mode). The model's constructor turns vLLM's JIT kernel warmup off
-(`_without_jit_warmup` says why). Each is replaced when vLLM imports its module, so
-other models never load this code.
+(`_without_jit_warmup` says why), and the hyper-connections' pre-norm GEMM stays in its
+TileLang fallback (`tilelang_prenorm_gemm`). Each is replaced when vLLM imports its
+module, so other models never load this code.
 
 The attention compressor is one name in vLLM's CuTe-DSL module, which the compressor
 imports when it runs. Where CuTe-DSL (`cutlass`) is not installed that module cannot
@@ -56,6 +57,9 @@ BACKEND_CLASS = "DeepseekV4SparseMLABackend"
 LAYER_CLASS = "DeepseekV4FlashMLAAttention"
 MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
 MODEL_CLASS = "DeepseekV4Model"
+# The hyper-connection (mHC) mixes' TileLang wrappers, which reach DeepGEMM for one GEMM.
+MHC_MODULE = "vllm.model_executor.kernels.mhc.tilelang"
+MHC_PRENORM_GEMM = "_hc_prenorm_gemm_outputs"
 
 
 def routes() -> dict[str, dict[str, Callable[..., object]]]:
@@ -123,6 +127,7 @@ def install(capability: tuple[int, int] | None) -> bool:
         ROUTED_MODULES, _route_names)
     patches[BACKEND_MODULE] = _admit_sm8x
     patches[MODEL_MODULE] = _skip_jit_warmup
+    patches[MHC_MODULE] = _prenorm_gemm_in_tilelang
     _finder = patch_when_imported(patches)
     logger.info("DeepSeek-V4 attention on sm%d%d runs the backport's kernels", *capability)
     return True
@@ -219,6 +224,28 @@ def _without_jit_warmup(stock_init: Callable[..., None]) -> Callable[..., None]:
         stock_init(self, vllm_config=vllm_config, prefix=prefix)
 
     return __init__
+
+
+def _prenorm_gemm_in_tilelang(module: ModuleType) -> None:
+    _replace(module, MHC_PRENORM_GEMM, tilelang_prenorm_gemm(getattr(module, MHC_PRENORM_GEMM)))
+
+
+def tilelang_prenorm_gemm(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's mHC pre-norm GEMM (x @ fn.T and each row's sum of squares) always in its
+    TileLang fallback.
+
+    The first layer's broadcast pre-mix asks for DeepGEMM's TF32 GEMM outright
+    (`use_tilelang_fallback=False`), on every forward pass, and DeepGEMM runs on sm90/sm100
+    only; every other caller already falls back below sm90. The broadcast caller's x is one
+    copy of the residual, [T, H], where the fallback's kernel checks for hc_mult copies, so
+    the kernel is told of one row of x.shape[1] values: it reads hidden_size and hc_mult
+    only as their product, the row width."""
+
+    def _hc_prenorm_gemm_outputs(x: Any, fn: Any, *, hidden_size: int, hc_mult: int,
+                                 use_tilelang_fallback: bool = True) -> Any:
+        return stock(x, fn, hidden_size=x.shape[1], hc_mult=1, use_tilelang_fallback=True)
+
+    return _hc_prenorm_gemm_outputs
 
 
 def _admit_sm8x(module: ModuleType) -> None:
