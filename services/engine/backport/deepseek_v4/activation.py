@@ -18,8 +18,8 @@ imports when it runs. Where CuTe-DSL (`cutlass`) is not installed that module ca
 import, so once the compressor's module loads, the backport puts a module with just that
 name in its place.
 
-Not looked at yet: the MoE experts' kernels, so the model is not known to run end to end
-on these cards.
+Not routed: the MoE experts and the other fp8 linears, which vLLM runs on its Marlin
+kernels below sm90 (by a reading of its sources; no forward pass has run on these cards).
 """
 
 from __future__ import annotations
