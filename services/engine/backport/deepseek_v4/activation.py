@@ -5,9 +5,9 @@ attention backend's compute-capability check, which admits only sm90/sm100, two 
 of the attention layer and the model's constructor. The layer's constructor also loads
 the CUDA decode on the layer's GPU (models are built before CUDA graphs are captured) and
 keeps wo_a's fp8 weight as loaded, for the output projection's routed einsum
-(`op_adapters.keep_fp8_wo_a`). The layer's q head padding goes: FlashMLA needs 64 or 128
-heads, so upstream pads TP4's 16 heads to 64; the backport's kernels take any count, and
-at 16 heads the decode of a B=64 top-k 2048 step takes 0.044 ms instead of 0.148 (H200,
+(`op_adapters.keep_fp8_wo_a`). The layer's q head padding is dropped: FlashMLA needs 64
+or 128 heads, so upstream pads TP4's 16 heads to 64; the backport's kernels take any
+count, and at 16 heads the decode of a B=64 top-k 2048 step takes 0.044 ms instead of 0.148 (H200,
 sm80 mode). The model's constructor turns vLLM's JIT kernel warmup off
 (`_without_jit_warmup` says why), and the hyper-connections' pre-norm GEMM stays in its
 TileLang fallback (`tilelang_prenorm_gemm`). Each is replaced when vLLM imports its
