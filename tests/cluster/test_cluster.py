@@ -274,11 +274,14 @@ def test_redis_restart_under_load_fails_no_request(cluster: Cluster) -> None:
 def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster: Cluster) -> None:
     rng = random.Random(8)
     everyone = ["A", "B", "C"]
-    prompts = ([_prompt_homed_on(cluster, "C", everyone, rng) for _ in range(3)]
-               + [_prompt_homed_on(cluster, n, everyone, rng) for n in ("A", "B")])
+    # The streams homed on C are long (the 64-token prompt and 900 fill the 1024-token
+    # context), so they still run when C dies however long the others take to start (a
+    # loaded CI run saw one finish its 200 tokens first).
+    prompts = ([(_prompt_homed_on(cluster, "C", everyone, rng), 900) for _ in range(3)]
+               + [(_prompt_homed_on(cluster, n, everyone, rng), 200) for n in ("A", "B")])
     records = [StreamRecord() for _ in prompts]
-    threads = in_threads(stream_completion,
-                         [(cluster.base_url, API_KEY, p, 200, r) for p, r in zip(prompts, records)])
+    threads = in_threads(stream_completion, [(cluster.base_url, API_KEY, p, n, r)
+                                             for (p, n), r in zip(prompts, records)])
     for record in records:
         assert record.started.wait(120) and record.first_token_at is not None, record
     # Placement follows prefix affinity unless a busy host makes the gateway spread load.
@@ -295,9 +298,12 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
     for thread in threads:
         thread.join(timeout=180)
     assert not any(t.is_alive() for t in threads), "a stream hung"
+    # A short stream spread onto C may have finished before the kill: it is not cut.
+    cut = [r for r in on_c if r.ended_at > killed_at]
+    assert cut
     for record in records:
         assert record.exception is None and record.saw_done, record
-        if record in on_c:
+        if record in cut:
             assert record.error is not None and record.finish_reason is None, record
             print(f"stream on C ended {record.ended_at - killed_at:.3f} s after kill -9, "
                   f"{record.ended_at - gone_at:.3f} s after the process was gone")
@@ -310,7 +316,7 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
         assert reply.status_code == 200, reply.text
         assert reply.headers["x-backport-engine"] != cluster.addresses["C"]
     samples = scrape(cluster.metrics_url)
-    assert metric(samples, "backport:engine_stream_failures_total") >= len(on_c)
+    assert metric(samples, "backport:engine_stream_failures_total") >= len(cut)
 
 
 def test_sigterm_to_an_engine_deregisters_it_and_finishes_its_streams(cluster: Cluster) -> None:
