@@ -31,6 +31,7 @@ from services.engine.backport.deepseek_v4 import activation, op_adapters
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.fp8_einsum import SCALE_BLOCK
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
+from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
 from services.engine.backport.kernels.inv_rope_fp8_quant import (
     fused_inv_rope_fp8_quant,
     fused_inv_rope_fp8_quant_reference,
@@ -242,7 +243,7 @@ def test_decode_adapter_refuses_what_is_not_backported() -> None:
         op_adapters.flash_mla_with_kvcache(torch.zeros(1, 1, 16, 512), torch.zeros(1),
                                             None, None, 512, is_fp8_kvcache=False)
     with pytest.raises(NotImplementedError, match="MXFP4"):
-        op_adapters.fused_indexer_q_rope_quant(None, None, None, None, 1.0, 1.0, use_fp4=True)
+        fused_indexer_q_rope_quant(None, None, None, None, 1.0, 1.0, use_fp4=True)
 
 
 def test_logits_adapters_take_deepgemm_arguments(kernel_device: str) -> None:

@@ -67,6 +67,7 @@ MHC_PRENORM_GEMM = "_hc_prenorm_gemm_outputs"
 def routes() -> dict[str, dict[str, Callable[..., object]]]:
     """Module -> {name vLLM calls: the backport's function} (imports the kernels)."""
     from services.engine.backport.deepseek_v4 import op_adapters
+    from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
     from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
     from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
     from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
@@ -78,7 +79,7 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
             "dequantize_and_gather_k_cache": dequantize_and_gather_k_cache,
         },
         ATTENTION_MODULE: {
-            "fused_indexer_q_rope_quant": op_adapters.fused_indexer_q_rope_quant,
+            "fused_indexer_q_rope_quant": fused_indexer_q_rope_quant,
         },
         INDEXER_MODULE: {
             "fp8_fp4_mqa_logits": op_adapters.fp8_fp4_mqa_logits,

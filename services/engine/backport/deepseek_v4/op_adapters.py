@@ -8,9 +8,9 @@ a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache); its o
 projection (`deep_gemm_fp8_o_proj`) calls the inverse-RoPE fp8 quant and DeepGEMM's
 `fp8_einsum` on wo_a's fp8 weight, which `keep_fp8_wo_a` keeps as loaded. FlashMLA,
 DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
-use fp8 instructions that sm80/86 lack. The prefill, the K gather and the inverse-RoPE
-quant need no adapter (`sparse_mla_prefill`, `k_cache_gather`, `inv_rope_fp8_quant` take
-the same arguments); the others are below.
+use fp8 instructions that sm80/86 lack. The prefill, the K gather and the two quants
+need no adapter (`sparse_mla_prefill`, `k_cache_gather`, `indexer_q_quant`,
+`inv_rope_fp8_quant` take the same arguments); the others are below.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels import fp8_einsum as einsum_kernel
-from services.engine.backport.kernels import indexer_q_quant
 from services.engine.backport.kernels.cuda_module import device_arch
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
@@ -113,23 +112,6 @@ def flash_mla_with_kvcache(
     else:
         decoded, lse = sparse_mla_decode(*operands, out=out)
     return (out if out is not None else decoded.view(q.shape)), lse.unsqueeze(-1)
-
-
-def fused_indexer_q_rope_quant(
-    positions: torch.Tensor,
-    index_q: torch.Tensor,
-    index_q_cos_sin_cache: torch.Tensor,
-    index_weights: torch.Tensor,
-    index_weights_softmax_scale: float,
-    index_weights_head_scale: float,
-    use_fp4: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer's Q RoPE + fp8 quant; the MXFP4 form (`use_fp4`) is Blackwell's."""
-    if use_fp4:
-        raise NotImplementedError("the MXFP4 indexer cache is not backported")
-    return indexer_q_quant.fused_indexer_q_rope_quant(
-        positions, index_q, index_q_cos_sin_cache, index_weights,
-        index_weights_softmax_scale, index_weights_head_scale)
 
 
 def _fp8_q(q: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:

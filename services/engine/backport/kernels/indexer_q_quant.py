@@ -110,8 +110,12 @@ def fused_indexer_q_rope_quant(
     index_weights: torch.Tensor,
     index_weights_softmax_scale: float,
     index_weights_head_scale: float,
+    use_fp4: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_fp8 [T, H, D] float8_e4m3fn, weights_out [T, H] fp32); see module doc."""
+    """(q_fp8 [T, H, D] float8_e4m3fn, weights_out [T, H] fp32); see module doc. Upstream's
+    MXFP4 form (`use_fp4`, Blackwell's) is refused."""
+    if use_fp4:
+        raise NotImplementedError("the MXFP4 indexer cache is not backported")
     if index_q.dim() != 3 or index_q.stride(-1) != 1:
         raise ValueError(
             f"index_q must be [T, H, D] with contiguous rows, got {tuple(index_q.shape)}"
