@@ -9,11 +9,15 @@ import pytest
 import torch
 
 from services.engine.backport.kernels.fp8_einsum import (
+    MIN_BLOCKS_PER_SPLIT,
     SCALE_BLOCK,
     EinsumTiling,
     dequantize_blocks,
     fp8_einsum,
     fp8_einsum_reference,
+    cheapest_split_count,
+    even_split_count,
+    split_cost,
 )
 from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
 from tests.kernels.test_mqa_logits import fp8_values
@@ -31,7 +35,9 @@ class EinsumCase:
 
 GPU_CASES = [
     EinsumCase(1, 2, 1024, 4096),  # a decode step at TP4 (16 heads, 2 groups of 8)
+    EinsumCase(32, 2, 1024, 4096),
     EinsumCase(64, 8, 1024, 4096),
+    EinsumCase(200, 2, 1024, 4096),  # a batch of decode steps: 128-token tiles, split
     EinsumCase(300, 2, 1024, 4096),  # a prefill chunk with a partial token block
     EinsumCase(37, 3, 200, 384),  # a partial weight scale block
 ]
@@ -122,3 +128,42 @@ def test_fp8_einsum_refuses_mismatched_inputs(kernel_device: str) -> None:
         fp8_einsum(x, x_scale, w, w_scale.double())
     with pytest.raises(ValueError, match="out must be"):
         fp8_einsum(x, x_scale, w, w_scale, out=torch.empty(1, device=kernel_device))
+
+
+@pytest.mark.parametrize("tiles", [1, 3, 16, 32, 100, 128, 256, 600])
+@pytest.mark.parametrize(("sm_count", "programs_per_sm"), [(88, 1), (112, 2), (132, 4)])
+@pytest.mark.parametrize("num_blocks", [1, 3, 7, 32, 33])
+def test_split_count_is_the_cheapest(tiles: int, sm_count: int, programs_per_sm: int,
+                                     num_blocks: int) -> None:
+    splits = cheapest_split_count(tiles, num_blocks, sm_count, programs_per_sm)
+    assert (splits - 1) * -(-num_blocks // splits) < num_blocks  # every split walks blocks
+    assert splits == 1 or num_blocks // splits >= MIN_BLOCKS_PER_SPLIT
+    costs = {s: split_cost(s, tiles, num_blocks, sm_count, programs_per_sm)
+             for s in range(1, max(1, num_blocks // MIN_BLOCKS_PER_SPLIT) + 1)}
+    assert costs[splits] == min(costs.values())
+    assert all(costs[s] > costs[splits] for s in costs if s < splits)
+
+
+# Counts the H200 found fastest in sm80 mode (sm86 on 88 SMs), 32 scale blocks.
+@pytest.mark.parametrize(("tiles", "sm_count", "programs_per_sm", "want"), [
+    (32, 132, 4, 8),  # 1 token at G=2 (16 x 64 tiles, 4 programs an SM), sm89 mode too
+    (128, 132, 4, 4),  # 1-8 tokens at G=8
+    (128, 132, 3, 3),  # 32 tokens at G=8 (32 x 64 tiles)
+    (32, 132, 2, 8),  # 64 tokens at G=2 (64 x 64 tiles)
+    (128, 132, 2, 2),  # 64 tokens at G=8
+    (256, 132, 2, 1),  # 128 tokens at G=8 fill the card unsplit
+    (128, 112, 2, 3),  # 64 tokens at G=8 on an A100's SMs: more than one round pays
+    (128, 88, 2, 4),  # 1-32 tokens at G=8 on an A6000's
+])
+def test_split_count_matches_the_sweep(tiles: int, sm_count: int, programs_per_sm: int,
+                                       want: int) -> None:
+    assert cheapest_split_count(tiles, 32, sm_count, programs_per_sm) == want
+
+
+def test_even_split_count() -> None:
+    # 32 blocks in 5 splits of 7 (the fifth has 4); at most 16 splits of 2 blocks; 12
+    # splits would be 3 blocks each (the last 2), as 11 are.
+    assert even_split_count(5, 32) == 5
+    assert even_split_count(40, 32) == 16
+    assert even_split_count(12, 32) == 11
+    assert even_split_count(1, 32) == even_split_count(4, 1) == 1

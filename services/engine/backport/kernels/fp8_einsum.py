@@ -20,8 +20,9 @@ Tiling:
   block's fp32 sums, and the two scales multiply them before they join the accumulator,
   as DeepGEMM promotes its per-block sums;
 - a decode step (few tokens) is a read of the weight, far too few tiles to fill the card:
-  R is split over several programs a tile (split-K), and the last of them to finish adds
-  the splits' fp32 sums; a prefill chunk takes square tiles, unsplit.
+  R is split over several programs a tile (split-K), as many as a model of the busiest
+  SM finds cheapest, and the last of them to finish adds the splits' fp32 sums; a
+  prefill chunk has tiles enough to fill the card and runs unsplit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.backport.kernels.cuda_module import blocks_per_sm, context_sm_count
 from services.engine.backport.kernels.fp8_e4m3 import (
     decode_e4m3_reference,
     dot_operand,
@@ -51,30 +53,72 @@ class EinsumTiling:
     block_d: int
     num_warps: int
     num_stages: int
-    # Programs sharing one output tile's reduction (decode steps): 0 picks enough to put
-    # about TARGET_PROGRAMS_PER_SM programs on each SM, 1 is no split.
-    splits: int = 1
+    # Programs sharing one output tile's reduction: 0 picks the count of least
+    # `split_cost` on the card (`cheapest_split_count`), 1 is no split.
+    splits: int = 0
 
 
-# On the H200 in sm80 mode (weights cold in the L2) 3 ran a one-token step at G=8 in
-# 0.0191 ms against 0.0238 for 4; without splits a one-token step at G=2 took 2.8x as long.
-TARGET_PROGRAMS_PER_SM = 3
+# A split walks at least this many scale blocks of R, more than its start and its sums
+# cost (`split_cost`).
+MIN_BLOCKS_PER_SPLIT = 2
+# `split_cost`'s terms, in steps of one scale block: a program's start and end, and what
+# the last program of a split tile spends on each split's sums.
+PROGRAM_START_STEPS = 1.0
+STEPS_A_SPLIT_SUM = 0.5
+# The interpreter's stand-in for a card: a few splits on the tests' small shapes.
+INTERPRETER_SMS = 4
 
 
 def default_tiling(num_tokens: int) -> EinsumTiling:
-    """The tiling for T tokens: decode steps read the weight, split along R over the
-    card; prefill chunks compute, in square tiles."""
-    # 64 weight rows a program: 32 or 128 (at 8 warps) were up to 20% slower at 1-8 tokens.
+    """The tiling for T tokens: decode steps read the weight in tiles of about their
+    tokens; prefill chunks compute, in square tiles."""
+    # 64 weight rows a program: 32 or 128 (at 8 warps) were up to 20% slower at 1-8 tokens,
+    # and 64-token tiles for 32 tokens up to 1.4x slower than 32-token ones (each program
+    # decodes its token rows again, and its split sums are as large).
     if num_tokens <= 16:
-        return EinsumTiling(block_t=16, block_d=64, num_warps=4, num_stages=3, splits=0)
+        return EinsumTiling(block_t=16, block_d=64, num_warps=4, num_stages=3)
+    if num_tokens <= 32:
+        return EinsumTiling(block_t=32, block_d=64, num_warps=4, num_stages=3)
     if num_tokens <= 64:
-        return EinsumTiling(block_t=64, block_d=64, num_warps=4, num_stages=3, splits=0)
+        return EinsumTiling(block_t=64, block_d=64, num_warps=4, num_stages=3)
     # 2 stages: 3 need 131,072 B of shared memory, over sm86's limit, for 3% more speed;
     # 64-wide tiles ran 1.4x slower.
     return EinsumTiling(block_t=128, block_d=128, num_warps=8, num_stages=2)
 
 
-@triton.jit
+def split_cost(splits: int, tiles: int, num_blocks: int, sm_count: int,
+               programs_per_sm: int) -> float:
+    """A launch's time in steps of one scale block. The busiest SM runs its programs in
+    rounds of as many as it holds, each round as long as one program alone (the steps are
+    latency-bound, so programs sharing an SM overlap); then a tile's last program adds
+    its splits' sums. Fitted to every split count of the decode tilings on 132, 112 and 88
+    SMs in sm80/86 mode and on 132 in sm89 mode (docs/kernels-history.md, "Eighteenth
+    session"): its picks ran within 15% of the best count's time on every shape, 2% on
+    average."""
+    rounds = triton.cdiv(triton.cdiv(tiles * splits, sm_count), programs_per_sm)
+    sums = STEPS_A_SPLIT_SUM * splits if splits > 1 else 0.0
+    return rounds * (triton.cdiv(num_blocks, splits) + PROGRAM_START_STEPS) + sums
+
+
+def even_split_count(wanted: int, num_blocks: int) -> int:
+    """`wanted` splits of R's `num_blocks` scale blocks, or as many as leave each
+    MIN_BLOCKS_PER_SPLIT, evened out: the fewest splits of the same length, so that every
+    split has blocks to walk."""
+    splits = max(1, min(wanted, num_blocks // MIN_BLOCKS_PER_SPLIT))
+    return triton.cdiv(num_blocks, triton.cdiv(num_blocks, splits))
+
+
+def cheapest_split_count(tiles: int, num_blocks: int, sm_count: int,
+                         programs_per_sm: int) -> int:
+    """The fewest splits of least `split_cost` for `tiles` output tiles, each split walking
+    at least MIN_BLOCKS_PER_SPLIT of the `num_blocks` scale blocks (and so even: of counts
+    with splits of one length, the fewest costs least)."""
+    most = max(1, num_blocks // MIN_BLOCKS_PER_SPLIT)
+    return min(range(1, most + 1), key=lambda splits: split_cost(
+        splits, tiles, num_blocks, sm_count, programs_per_sm))
+
+
+@triton.jit(do_not_specialize=["splits", "blocks_per_split"])
 def _fp8_einsum_kernel(
     x_ptr,
     x_scale_ptr,
@@ -86,6 +130,8 @@ def _fp8_einsum_kernel(
     num_tokens,
     out_dim,
     num_blocks,
+    splits,
+    blocks_per_split,
     stride_x_token,
     stride_x_group,
     stride_xs_token,
@@ -100,7 +146,7 @@ def _fp8_einsum_kernel(
     stride_out_group,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     FP8_DOT: tl.constexpr,
@@ -108,8 +154,8 @@ def _fp8_einsum_kernel(
 ):
     # Row blocks vary fastest, so programs running together share their token tile.
     row_block = tl.program_id(0)
-    token_block = tl.program_id(1) // SPLITS
-    split = tl.program_id(1) % SPLITS
+    token_block = tl.program_id(1) // splits
+    split = tl.program_id(1) % splits
     group = tl.program_id(2)
     rows = row_block * BLOCK_D + tl.arange(0, BLOCK_D)
     tokens = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -124,7 +170,6 @@ def _fp8_einsum_kernel(
     x_scales = x_scale_ptr + group * stride_xs_group + tokens * stride_xs_token
     w_scales = w_scale_ptr + group * stride_ws_group + (rows // SCALE_BLOCK) * stride_ws_row
 
-    blocks_per_split = tl.cdiv(num_blocks, SPLITS)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for block in range(split * blocks_per_split,
                        tl.minimum((split + 1) * blocks_per_split, num_blocks)):
@@ -139,14 +184,14 @@ def _fp8_einsum_kernel(
     out = (out_ptr + tokens.to(tl.int64)[:, None] * stride_out_token + group * stride_out_group
            + rows[None, :])
     out_mask = token_mask[:, None] & row_mask[None, :]
-    if SPLITS == 1:
+    if not SPLIT_K:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Each split leaves its fp32 sums in its own slot; the last of the tile's programs
         # to arrive adds the slots in split order (the same result every run), writes the
         # tile and resets the tile's arrival count for the next launch.
-        tile = (group * tl.num_programs(1) // SPLITS + token_block) * tl.num_programs(0) + row_block
-        slots = (partial_ptr + tile.to(tl.int64) * SPLITS * BLOCK_T * BLOCK_D
+        tile = (group * tl.num_programs(1) // splits + token_block) * tl.num_programs(0) + row_block
+        slots = (partial_ptr + tile.to(tl.int64) * splits * BLOCK_T * BLOCK_D
                  + tl.arange(0, BLOCK_T)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :])
         # Padding tokens' rows stay unwritten and unread: a decode step of one token
         # moves one row a split, not BLOCK_T.
@@ -154,9 +199,9 @@ def _fp8_einsum_kernel(
         # acq_rel: this split's sums are visible before its arrival counts, and the last
         # arrival sees every other split's.
         arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
+        if arrived == splits - 1:
             total = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-            for other in range(SPLITS):
+            for other in range(splits):
                 total += tl.load(slots + other * BLOCK_T * BLOCK_D, mask=token_mask[:, None],
                                  other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -180,15 +225,21 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
     return counts
 
 
-def split_count(tiling: EinsumTiling, tiles: int, num_blocks: int, device: torch.device) -> int:
-    """The splits of R a launch uses: the tiling's, or (0) enough for about
-    TARGET_PROGRAMS_PER_SM programs an SM, at least 2 scale blocks a split."""
-    if tiling.splits:
-        return max(1, min(tiling.splits, num_blocks))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if (
-        device.type == "cuda") else 4  # the interpreter: a few splits, to exercise them
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * sms, tiles)
-    return max(1, min(wanted, num_blocks // 2))
+_programs_per_sm: dict[tuple[object, ...], int] = {}
+
+
+def programs_per_sm(tiling: EinsumTiling, args: tuple[object, ...],
+                    constants: dict[str, object]) -> int:
+    """Programs of the split-K kernel under `tiling` that one SM keeps resident, as the
+    driver reports for the compiled kernel (held to the target's blocks under emulation):
+    compiled once per tiling and arch, not launched."""
+    key = (tiling, args[0].device, triton.knobs.runtime.override_arch, constants["FP8_DOT"])
+    if key not in _programs_per_sm:
+        kernel = _fp8_einsum_kernel.warmup(*args, grid=(1,), **constants)
+        kernel._init_handles()
+        _programs_per_sm[key] = max(1, blocks_per_sm(
+            kernel.function, tiling.num_warps * 32, kernel.metadata.shared))
+    return _programs_per_sm[key]
 
 
 def fp8_einsum(
@@ -231,7 +282,30 @@ def fp8_einsum(
     row_blocks = triton.cdiv(out_dim, tiling.block_d)
     token_blocks = triton.cdiv(num_tokens, tiling.block_t)
     tiles = row_blocks * token_blocks * num_groups
-    splits = split_count(tiling, tiles, num_blocks, x.device)
+    strides = (x.stride(0), x.stride(1), x_scale.stride(0), x_scale.stride(1),
+               x_scale.stride(2), w.stride(0), w.stride(1), w_scale.stride(0),
+               w_scale.stride(1), w_scale.stride(2), out.stride(0), out.stride(1))
+    constants = dict(
+        BLOCK_T=tiling.block_t,
+        BLOCK_D=tiling.block_d,
+        SCALE_BLOCK=SCALE_BLOCK,
+        DOT_DTYPE=dot_dtype(),
+        FP8_DOT=hardware_fp8_encode(x.device),
+        FAST_DEQUANT=not triton.knobs.runtime.interpret,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
+    if tiling.splits:
+        splits = even_split_count(tiling.splits, num_blocks)
+    elif x.device.type != "cuda":
+        splits = cheapest_split_count(tiles, num_blocks, INTERPRETER_SMS, programs_per_sm=1)
+    else:
+        # The partial sums and arrival counts only as dtypes: this compiles, it does not run.
+        probe = (x, x_scale, w, w_scale, out, torch.float32, torch.int32, num_tokens, out_dim,
+                 num_blocks, 2, 2, *strides)
+        splits = cheapest_split_count(
+            tiles, num_blocks, context_sm_count(x.device.index),
+            programs_per_sm(tiling, probe, dict(constants, SPLIT_K=True)))
     if splits > 1:
         partial = torch.empty(tiles * splits * tiling.block_t * tiling.block_d,
                               dtype=torch.float32, device=x.device)
@@ -240,21 +314,8 @@ def fp8_einsum(
         partial = arrivals = out  # not read without splits
     _fp8_einsum_kernel[(row_blocks, token_blocks * splits, num_groups)](
         x, x_scale, w, w_scale, out, partial, arrivals,
-        num_tokens, out_dim, num_blocks,
-        x.stride(0), x.stride(1),
-        x_scale.stride(0), x_scale.stride(1), x_scale.stride(2),
-        w.stride(0), w.stride(1),
-        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_T=tiling.block_t,
-        BLOCK_D=tiling.block_d,
-        SPLITS=splits,
-        SCALE_BLOCK=SCALE_BLOCK,
-        DOT_DTYPE=dot_dtype(),
-        FP8_DOT=hardware_fp8_encode(x.device),
-        FAST_DEQUANT=not triton.knobs.runtime.interpret,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
+        num_tokens, out_dim, num_blocks, splits, triton.cdiv(num_blocks, splits), *strides,
+        SPLIT_K=splits > 1, **constants,
     )
     return out
 
