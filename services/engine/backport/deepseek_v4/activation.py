@@ -85,6 +85,7 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
             "fp8_fp4_mqa_logits": op_adapters.fp8_fp4_mqa_logits,
             "fp8_fp4_paged_mqa_logits": op_adapters.fp8_fp4_paged_mqa_logits,
             "has_deep_gemm": op_adapters.indexer_logits_available,
+            "pack_seq_triton": op_adapters.pack_seq,
         },
         INDEXER_METADATA_MODULE: {
             "get_paged_mqa_logits_metadata": op_adapters.paged_mqa_logits_schedule,

@@ -6,7 +6,9 @@ FlashMLA's sparse fp8 decode and sparse prefill, and DeepSeek-V4's K gather; its
 calls `fused_indexer_q_rope_quant` and DeepGEMM's two logits ops; its KV compressors call
 a CuTe-DSL kernel (attention cache) and a Triton launcher (indexer cache); its output
 projection (`deep_gemm_fp8_o_proj`) calls the inverse-RoPE fp8 quant and DeepGEMM's
-`fp8_einsum` on wo_a's fp8 weight, which `keep_fp8_wo_a` keeps as loaded. FlashMLA,
+`fp8_einsum` on wo_a's fp8 weight, which `keep_fp8_wo_a` keeps as loaded; with
+speculative decoding the indexer pads its fp8 queries with vLLM's `pack_seq_triton`,
+which writes fp8 through sm89's conversion. FlashMLA,
 DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
 use fp8 instructions that sm80/86 lack. The prefill, the K gather and the two quants
 need no adapter (`sparse_mla_prefill`, `k_cache_gather`, `indexer_q_quant`,
@@ -23,6 +25,7 @@ import torch
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels import fp8_einsum as einsum_kernel
 from services.engine.backport.kernels.cuda_module import device_arch
+from services.engine.backport.kernels.fp8_e4m3 import E4M3_MAX
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
 from services.engine.backport.kernels.mqa_logits import mqa_logits
@@ -160,6 +163,28 @@ def indexer_logits_available() -> bool:
     build on CUDA without DeepGEMM, whose logits ops are the only ones it needs, and the
     backport routes those. True whether or not the `deep_gemm` package imports."""
     return True
+
+
+def pack_seq(
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    pad_value: float | int = -float("inf"),
+    block_t: int = 64,
+    block_d: int = 64,
+) -> torch.Tensor:
+    """vLLM's `pack_seq_triton` where the sparse indexer pads a decode step's queries to
+    one length per request (speculative decoding): fp8 e4m3 queries are packed as their
+    bytes, since vLLM's kernel writes an fp8 pad through sm89's conversion. The pad is
+    the byte that conversion gives (it saturates: -inf pads with -448); the indexer masks
+    padded slots by context length anyway. Other dtypes go to vLLM's kernel as they are."""
+    from vllm.v1.attention.ops.common import pack_seq_triton
+
+    if x.dtype != torch.float8_e4m3fn:
+        return pack_seq_triton(x, lengths, pad_value, block_t, block_d)
+    pad = torch.tensor(float(pad_value)).clamp(-E4M3_MAX, E4M3_MAX).to(x.dtype)
+    packed = pack_seq_triton(x.view(torch.uint8), lengths, int(pad.view(torch.uint8)),
+                             block_t, block_d)
+    return packed.view(x.dtype)
 
 
 def paged_mqa_logits_schedule(
