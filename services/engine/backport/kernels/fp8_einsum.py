@@ -27,6 +27,7 @@ Tiling:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,7 @@ def even_split_count(wanted: int, num_blocks: int) -> int:
     return triton.cdiv(num_blocks, triton.cdiv(num_blocks, splits))
 
 
+@functools.lru_cache(maxsize=4096)  # every launch asks, with a handful of shapes
 def cheapest_split_count(tiles: int, num_blocks: int, sm_count: int,
                          programs_per_sm: int) -> int:
     """The fewest splits of least `split_cost` for `tiles` output tiles, each split walking
