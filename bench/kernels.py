@@ -699,6 +699,7 @@ def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
     """The output projection's fp8 einsum: decode steps as bytes against the copy bandwidth
     (each call on another copy of the weight, so it comes from memory), a 4k-token prefill
     chunk in TFLOP/s beside cuBLAS's bf16 bmm of the same shape in the same run."""
+    from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode
     from services.engine.backport.kernels.fp8_einsum import (
         SCALE_BLOCK,
         EinsumTiling,
@@ -732,7 +733,7 @@ def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
             else:
                 baseline = (f"{bandwidth / 1e9:.0f} GB/s copy; a cold copy of its bytes "
                             f"{copy_share(moved, bandwidth, cold=True):.0%}")
-            tilings = [default_tiling(tokens)]
+            tilings = [default_tiling(tokens, hardware_fp8_encode(x.device))]
             if not quick:
                 tilings += [EinsumTiling(*t) for t in
                             (EINSUM_PREFILL_TILINGS if prefill else EINSUM_DECODE_TILINGS)

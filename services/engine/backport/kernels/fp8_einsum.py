@@ -19,9 +19,9 @@ Tiling:
   fp8 instruction; on sm89 and later the fp8 bytes as they are), one dot gives the
   block's fp32 sums, and the two scales multiply them before they join the accumulator,
   as DeepGEMM promotes its per-block sums;
-- one token takes the CUDA cores instead: a one-warp program of 16 rows keeps every fp32
-  product x w (x times both scales) apart and sums them after its last step, where a
-  16-token tile would pad 15 of its rows;
+- one token takes the CUDA cores instead (unless the tensor cores take fp8): a one-warp
+  program of 16 rows keeps every fp32 product x w (x times both scales) apart and sums
+  them after its last step, where a 16-token tile would pad 15 of its rows;
 - a decode step (few tokens) is a read of the weight, far too few tiles to fill the card:
   R is split over several programs a tile (split-K), as many as a model of the busiest
   SM finds cheapest, and the last of them to finish adds the splits' fp32 sums; a
@@ -77,13 +77,15 @@ STEPS_A_SPLIT_SUM = 0.5
 INTERPRETER_SMS = 4
 
 
-def default_tiling(num_tokens: int) -> EinsumTiling:
+def default_tiling(num_tokens: int, fp8_dot: bool = False) -> EinsumTiling:
     """The tiling for T tokens: decode steps read the weight in tiles of about their
-    tokens; prefill chunks compute, in square tiles."""
-    # One token: fp32 multiply-adds, 16 weight rows a one-warp program, 1.3-1.4x faster than
-    # a 16-token tile (15 of its rows padding) on the H200 in sm80 mode; at 2 tokens and
-    # more the tensor cores win (0.8-1.2x at 2, 0.3-0.7x at 4-8).
-    if num_tokens == 1:
+    tokens; prefill chunks compute, in square tiles. `fp8_dot`: the tensor cores take the
+    fp8 bytes undecoded (sm89 and later)."""
+    # One token without fp8 dots: fp32 multiply-adds, 16 weight rows a one-warp program,
+    # 1.2-1.6x faster than a 16-token tile (15 of its rows padding) on the H200 in sm80
+    # and sm86 mode; at 2 tokens and more the tensor cores win (0.9-1.05x at 2, 0.3-0.7x
+    # at 4-8), and with fp8 dots at one token too (1.2x).
+    if num_tokens == 1 and not fp8_dot:
         return EinsumTiling(block_t=1, block_d=16, num_warps=1, num_stages=4,
                             tensor_cores=False)
     # 64 weight rows a program: 32 or 128 (at 8 warps) were up to 20% slower at 1-8 tokens,
@@ -310,7 +312,8 @@ def fp8_einsum(
                          f"contiguous rows, got {tuple(out.shape)}")
     if num_tokens == 0:
         return out
-    tiling = tiling or default_tiling(num_tokens)
+    fp8_dot = hardware_fp8_encode(x.device)
+    tiling = tiling or default_tiling(num_tokens, fp8_dot)
     if not tiling.tensor_cores and SCALE_BLOCK % tiling.block_d:
         raise ValueError(f"a CUDA-core tiling's block_d must divide {SCALE_BLOCK}, got "
                          f"{tiling.block_d}")
@@ -326,7 +329,7 @@ def fp8_einsum(
         TENSOR_CORES=tiling.tensor_cores,
         SCALE_BLOCK=SCALE_BLOCK,
         DOT_DTYPE=dot_dtype(),
-        FP8_DOT=hardware_fp8_encode(x.device),
+        FP8_DOT=fp8_dot,
         FAST_DEQUANT=not triton.knobs.runtime.interpret,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
