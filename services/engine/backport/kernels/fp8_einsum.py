@@ -83,8 +83,8 @@ def default_tiling(num_tokens: int, fp8_dot: bool = False) -> EinsumTiling:
     fp8 bytes undecoded (sm89 and later)."""
     # One token without fp8 dots: fp32 multiply-adds, 16 weight rows a one-warp program,
     # 1.14-1.6x faster than a 16-token tile (15 of its rows padding) on the H200 in sm80
-    # and sm86 mode; at 2 tokens and more the tensor cores win (0.9-1.05x at 2, 0.3-0.7x
-    # at 4-8), and with fp8 dots at one token too (1.2x).
+    # and sm86 mode. At 2 tokens the two are even (0.9-1.05x), at 4-8 the CUDA cores run
+    # 0.3-0.7x, and with fp8 dots the tensor cores win at one token too (1.2x).
     if num_tokens == 1 and not fp8_dot:
         return EinsumTiling(block_t=1, block_d=16, num_warps=1, num_stages=4,
                             tensor_cores=False)
