@@ -38,26 +38,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return
         sampling = sampling_request_from_proto(request.sampling)
         updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling)
-        outcome = "cancelled"
         self.metrics.requests_in_flight.inc()
+        settled = False
+
+        def settle(outcome: str) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                self.metrics.requests_in_flight.dec()
+                self.metrics.generate_requests.labels(outcome).inc()
+
         try:
             # Closing this generator (the client cancelled) closes `updates`, which aborts in vLLM.
             async for update in updates:
                 yield _chunk(update)
                 if update.finish_reason is not None:
-                    # Set before the last yield: the client may cancel as soon as it has it.
-                    outcome = "finished"
+                    # Settled before the last message: a client that has it may cancel, or
+                    # read the metrics, at once; after the yield this generator may not
+                    # resume before it does.
+                    settle("finished")
                     yield _complete(update)
         except InvalidRequestError as error:
-            outcome = "invalid"
+            settle("invalid")
             yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error))
         except Exception:
-            outcome = "failed"
+            settle("failed")
             logger.exception("request %s failed", request.request_id)
             yield _error(common_pb2.ERROR_CODE_INTERNAL, "internal engine error")
         finally:
-            self.metrics.requests_in_flight.dec()
-            self.metrics.generate_requests.labels(outcome).inc()
+            settle("cancelled")
             await updates.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

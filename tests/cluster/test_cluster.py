@@ -231,7 +231,8 @@ def test_metrics_are_exported_and_move_under_load(cluster: Cluster) -> None:
             assert "vllm:num_requests_running" in {s.partition("{")[0] for s in now}
         return finished, prompt_tokens
 
-    # Engines count a call once its stream has closed, a moment after the client's last byte.
+    # An engine counts a call before its last message, but vLLM's own counters (prompt
+    # tokens) move a moment after the client's last byte.
     deadline = time.monotonic() + 5
     finished, prompt_tokens = engine_growth()
     while (finished < 6 or prompt_tokens < 6 * 40) and time.monotonic() < deadline:
