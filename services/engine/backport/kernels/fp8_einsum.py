@@ -186,10 +186,11 @@ def _fp8_einsum_kernel(
     w_tile = (w_ptr + group * stride_w_group + rows.to(tl.int64)[:, None] * stride_w_row
               + dims[None, :])
     x_scales = x_scale_ptr + group * stride_xs_group + tokens * stride_xs_token
-    w_scales = w_scale_ptr + group * stride_ws_group + (rows // SCALE_BLOCK) * stride_ws_row
 
     if TENSOR_CORES:
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        w_scales = (w_scale_ptr + group * stride_ws_group
+                    + (rows // SCALE_BLOCK) * stride_ws_row)
     else:
         # Every product kept apart and summed after the last step: no reduction across
         # lanes inside the loop, which left it 3-8x slower.
