@@ -8,6 +8,7 @@ import torch
 from services.engine.backport.kernels.fp8_e4m3 import (
     MAX_SCALE_EXPONENT,
     decode_e4m3,
+    decode_e4m3_bf16,
     decode_e4m3_reference,
     dequantize_e4m3_bf16,
     dequantize_e4m3_bf16_reference,
@@ -83,6 +84,17 @@ def test_decode_is_exact_for_every_byte(kernel_device: str, record_max_error) ->
 def test_round_trip_of_representable_values(kernel_device: str, value: float) -> None:
     x = torch.tensor([value], device=kernel_device)
     assert decode_e4m3(encode_e4m3(x)).item() == value
+
+
+def test_bf16_decode_is_exact(kernel_device: str, record_max_error) -> None:
+    # The dot operands' decode: every non-NaN byte, as bf16 (which holds every e4m3 value).
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data = every_byte[(every_byte & 0x7F) != 0x7F]
+    got = decode_e4m3_bf16(data.to(kernel_device)).cpu()
+    want = decode_e4m3_reference(data).to(torch.bfloat16)
+    mismatches = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    record_max_error("_to_bf16_kernel", float(mismatches))
+    assert mismatches == 0
 
 
 def test_scaled_bf16_dequantize_is_exact(kernel_device: str, record_max_error) -> None:

@@ -22,6 +22,7 @@ bytes to NaN, 0x80 to -0.0. `e4m3_dequantize_bf16` is the fast path for attentio
 bytes times a power-of-two (UE8M0) scale straight to bf16 in 2 instructions a value
 with inline PTX (prmt/shl/and, then a bf16x2 fma), sm80-safe, exact for every non-NaN
 byte; NaN bytes come out finite there, which is harmless for caches we wrote.
+`e4m3_to_bf16` is the same without a scale, for dot operands (see why there).
 """
 
 from __future__ import annotations
@@ -113,26 +114,35 @@ def hardware_fp8_encode(device: torch.device) -> bool:
     return major * 10 + minor >= 89
 
 
-# fp8 e4m3 -> bf16 times a power of two, four bytes per call, for sm80+ (no fp8
+# fp8 e4m3 -> bf16 (times a power of two), four bytes per call, for sm80+ (no fp8
 # instructions). prmt sign-extends bytes b0, b1 into the two 16-bit halves of a register
 # (selector nibbles with bit 3 set replicate the sign); shifting left by 4 and keeping
 # bits 0x87F0 of each half leaves sign | e4m3 exponent and mantissa in bf16's fields,
 # i.e. the value * 2**-120 (e4m3 subnormals become exact bf16 subnormals); one bf16x2
-# fma by 2**(120 + scale exponent) per pair finishes it (bf16 fma keeps subnormals).
-_E4M3_TO_BF16_SCALED_PTX = tl.constexpr("""
-{
+# fma per pair by 2**120 (times the scale) finishes it (bf16 fma keeps subnormals).
+def _e4m3_to_bf16_ptx(multiplier_01: str, multiplier_23: str, setup: str = "") -> str:
+    return f"""
+{{
 .reg .b32 pair01, pair23, negative_zero;
 mov.b32 negative_zero, 0x80008000;
+{setup}
 prmt.b32 pair01, $2, 0, 0x9180;
 prmt.b32 pair23, $2, 0, 0xB3A2;
 shl.b32 pair01, pair01, 4;
 shl.b32 pair23, pair23, 4;
 and.b32 pair01, pair01, 0x87F087F0;
 and.b32 pair23, pair23, 0x87F087F0;
-fma.rn.bf16x2 $0, pair01, $3, negative_zero;
-fma.rn.bf16x2 $1, pair23, $4, negative_zero;
-}
-""")
+fma.rn.bf16x2 $0, pair01, {multiplier_01}, negative_zero;
+fma.rn.bf16x2 $1, pair23, {multiplier_23}, negative_zero;
+}}
+"""
+
+
+# The multipliers 2**(120 + e) as operands $3, $4 (a bf16 pair each).
+_E4M3_TO_BF16_SCALED_PTX = tl.constexpr(_e4m3_to_bf16_ptx("$3", "$4"))
+# 2**120 built in (bf16 0x7B80 in both halves): the bytes are the only operand.
+_E4M3_TO_BF16_PTX = tl.constexpr(_e4m3_to_bf16_ptx(
+    "bias", "bias", ".reg .b32 bias;\nmov.b32 bias, 0x7B807B80;"))
 
 
 # The PTX path's multiplier 2**(120 + e) must be a finite bf16 (at most 2**127).
@@ -163,6 +173,23 @@ def e4m3_dequantize_bf16(byte, scale_exponent, USE_PTX: tl.constexpr):
 
 
 @triton.jit
+def e4m3_to_bf16(byte, USE_PTX: tl.constexpr):
+    """uint8 e4m3 bytes as exact bf16, by `e4m3_dequantize_bf16`'s paths without a scale.
+
+    The bytes are the PTX's only operand, so Triton may move the decode past a dot
+    operand's shared-memory load, into the operand's own layout; a per-tile multiplier
+    operand (`e4m3_dequantize_bf16`) keeps it before, in the load's layout, with a
+    round trip through shared memory after it: 1.2-1.7x slower einsums (H200, sm80/86
+    mode, docs/kernels-history.md "Twentieth session").
+    """
+    if USE_PTX:
+        return tl.inline_asm_elementwise(
+            _E4M3_TO_BF16_PTX, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4
+        )
+    return e4m3_decode(byte).to(tl.bfloat16)
+
+
+@triton.jit
 def dot_operand(raw, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
                 FAST_DEQUANT: tl.constexpr):
     """fp8 e4m3 bytes as a dot operand: the fp8 values themselves where the tensor cores
@@ -170,8 +197,7 @@ def dot_operand(raw, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
     if FP8_DOT:
         operand = raw.to(tl.float8e4nv, bitcast=True)
     else:
-        no_scale = tl.zeros((raw.shape[0], 1), dtype=tl.int32)
-        operand = e4m3_dequantize_bf16(raw, no_scale, FAST_DEQUANT).to(DOT_DTYPE)
+        operand = e4m3_to_bf16(raw, FAST_DEQUANT).to(DOT_DTYPE)
     return operand
 
 
@@ -237,6 +263,15 @@ def _dequantize_kernel(
     tl.store(out_ptr + offsets, e4m3_dequantize_bf16(b, exponent, USE_PTX), mask=mask)
 
 
+@triton.jit
+def _to_bf16_kernel(byte_ptr, out_ptr, num_elements, BLOCK: tl.constexpr,
+                    USE_PTX: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_elements
+    b = tl.load(byte_ptr + offsets, mask=mask, other=0)
+    tl.store(out_ptr + offsets, e4m3_to_bf16(b, USE_PTX), mask=mask)
+
+
 def encode_e4m3(x: torch.Tensor, hardware: bool = False) -> torch.Tensor:
     """Encode an fp32 tensor to e4m3 bytes with `e4m3_encode` (one launch; `hardware`:
     its sm89+ path)."""
@@ -258,6 +293,17 @@ def decode_e4m3(data: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
     _decode_kernel[grid](flat, exact, flat.numel(), BLOCK=BLOCK_ELEMENTS)
     return exact.view(data.shape)
+
+
+def decode_e4m3_bf16(data: torch.Tensor) -> torch.Tensor:
+    """bf16 values of e4m3 bytes with `e4m3_to_bf16` (the PTX path on a GPU, the fp32
+    path under the interpreter)."""
+    flat = data.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=data.device)
+    grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
+    _to_bf16_kernel[grid](flat, out, flat.numel(), BLOCK=BLOCK_ELEMENTS,
+                          USE_PTX=not triton.knobs.runtime.interpret)
+    return out.view(data.shape)
 
 
 def dequantize_e4m3_bf16(data: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
