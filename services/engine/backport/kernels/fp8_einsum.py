@@ -15,10 +15,10 @@ Semantics, the reference being `fp8_einsum_reference`:
 Tiling:
 - a program owns BLOCK_T tokens and BLOCK_D output rows of one group, and walks R one
   128-wide scale block a step;
-- each step turns both fp8 tiles into dot operands (exact bf16 decoded in software, no
-  fp8 instruction; on sm89 and later the fp8 bytes as they are), one dot gives the
-  block's fp32 sums, and the two scales multiply them before they join the accumulator,
-  as DeepGEMM promotes its per-block sums;
+- each step turns both fp8 tiles into dot operands (exact bf16 decoded in software in the
+  operand's layout, no fp8 instruction; on sm89 and later the fp8 bytes as they are),
+  one dot gives the block's fp32 sums, and the two scales multiply them before they join
+  the accumulator, as DeepGEMM promotes its per-block sums;
 - one token takes the CUDA cores instead (unless the tensor cores take fp8): a one-warp
   program of 16 rows keeps every fp32 product x w (x times both scales) apart and sums
   them after its last step, where a 16-token tile would pad 15 of its rows;
