@@ -685,10 +685,9 @@ def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
 # DeepSeek-V4-Flash's output projection: wo_a maps each group of 8 heads (8 x 512 dims) to
 # a 1024-wide slice; 8 groups at TP1, 2 at TP4 (the Ampere deployment).
 EINSUM_OUT_DIM, EINSUM_REDUCE_DIM = 1024, 4096
-# (block_t, block_d, warps, stages, splits[, tensor cores]): splits 0 is the launcher's
-# pick, 1 none. The first is the tensor-core tiling one token had before the CUDA cores.
-EINSUM_DECODE_TILINGS = ((16, 64, 4, 3, 0), (1, 16, 2, 4, 0, False), (1, 32, 1, 4, 0, False),
-                         (16, 32, 4, 3, 0), (16, 128, 8, 3, 0), (16, 64, 4, 3, 1),
+# (block_t, block_d, warps, stages, splits): splits 0 is the launcher's pick, 1 none. The
+# prefill's second is its tiling before the twentieth session.
+EINSUM_DECODE_TILINGS = ((16, 32, 4, 3, 0), (16, 128, 8, 3, 0), (16, 64, 4, 3, 1),
                          (16, 64, 4, 4, 0), (32, 32, 4, 3, 0), (32, 64, 4, 3, 0),
                          (64, 32, 4, 3, 0), (64, 64, 4, 3, 0), (64, 128, 8, 3, 0))
 EINSUM_PREFILL_TILINGS = ((128, 128, 8, 3, 0), (128, 128, 8, 2, 0), (128, 128, 8, 2, 1),
@@ -736,9 +735,7 @@ def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
             tilings = [default_tiling(tokens, hardware_fp8_encode(x.device))]
             if not quick:
                 tilings += [EinsumTiling(*t) for t in
-                            (EINSUM_PREFILL_TILINGS if prefill else EINSUM_DECODE_TILINGS)
-                            # CUDA-core tilings only where a program holds every token
-                            if t[0] >= tokens or not t[5:] or t[5]]
+                            (EINSUM_PREFILL_TILINGS if prefill else EINSUM_DECODE_TILINGS)]
             for tiling in tilings:
                 def run(tiling: EinsumTiling = tiling) -> None:
                     for weight in calls:
@@ -752,8 +749,7 @@ def einsum_cases(bandwidth: float, quick: bool) -> list[dict[str, object]]:
                     "shape": f"T={tokens} G={groups}",
                     "config": "default" if tiling is tilings[0] else
                     f"{tiling.block_t}x{tiling.block_d} w{tiling.num_warps} s{tiling.num_stages}"
-                    f" split {tiling.splits or 'picked'}"
-                    f"{'' if tiling.tensor_cores else ' CUDA cores'}",
+                    f" split {tiling.splits or 'picked'}",
                     "graph ms": graph_ms,
                     "TFLOP/s": flops / graph_ms * 1e-9,
                     "of copy": moved / (graph_ms * 1e-3) / bandwidth,

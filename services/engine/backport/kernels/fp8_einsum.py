@@ -19,9 +19,6 @@ Tiling:
   operand's layout, no fp8 instruction; on sm89 and later the fp8 bytes as they are),
   one dot gives the block's fp32 sums, and the two scales multiply them before they join
   the accumulator, as DeepGEMM promotes its per-block sums;
-- one token takes the CUDA cores instead (unless the tensor cores take fp8): a one-warp
-  program of 16 rows keeps every fp32 product x w (x times both scales) apart and sums
-  them after its last step, where a 16-token tile would pad 15 of its rows;
 - a decode step (few tokens) is a read of the weight, far too few tiles to fill the card:
   R is split over several programs a tile (split-K), as many as a model of the busiest
   SM finds cheapest, and the last of them to finish adds the splits' fp32 sums; a
@@ -60,10 +57,6 @@ class EinsumTiling:
     # Programs sharing one output tile's reduction: 0 picks the count of least
     # `split_cost` on the card (`cheapest_split_count`), 1 is no split.
     splits: int = 0
-    # A step's products on the tensor cores (`tl.dot`: block_t of at least 16) or as fp32
-    # multiply-adds on the CUDA cores (block_t any power of two, block_d a divisor of
-    # SCALE_BLOCK).
-    tensor_cores: bool = True
 
 
 # A split walks at least this many scale blocks of R, more than its start and its sums
@@ -81,13 +74,8 @@ def default_tiling(num_tokens: int, fp8_dot: bool = False) -> EinsumTiling:
     """The tiling for T tokens: decode steps read the weight in tiles of about their
     tokens; prefill chunks compute, in square tiles. `fp8_dot`: the tensor cores take the
     fp8 bytes undecoded (sm89 and later)."""
-    # One token without fp8 dots: fp32 multiply-adds, 16 weight rows a one-warp program,
-    # 1.14-1.6x faster than a 16-token tile (15 of its rows padding) on the H200 in sm80
-    # and sm86 mode. At 2 tokens the two are even (0.9-1.05x), at 4-8 the CUDA cores run
-    # 0.3-0.7x, and with fp8 dots the tensor cores win at one token too (1.2x).
-    if num_tokens == 1 and not fp8_dot:
-        return EinsumTiling(block_t=1, block_d=16, num_warps=1, num_stages=4,
-                            tensor_cores=False)
+    # One token takes a 16-token tile too: fp32 multiply-adds on the CUDA cores (no padding
+    # rows) ran 1.0-1.2x slower once the tiles were decoded in the dot operands' layout.
     # 64 weight rows a program: 32 or 128 (at 8 warps) were up to 20% slower at 1-8 tokens,
     # and 64-token tiles for 32 tokens up to 1.4x slower than 32-token ones (each program
     # decodes its token rows again, and its split sums are as large).
@@ -168,7 +156,6 @@ def _fp8_einsum_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    TENSOR_CORES: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     FP8_DOT: tl.constexpr,
@@ -190,18 +177,9 @@ def _fp8_einsum_kernel(
     w_tile = (w_ptr + group * stride_w_group + rows.to(tl.int64)[:, None] * stride_w_row
               + dims[None, :])
     x_scales = x_scale_ptr + group * stride_xs_group + tokens * stride_xs_token
+    w_scales = w_scale_ptr + group * stride_ws_group + (rows // SCALE_BLOCK) * stride_ws_row
 
-    if TENSOR_CORES:
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        w_scales = (w_scale_ptr + group * stride_ws_group
-                    + (rows // SCALE_BLOCK) * stride_ws_row)
-    else:
-        # Every product kept apart and summed after the last step: no reduction across
-        # lanes inside the loop, which left it 3-8x slower.
-        products = tl.zeros((BLOCK_T, BLOCK_D, SCALE_BLOCK), dtype=tl.float32)
-        # The tile's rows share one weight scale a block (BLOCK_D divides SCALE_BLOCK).
-        tile_w_scales = (w_scale_ptr + group * stride_ws_group
-                         + (row_block * BLOCK_D // SCALE_BLOCK) * stride_ws_row)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for block in range(split * blocks_per_split,
                        tl.minimum((split + 1) * blocks_per_split, num_blocks)):
         x_raw = tl.load(x_tile + block * SCALE_BLOCK, mask=token_mask[:, None], other=0)
@@ -209,16 +187,9 @@ def _fp8_einsum_kernel(
         x_values = dot_operand(x_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)
         w_values = dot_operand(w_raw, DOT_DTYPE, FP8_DOT, FAST_DEQUANT)
         x_scale = tl.load(x_scales + block * stride_xs_block, mask=token_mask, other=0.0)
-        if TENSOR_CORES:
-            w_scale = tl.load(w_scales + block * stride_ws_block, mask=row_mask, other=0.0)
-            sums = tl.dot(x_values, tl.trans(w_values))
-            acc += sums * x_scale[:, None] * w_scale[None, :]
-        else:
-            scale = x_scale * tl.load(tile_w_scales + block * stride_ws_block)
-            scaled_x = x_values.to(tl.float32) * scale[:, None]
-            products += scaled_x[:, None, :] * w_values.to(tl.float32)[None, :, :]
-    if not TENSOR_CORES:
-        acc = tl.sum(products, axis=2)
+        w_scale = tl.load(w_scales + block * stride_ws_block, mask=row_mask, other=0.0)
+        sums = tl.dot(x_values, tl.trans(w_values))
+        acc += sums * x_scale[:, None] * w_scale[None, :]
 
     out = (out_ptr + tokens.to(tl.int64)[:, None] * stride_out_token + group * stride_out_group
            + rows[None, :])
@@ -319,9 +290,6 @@ def fp8_einsum(
         return out
     fp8_dot = hardware_fp8_encode(x.device)
     tiling = tiling or default_tiling(num_tokens, fp8_dot)
-    if not tiling.tensor_cores and SCALE_BLOCK % tiling.block_d:
-        raise ValueError(f"a CUDA-core tiling's block_d must divide {SCALE_BLOCK}, got "
-                         f"{tiling.block_d}")
     row_blocks = triton.cdiv(out_dim, tiling.block_d)
     token_blocks = triton.cdiv(num_tokens, tiling.block_t)
     tiles = row_blocks * token_blocks * num_groups
@@ -331,7 +299,6 @@ def fp8_einsum(
     constants = dict(
         BLOCK_T=tiling.block_t,
         BLOCK_D=tiling.block_d,
-        TENSOR_CORES=tiling.tensor_cores,
         SCALE_BLOCK=SCALE_BLOCK,
         DOT_DTYPE=dot_dtype(),
         FP8_DOT=fp8_dot,
