@@ -21,8 +21,8 @@ Tiling:
   all of them; the head blocks of a token run side by side and share the rows in L2;
 - keys go BLOCK_N at a time: a [BLOCK_N, 512] bf16 tile feeds both dots (q . k^T for the
   scores, p . k for the output) with an online softmax in base 2 between them;
-- the loop stops at the token's own list length, and Triton's pipeliner keeps
-  NUM_STAGES blocks of row numbers and rows in flight (cp.async into shared memory);
+- the loop stops at the token's own list length; row numbers are loaded a block ahead,
+  and Triton's pipeliner copies each block's rows into shared memory (cp.async);
 - no split-K: a prefill chunk has thousands of tokens, enough programs to fill the card.
 """
 
@@ -55,8 +55,10 @@ LN2 = tl.constexpr(0.6931471805599453)  # natural log of 2: base-2 results to ba
 DEFAULT_HEADS_PER_PROGRAM = 16
 DEFAULT_BLOCK_N = 32
 DEFAULT_NUM_WARPS = 4
-# Two stages: 84,224 B in all, within sm86/89's 101,376 B a block; one stage ran 1.6x
-# slower, three 1.1x.
+# Two stages: one K tile, whose copy for the next block (cp.async) starts once this
+# block's dots have read it, so other programs' math is what hides it. 50,176 B: sm86/89's
+# 100 KB an SM hold two programs, an A100's three. One stage ran 1.6x slower, three (two
+# K tiles, fewer programs an SM) 1.1x.
 DEFAULT_NUM_STAGES = 2
 
 
@@ -104,9 +106,14 @@ def _sparse_mla_prefill_kernel(
     if HAS_LENGTHS:
         length = tl.minimum(tl.load(lengths_ptr + token), list_width)
     row_list = indices_ptr + token * stride_indices_token
+    # Row numbers are loaded a block ahead into registers, not left to the pipeliner: its
+    # shared buffer for them (128 B) put the default tiling at 50,304 B, one block an SM
+    # on sm86/89, where two need at most 50,176 B each.
+    next_rows = tl.load(row_list + offsets, mask=offsets < length, other=-1)
     for start in tl.range(0, length, BLOCK_N, num_stages=NUM_STAGES):
-        positions = start + offsets
-        rows = tl.load(row_list + positions, mask=positions < length, other=-1)
+        rows = next_rows
+        ahead = start + BLOCK_N + offsets
+        next_rows = tl.load(row_list + ahead, mask=ahead < length, other=-1)
         valid = (rows >= 0) & (rows < num_kv_rows)
         k_ptrs = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kv_row
         k = tl.load(k_ptrs + dims[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
