@@ -57,8 +57,8 @@ DEFAULT_BLOCK_N = 32
 DEFAULT_NUM_WARPS = 4
 # Two stages: one K tile, whose copy for the next block (cp.async) starts once this
 # block's dots have read it, so other programs' math is what hides it. 50,176 B: sm86/89's
-# 100 KB an SM hold two programs, an A100's three. One stage ran 1.6x slower, three (two
-# K tiles, fewer programs an SM) 1.1x.
+# 100 KB an SM hold two programs; on an A100 registers do (179 from sm_80's ptxas). One
+# stage ran 1.6x slower, three (two K tiles, fewer programs an SM) 1.1x.
 DEFAULT_NUM_STAGES = 2
 
 
