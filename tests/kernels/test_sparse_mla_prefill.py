@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -123,3 +126,60 @@ def test_prefill_refuses_what_it_cannot_run(kernel_device: str) -> None:
         sparse_mla_prefill(**{**inputs, "kv": two_heads})
     with pytest.raises(TypeError, match="int32 or int64"):
         sparse_mla_prefill(**{**inputs, "indices": inputs["indices"].float()})
+
+
+
+# What the launcher's arguments are, as a compile without a GPU needs them spelled out;
+# a launch specializes pointers and these integers as multiples of 16.
+_POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16",
+                  "indices_ptr": "*i32", "lengths_ptr": "*i32", "sink_ptr": "*fp32",
+                  "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
+_MULTIPLES_OF_16 = ("list_width", "num_heads", "num_kv_rows", "stride_q_token",
+                    "stride_q_head", "stride_kv_row", "stride_indices_token",
+                    "stride_out_token", "stride_out_head")
+
+
+def default_tiling_shared_bytes(capability: int, with_lengths: bool) -> int:
+    """Shared memory of the default tiling compiled for sm`capability` (no GPU needed;
+    not under the interpreter, whose kernels cannot be compiled)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    from services.engine.backport.kernels import sparse_mla_prefill as prefill
+
+    kernel = prefill._sparse_mla_prefill_kernel
+    constants = dict(HAS_LENGTHS=with_lengths, HAS_SINK=True,
+                     HEADS_PER_PROGRAM=prefill.DEFAULT_HEADS_PER_PROGRAM,
+                     BLOCK_N=prefill.DEFAULT_BLOCK_N, DOT_DTYPE=tl.bfloat16,
+                     NUM_STAGES=prefill.DEFAULT_NUM_STAGES)
+    signature = {name: _POINTER_TYPES.get(name, "i32") for name in kernel.arg_names}
+    signature.update({"qk_scale_log2": "fp32"}, **{name: "constexpr" for name in constants})
+    aligned = [name for name in kernel.arg_names
+               if name in _POINTER_TYPES or name in _MULTIPLES_OF_16]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants,
+                                       attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options=dict(num_warps=prefill.DEFAULT_NUM_WARPS,
+                                           num_stages=prefill.DEFAULT_NUM_STAGES))
+    return compiled.metadata.shared
+
+
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_default_tiling_leaves_sm86_and_sm89_two_programs_an_sm(with_lengths: bool) -> None:
+    """The default tiling's shared memory sits at sm86/89's limit for two programs an SM
+    (50,176 B); at 128 B more those cards ran one, and the prefill took twice as long.
+    Compiled for sm86 in a child process without the interpreter."""
+    from services.engine.backport.kernels.card_limits import resident_blocks
+    from services.engine.backport.kernels.sparse_mla_prefill import DEFAULT_NUM_WARPS
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    code = ("from tests.kernels.test_sparse_mla_prefill import default_tiling_shared_bytes; "
+            f"print(default_tiling_shared_bytes(86, {with_lengths}))")
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300, check=True)
+    shared = int(child.stdout.split()[-1])
+    threads = DEFAULT_NUM_WARPS * 32
+    assert resident_blocks("sm86", threads, shared) == 2, shared
+    assert resident_blocks("sm89", threads, shared) == 2, shared
