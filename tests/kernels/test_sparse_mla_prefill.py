@@ -128,7 +128,6 @@ def test_prefill_refuses_what_it_cannot_run(kernel_device: str) -> None:
         sparse_mla_prefill(**{**inputs, "indices": inputs["indices"].float()})
 
 
-
 # What the launcher's arguments are, as a compile without a GPU needs them spelled out;
 # a launch specializes pointers and these integers as multiples of 16.
 _POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16",

@@ -17,9 +17,9 @@ Tiling:
   to bf16 once, then walks KEYS_PER_PROGRAM keys of their ranges BLOCK_N at a time;
 - each K tile is loaded once for all those rows and decoded in the dot operand's layout
   (fp8 bytes to exact bf16, no fp8 instruction; on sm89 and later the fp8 bytes go to
-  the tensor cores as they are) and one dot gives every row's scores; relu, the head weights and the sum
-  over each token's heads follow in registers (as many instructions as the dot's
-  mma.sync: one relu and one fma per score against 128 multiply-adds);
+  the tensor cores as they are) and one dot gives every row's scores; relu, the head
+  weights and the sum over each token's heads follow in registers (as many instructions
+  as the dot's mma.sync: one relu and one fma per score against 128 multiply-adds);
 - a row's scale multiplies the summed logit: scales are positive and relu commutes with
   them.
 """
