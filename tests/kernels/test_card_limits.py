@@ -9,6 +9,7 @@ import pytest
 from services.engine.backport.kernels.arch_fidelity import (
     KERNEL_SHARED_KEY,
     hold_to_target_residency,
+    target_build,
 )
 from services.engine.backport.kernels.card_limits import (
     CardLimits,
@@ -106,6 +107,39 @@ def test_compiled_triton_metadata_holds_the_launch(arch: str, num_warps: int, sh
     assert H200.resident_blocks(threads, metadata["shared"]) == held_blocks
     if resident_blocks(arch, threads, shared) in (0, H200.resident_blocks(threads, shared)):
         assert metadata["shared"] == shared
+
+
+def test_target_registers_hold_the_launch_too() -> None:
+    """The sparse prefill before the twenty-first session: 50,304 B, which an A100 holds 3
+    of, but 186 registers a thread from sm_80's ptxas, which it holds 2 of."""
+    metadata = {"shared": 50_304, "num_warps": 4, "warp_size": 32}
+    hold_to_target_residency(metadata, "sm80", H200, registers=186)
+    assert H200.resident_blocks(128, metadata["shared"]) == 2
+    without = {"shared": 50_304, "num_warps": 4, "warp_size": 32}
+    hold_to_target_residency(without, "sm80", H200)
+    assert H200.resident_blocks(128, without["shared"]) == 3
+
+
+# A kernel of 64 loads, 32 adds and 64 stores a thread, named for the H200 (`.target
+# sm_90a`) as Triton's emulated compiles name it; it needs no more than its 64 values'
+# registers and spills nothing on any target.
+_SIXTY_FOUR_FLOATS_PTX = (
+    ".version 8.0\n.target sm_90a\n.address_size 64\n"
+    ".visible .entry add_pairs(.param .u64 p)\n{\n"
+    "  .reg .b64 %rd<3>;\n  .reg .f32 %f<65>;\n"
+    "  ld.param.u64 %rd1, [p];\n  cvta.to.global.u64 %rd2, %rd1;\n"
+    + "".join(f"  ld.global.volatile.f32 %f{i}, [%rd2+{4 * i}];\n" for i in range(1, 65))
+    + "".join(f"  add.f32 %f{i}, %f{i}, %f{65 - i};\n" for i in range(1, 33))
+    + "".join(f"  st.global.f32 [%rd2+{4 * i}], %f{i};\n" for i in range(1, 65))
+    + "  ret;\n}\n"
+)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89"])
+def test_target_build_reads_registers_from_the_targets_ptxas(arch: str) -> None:
+    build = target_build(_SIXTY_FOUR_FLOATS_PTX, arch)
+    assert 16 <= build.registers <= 80
+    assert build.spill_bytes == 0
 
 
 def test_fp8_instructions_are_found_in_ptx() -> None:

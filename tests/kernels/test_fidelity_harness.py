@@ -10,7 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.backport.kernels.arch_fidelity import KERNEL_SHARED_KEY, Fp8MatmulGuard
+from services.engine.backport.kernels.arch_fidelity import (
+    KERNEL_SHARED_KEY,
+    TARGET_REGISTERS_KEY,
+    Fp8MatmulGuard,
+)
 from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.fp8_e4m3 import encode_e4m3, hardware_fp8_encode
@@ -133,7 +137,8 @@ def test_triton_launches_hold_the_card_to_the_target_blocks(
     assert (kernel_shared > 0) == uses_shared_memory
     assert metadata.shared >= kernel_shared
     threads = metadata.num_warps * 32
-    target = resident_blocks(gpu_arch, threads, kernel_shared, kernel.n_regs)
+    target = resident_blocks(gpu_arch, threads, kernel_shared,
+                             getattr(metadata, TARGET_REGISTERS_KEY))
     assert blocks_per_sm(kernel.function, threads, metadata.shared) == target
 
 

@@ -10,7 +10,8 @@ The card itself allows more shared memory than the target does. A compiled kerne
 shared memory is held against the target's per-block limit (`SHARED_MEMORY_LIMIT_BYTES`),
 and its launches ask for more where that is what keeps the card to the blocks an SM the
 target holds (`card_limits.holding_shared_bytes`), so timings here are not flattered by
-an H200's larger SM. `hold_sm_count` runs everything that follows on a green context of
+an H200's larger SM. The target's blocks count its registers as the target's own ptxas
+allocates them (`target_build`): the H200's ptxas can give the same PTX far fewer. `hold_sm_count` runs everything that follows on a green context of
 the target card's SMs, so split rules plan, and launches run, for that many. fp8
 instructions in a kernel's PTX (inline PTX gets past Triton's own checks) fail its compile
 in sm80/86 mode, as the target's ptxas would. torch ops that reach fp8 matmuls would fail
@@ -21,6 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import subprocess
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -41,6 +45,12 @@ from services.engine.backport.kernels.cuda_module import context_sm_count, devic
 SHARED_MEMORY_LIMIT_BYTES = {arch: limits.shared_per_block for arch, limits in CARD_LIMITS.items()}
 # Triton's own `shared` becomes what launches ask for; the kernel's own need is kept here.
 KERNEL_SHARED_KEY = "backport_kernel_shared"
+# Registers a thread and spilled bytes of the kernel built by the target's ptxas.
+TARGET_REGISTERS_KEY = "backport_target_registers"
+TARGET_SPILLS_KEY = "backport_target_spill_bytes"
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores")
+_PTX_TARGET = re.compile(r"^\.target\s+sm_\w+", re.MULTILINE)
 _MATMUL_FUNCTIONS = frozenset(
     {
         "matmul",
@@ -71,7 +81,8 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     major, minor = torch.cuda.get_device_capability()
     real_capability = major * 10 + minor
     card = device_limits(torch.cuda.current_device())
-    pipeline_key = f"backport-lower-{arch}-cubin-sm{real_capability}-held-to-{arch}-residency"
+    pipeline_key = (f"backport-lower-{arch}-cubin-sm{real_capability}"
+                    f"-held-to-{arch}-residency-with-its-registers")
     pipeline_hash = hashlib.sha256(pipeline_key.encode()).hexdigest()
 
     def inspect_stages(
@@ -91,7 +102,10 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
             # that the target's ptxas would reject.
             refuse_fp8_instructions(src, arch, metadata.get("name", "a Triton kernel"))
             cubin = backend.make_cubin(src, metadata, options, real_capability)
-            hold_to_target_residency(metadata, arch, card)
+            build = target_build(src, arch)
+            metadata[TARGET_REGISTERS_KEY] = build.registers
+            metadata[TARGET_SPILLS_KEY] = build.spill_bytes
+            hold_to_target_residency(metadata, arch, card, build.registers)
             return cubin
 
         stages["cubin"] = make_cubin
@@ -101,16 +115,47 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     triton.knobs.runtime.add_stages_inspection_hook = inspect_stages
 
 
-def hold_to_target_residency(metadata: dict[str, Any], arch: str, card: CardLimits) -> None:
+@dataclass(frozen=True, slots=True)
+class TargetBuild:
+    """What the target's ptxas makes of a kernel's PTX."""
+
+    registers: int  # a thread
+    spill_bytes: int
+
+
+def target_build(ptx: str, arch: str) -> TargetBuild:
+    """Registers and spills of `ptx` built for `arch` ("sm80") by the ptxas Triton ships.
+    The H200's ptxas allocates differently (in the twenty-first session 127 registers where
+    sm_80's took 186), and registers decide how many blocks an SM the target holds."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    capability = int(arch.removeprefix("sm"))
+    # Lowered for the target, but Triton names the card present in `.target` (sm_90a).
+    ptx = _PTX_TARGET.sub(f".target sm_{capability}", ptx, count=1)
+    with tempfile.TemporaryDirectory() as workdir:
+        source = os.path.join(workdir, "kernel.ptx")
+        with open(source, "w") as file:
+            file.write(ptx)
+        built = subprocess.run(
+            [get_ptxas(capability).path, "-v", f"--gpu-name=sm_{capability}", source,
+             "-o", os.path.join(workdir, "kernel.cubin")],
+            capture_output=True, text=True)
+    registers = _PTXAS_REGISTERS.findall(built.stderr)
+    if built.returncode != 0 or not registers:
+        raise RuntimeError(f"ptxas for {arch} gave no register count:\n{built.stderr}")
+    spills = _PTXAS_SPILLS.findall(built.stderr)
+    return TargetBuild(registers=int(registers[-1]), spill_bytes=int(spills[-1]) if spills else 0)
+
+
+def hold_to_target_residency(metadata: dict[str, Any], arch: str, card: CardLimits,
+                             registers: int | None = None) -> None:
     """Keeps a compiled kernel's own shared memory under KERNEL_SHARED_KEY and sets what its
-    launches ask for (`shared`) so that `card` holds no more of its blocks an SM than `arch`."""
-    # Registers are known only once the cubin is loaded, after the launch's shared memory
-    # is fixed: a kernel whose registers hold the card to the target's blocks anyway is
-    # padded too. That costs the card L1 room, not blocks.
+    launches ask for (`shared`) so that `card` holds no more of its blocks an SM than `arch`
+    does, counting `registers` a thread (the target's build) where given."""
     kernel_shared = int(metadata["shared"])
     metadata[KERNEL_SHARED_KEY] = kernel_shared
     threads = metadata["num_warps"] * metadata.get("warp_size", 32)
-    target = resident_blocks(arch, threads, kernel_shared)
+    target = resident_blocks(arch, threads, kernel_shared, registers)
     if target > 0:  # a kernel over the target's limit runs as it is, and the report fails it
         metadata["shared"] = holding_shared_bytes(card, threads, kernel_shared, target)
 
@@ -207,9 +252,11 @@ def _report(name: str, kernel: Any) -> CompiledKernelReport:
         kernel._init_handles()
     except Exception:  # noqa: BLE001 - triton raises OutOfResources and friends
         pass
+    # In emulation the target's build is what the report is about, not the H200's.
+    metadata = kernel.metadata
     return CompiledKernelReport(
         name=name,
-        shared_bytes=int(getattr(kernel.metadata, KERNEL_SHARED_KEY, kernel.metadata.shared)),
-        registers=int(getattr(kernel, "n_regs", -1)),
-        spills=int(getattr(kernel, "n_spills", -1)),
+        shared_bytes=int(getattr(metadata, KERNEL_SHARED_KEY, metadata.shared)),
+        registers=int(getattr(metadata, TARGET_REGISTERS_KEY, getattr(kernel, "n_regs", -1))),
+        spills=int(getattr(metadata, TARGET_SPILLS_KEY, getattr(kernel, "n_spills", -1))),
     )
