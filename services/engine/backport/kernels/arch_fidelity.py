@@ -11,8 +11,9 @@ shared memory is held against the target's per-block limit (`SHARED_MEMORY_LIMIT
 and its launches ask for more where that is what keeps the card to the blocks an SM the
 target holds (`card_limits.holding_shared_bytes`), so timings here are not flattered by
 an H200's larger SM. The target's blocks count its registers as the target's own ptxas
-allocates them (`target_build`): the H200's ptxas can give the same PTX far fewer. `hold_sm_count` runs everything that follows on a green context of
-the target card's SMs, so split rules plan, and launches run, for that many. fp8
+allocates them (`target_build`): the H200's ptxas can give the same PTX far fewer.
+`hold_sm_count` runs everything that follows on a green context of the target card's
+SMs, so split rules plan, and launches run, for that many. fp8
 instructions in a kernel's PTX (inline PTX gets past Triton's own checks) fail its compile
 in sm80/86 mode, as the target's ptxas would. torch ops that reach fp8 matmuls would fail
 on Ampere; `Fp8MatmulGuard` makes them fail here too.
