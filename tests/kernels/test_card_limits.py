@@ -120,11 +120,11 @@ def test_target_registers_hold_the_launch_too() -> None:
     assert H200.resident_blocks(128, without["shared"]) == 3
 
 
-# A kernel of 64 loads, 32 adds and 64 stores a thread, named for the H200 (`.target
-# sm_90a`) as Triton's emulated compiles name it; it needs no more than its 64 values'
-# registers and spills nothing on any target.
+# A kernel of 64 loads, 32 adds and 64 stores a thread, written for sm80 as the emulation
+# selects PTX for every target; it needs no more than its 64 values' registers and spills
+# nothing on any target.
 _SIXTY_FOUR_FLOATS_PTX = (
-    ".version 8.0\n.target sm_90a\n.address_size 64\n"
+    ".version 8.0\n.target sm_80\n.address_size 64\n"
     ".visible .entry add_pairs(.param .u64 p)\n{\n"
     "  .reg .b64 %rd<3>;\n  .reg .f32 %f<65>;\n"
     "  ld.param.u64 %rd1, [p];\n  cvta.to.global.u64 %rd2, %rd1;\n"

@@ -2,9 +2,10 @@
 
 On an H200 (sm90) we prove kernels meant for sm80/86/89: Triton lowers them with the
 target arch's instruction set (`knobs.runtime.override_arch`), so anything the target
-lacks (`tl.float8e4nv` on sm80/86, wgmma, TMA) fails exactly as on that card, and only
-the final PTX -> cubin step targets the real card (an inspection hook replaces the
-`cubin` stage), so the kernel still runs and its results can be checked.
+lacks (`tl.float8e4nv` on sm80/86, wgmma, TMA) fails exactly as on that card. An
+inspection hook replaces the last two stages: PTX is selected for the target too (Triton
+would pick it for the card present), and only the PTX -> cubin step targets the real
+card, so the kernel still runs and its results can be checked.
 
 The card itself allows more shared memory than the target does. A compiled kernel's own
 shared memory is held against the target's per-block limit (`SHARED_MEMORY_LIMIT_BYTES`),
@@ -51,7 +52,6 @@ TARGET_REGISTERS_KEY = "backport_target_registers"
 TARGET_SPILLS_KEY = "backport_target_spill_bytes"
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores")
-_PTX_TARGET = re.compile(r"^\.target\s+sm_\w+", re.MULTILINE)
 _MATMUL_FUNCTIONS = frozenset(
     {
         "matmul",
@@ -94,7 +94,7 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
         capability: Any = None,
     ) -> tuple[str, str] | None:
         # Called with no arguments, Triton asks for a key that keeps these compiles
-        # apart in its caches; called with the pipeline, we swap the last stage.
+        # apart in its caches; called with the pipeline, we swap the last two stages.
         if backend is None:
             return pipeline_key, pipeline_hash
 
@@ -109,6 +109,9 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
             hold_to_target_residency(metadata, arch, card, build.registers)
             return cubin
 
+        # Triton picks PTX instructions for the card present (add.bf16 on sm90) even when
+        # lowering for another arch; the target's own instruction selection is the one to run.
+        stages["ptx"] = lambda src, metadata: backend.make_ptx(src, metadata, options, capability)
         stages["cubin"] = make_cubin
         return None
 
@@ -131,8 +134,6 @@ def target_build(ptx: str, arch: str) -> TargetBuild:
     from triton.backends.nvidia.compiler import get_ptxas
 
     capability = int(arch.removeprefix("sm"))
-    # Lowered for the target, but Triton names the card present in `.target` (sm_90a).
-    ptx = _PTX_TARGET.sub(f".target sm_{capability}", ptx, count=1)
     with tempfile.TemporaryDirectory() as workdir:
         source = os.path.join(workdir, "kernel.ptx")
         with open(source, "w") as file:
