@@ -4,10 +4,20 @@ in units of 256), and the padding that holds an H200 to a target's blocks."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import triton
+import triton.language as tl
 
 from services.engine.backport.kernels.arch_fidelity import (
     KERNEL_SHARED_KEY,
+    TARGET_REGISTERS_KEY,
+    emulation_stages_hook,
     hold_to_target_residency,
     target_build,
 )
@@ -173,3 +183,55 @@ def test_fp8_instructions_are_refused_only_without_fp8_hardware(arch: str) -> No
                        match=f"_encode_kernel: fp8 instructions not supported on {arch}"):
         refuse_fp8_instructions(ptx, arch, "_encode_kernel")
     refuse_fp8_instructions("\tcvt.rn.bf16x2.f32 %r4, %f1, %f2;\n", arch, "_encode_kernel")
+
+
+@triton.jit
+def _doubled_bf16_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    values = tl.load(x_ptr + offsets)
+    tl.store(out_ptr + offsets, values + values)
+
+
+def emulated_build(arch: str | None) -> dict[str, object]:
+    """PTX and metadata of `_doubled_bf16_kernel` compiled for an H200 (no GPU needed),
+    emulating `arch` through the harness's hook, or plainly when `arch` is None."""
+    from triton.backends.compiler import GPUTarget
+
+    if arch is not None:
+        triton.knobs.runtime.override_arch = arch
+        triton.knobs.runtime.add_stages_inspection_hook = emulation_stages_hook(arch, 90, H200)
+    source = triton.compiler.ASTSource(
+        fn=_doubled_bf16_kernel, signature={"x_ptr": "*bf16", "out_ptr": "*bf16",
+                                            "BLOCK": "constexpr"}, constexprs={"BLOCK": 128})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    metadata = compiled.metadata._asdict()
+    return {"ptx": compiled.asm["ptx"], "shared": metadata["shared"]} | {
+        key: metadata[key] for key in (KERNEL_SHARED_KEY, TARGET_REGISTERS_KEY) if key in metadata}
+
+
+def _build_in_child(arch: str | None, cache: Path) -> dict[str, object]:
+    # A child process: the hook and the arch override are process-wide, and the
+    # interpreter this suite runs under would skip the compile.
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache)
+    code = ("import json; from tests.kernels.test_card_limits import emulated_build; "
+            f"print(json.dumps(emulated_build({arch!r})))")
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm86"])
+def test_emulated_compile_selects_ptx_for_the_target(arch: str, tmp_path: Path) -> None:
+    """Triton lowers for the target but selects PTX for the card present: for an H200
+    a bf16 add becomes `add.bf16`, which needs sm90, and the target's ptxas refuses it.
+    The harness's hook selects for the target (sm80/86 have `fma.rn.bf16`)."""
+    plain = _build_in_child(None, tmp_path / "plain")
+    assert "add.bf16" in plain["ptx"], "the H200's own PTX no longer shows the difference"
+    emulated = _build_in_child(arch, tmp_path / arch)
+    assert f".target sm_{arch.removeprefix('sm')}\n" in emulated["ptx"]
+    assert "add.bf16" not in emulated["ptx"]
+    assert "fma.rn.bf16" in emulated["ptx"]
+    assert 0 < emulated[TARGET_REGISTERS_KEY] <= 255
+    assert emulated["shared"] >= emulated[KERNEL_SHARED_KEY]

@@ -27,7 +27,7 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -80,8 +80,19 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     triton.knobs.cache.dir = cache_dir
     major, minor = torch.cuda.get_device_capability()
-    real_capability = major * 10 + minor
     card = device_limits(torch.cuda.current_device())
+    triton.knobs.runtime.override_arch = arch
+    triton.knobs.runtime.add_stages_inspection_hook = emulation_stages_hook(
+        arch, major * 10 + minor, card)
+
+
+def emulation_stages_hook(arch: str, real_capability: int,
+                          card: CardLimits) -> Callable[..., Any]:
+    """Triton's stages-inspection hook for a card of `real_capability` and `card`'s limits
+    emulating `arch`: PTX for the target, a cubin for the card, launches held to the
+    target's blocks an SM. Install it with `override_arch` set to `arch`."""
+    from triton.backends.compiler import GPUTarget
+
     pipeline_key = (f"backport-lower-{arch}-cubin-sm{real_capability}"
                     f"-held-to-{arch}-residency-with-its-registers")
     pipeline_hash = hashlib.sha256(pipeline_key.encode()).hexdigest()
@@ -109,14 +120,16 @@ def enable_arch_emulation(arch: str, cache_dir: str) -> None:
             hold_to_target_residency(metadata, arch, card, build.registers)
             return cubin
 
-        # Triton picks PTX instructions for the card present (add.bf16 on sm90) even when
-        # lowering for another arch; the target's own instruction selection is the one to run.
-        stages["ptx"] = lambda src, metadata: backend.make_ptx(src, metadata, options, capability)
+        # Triton picks PTX instructions (add.bf16 on sm90) and the PTX version for the card
+        # present even when lowering for another arch; a backend for the target picks what
+        # the target's ptxas takes, and the card's newer ptxas takes that too.
+        target = type(backend)(GPUTarget(backend.target.backend, capability,
+                                         backend.target.warp_size))
+        stages["ptx"] = lambda src, metadata: target.make_ptx(src, metadata, options, capability)
         stages["cubin"] = make_cubin
         return None
 
-    triton.knobs.runtime.override_arch = arch
-    triton.knobs.runtime.add_stages_inspection_hook = inspect_stages
+    return inspect_stages
 
 
 @dataclass(frozen=True, slots=True)
