@@ -4,12 +4,6 @@ in units of 256), and the padding that holds an H200 to a target's blocks."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import triton
 import triton.language as tl
@@ -29,6 +23,7 @@ from services.engine.backport.kernels.card_limits import (
     holding_shared_bytes,
     resident_blocks,
 )
+from tests.kernels.offline_build import build_in_child
 
 
 @pytest.mark.parametrize(
@@ -209,27 +204,14 @@ def emulated_build(arch: str | None) -> dict[str, object]:
         key: metadata[key] for key in (KERNEL_SHARED_KEY, TARGET_REGISTERS_KEY) if key in metadata}
 
 
-def _build_in_child(arch: str | None, cache: Path) -> dict[str, object]:
-    # A child process: the hook and the arch override are process-wide, and the
-    # interpreter this suite runs under would skip the compile.
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(cache)
-    code = ("import json; from tests.kernels.test_card_limits import emulated_build; "
-            f"print(json.dumps(emulated_build({arch!r})))")
-    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.splitlines()[-1])
-
-
 @pytest.mark.parametrize("arch", ["sm80", "sm86"])
-def test_emulated_compile_selects_ptx_for_the_target(arch: str, tmp_path: Path) -> None:
+def test_emulated_compile_selects_ptx_for_the_target(arch: str) -> None:
     """Triton lowers for the target but selects PTX for the card present: for an H200
     a bf16 add becomes `add.bf16`, which needs sm90, and the target's ptxas refuses it.
     The harness's hook selects for the target (sm80/86 have `fma.rn.bf16`)."""
-    plain = _build_in_child(None, tmp_path / "plain")
+    plain = build_in_child("tests.kernels.test_card_limits:emulated_build", arch=None)
     assert "add.bf16" in plain["ptx"], "the H200's own PTX no longer shows the difference"
-    emulated = _build_in_child(arch, tmp_path / arch)
+    emulated = build_in_child("tests.kernels.test_card_limits:emulated_build", arch=arch)
     assert f".target sm_{arch.removeprefix('sm')}\n" in emulated["ptx"]
     assert "add.bf16" not in emulated["ptx"]
     assert "fma.rn.bf16" in emulated["ptx"]

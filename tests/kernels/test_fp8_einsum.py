@@ -20,6 +20,7 @@ from services.engine.backport.kernels.fp8_einsum import (
     split_cost,
 )
 from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
+from tests.kernels.offline_build import build_for_target, build_in_child, programs_an_sm
 from tests.kernels.test_mqa_logits import fp8_values
 from tests.kernels.test_quantizers import MAX_POSITION, _cos_sin_cache
 
@@ -170,3 +171,34 @@ def test_even_split_count() -> None:
     assert even_split_count(40, 32) == 16
     assert even_split_count(12, 32) == 11
     assert even_split_count(1, 32) == even_split_count(4, 1) == 1
+
+
+def prefill_tiling_build(capability: int) -> dict[str, int]:
+    """The 4k-token chunk's default tiling, unsplit, built for sm`capability` as
+    DeepSeek-V4-Flash's `wo_a` launches it (`offline_build.build_for_target`)."""
+    import triton.language as tl
+
+    from services.engine.backport.kernels import fp8_einsum as einsum
+
+    fp8_dot = capability >= 89
+    tiling = einsum.default_tiling(4096, fp8_dot)
+    pointers = {"x_ptr": "*u8", "x_scale_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": "*fp32",
+                "out_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
+    # Contiguous scales: a launch specializes their unit strides as constants.
+    constants = dict(stride_xs_block=1, stride_ws_block=1, BLOCK_T=tiling.block_t,
+                     BLOCK_D=tiling.block_d, SPLIT_K=False, SCALE_BLOCK=einsum.SCALE_BLOCK,
+                     DOT_DTYPE=tl.bfloat16, FP8_DOT=fp8_dot, FAST_DEQUANT=True)
+    aligned = (*pointers, "out_dim", "stride_x_token", "stride_x_group", "stride_w_group",
+               "stride_w_row", "stride_out_token", "stride_out_group")
+    return build_for_target(einsum._fp8_einsum_kernel, capability, pointers, constants,
+                            aligned, num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+
+
+def test_prefill_tiling_leaves_every_target_two_programs_an_sm() -> None:
+    """The 128 x 64 tiles (64 x 64 with sm89's fp8 dots) keep two programs an SM on each
+    target card, by shared memory (49,664 B of sm86's 50,176 for two) and by registers
+    (255 a thread on sm_80, whose few spills sit outside the R loop). Built without a GPU."""
+    for capability in (80, 86, 89):
+        build = build_in_child("tests.kernels.test_fp8_einsum:prefill_tiling_build",
+                               capability=capability)
+        assert programs_an_sm(f"sm{capability}", build) >= 2, (capability, build)

@@ -19,6 +19,7 @@ from services.engine.backport.kernels.paged_mqa_logits import (
     paged_mqa_logits,
     paged_mqa_logits_reference,
 )
+from tests.kernels.offline_build import build_for_target, build_in_child, programs_an_sm
 
 
 def fp8_values(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -180,3 +181,32 @@ def test_logits_refuse_mismatched_inputs(kernel_device: str) -> None:
     paged = paged_inputs(INTERPRETER_PAGED[0], kernel_device, seed=9)
     with pytest.raises(ValueError, match="D \\+ 4"):
         paged_mqa_logits(**{**paged, "kv_cache": paged["kv_cache"][..., :-1]})
+
+
+def prefill_tiling_build(capability: int) -> dict[str, int]:
+    """The default tiling for DeepSeek-V4's indexer (64 heads of 128 dims) built for
+    sm`capability` (`offline_build.build_for_target`)."""
+    import triton.language as tl
+
+    from services.engine.backport.kernels import mqa_logits as logits
+
+    pointers = {"q_ptr": "*u8", "k_ptr": "*u8", "k_scale_ptr": "*fp32", "weights_ptr": "*fp32",
+                "ks_ptr": "*i32", "ke_ptr": "*i32", "logits_ptr": "*fp32"}
+    constants = dict(HEAD_DIM=128, HEADS=64, TOKENS=logits.DEFAULT_TOKENS,
+                     KEYS_PER_PROGRAM=logits.KEYS_PER_PROGRAM, BLOCK_N=logits.DEFAULT_BLOCK_N,
+                     CLEAN=False, DOT_DTYPE=tl.bfloat16, FP8_DOT=capability >= 89,
+                     FAST_DEQUANT=True)
+    aligned = (*pointers, "num_heads", "stride_q_token", "stride_q_head", "stride_k",
+               "stride_weights")
+    return build_for_target(logits._mqa_logits_kernel, capability, pointers, constants,
+                            aligned, num_warps=logits.DEFAULT_NUM_WARPS)
+
+
+def test_prefill_logits_tiling_leaves_every_target_two_programs_an_sm() -> None:
+    """The prefill logits' default tiling keeps two programs an SM on each target card
+    (its shared memory is within 512 B of sm86/89's limit for two). Built without a GPU."""
+    for capability in (80, 86, 89):
+        build = build_in_child("tests.kernels.test_mqa_logits:prefill_tiling_build",
+                               capability=capability)
+        assert build["spill_bytes"] == 0, (capability, build)
+        assert programs_an_sm(f"sm{capability}", build) >= 2, (capability, build)

@@ -1,0 +1,56 @@
+"""A Triton kernel built for a target card without a GPU: Triton's compiler for the card's
+arch, then the target's ptxas (as `arch_fidelity.target_build` runs it), for tests of what
+a default tiling leaves an SM. The suite runs under the interpreter, which replaces
+`triton.jit`, so builds run in a child process without it (`build_in_child`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from services.engine.backport.kernels.arch_fidelity import target_build
+from services.engine.backport.kernels.card_limits import resident_blocks
+
+
+def build_for_target(kernel: Any, capability: int, signature: dict[str, str],
+                     constexprs: dict[str, Any], aligned: tuple[str, ...] = (),
+                     num_warps: int = 4, num_stages: int = 3) -> dict[str, int]:
+    """Shared memory, registers and spilled bytes of `kernel` compiled for sm`capability`.
+    `signature` types the non-constexpr arguments (default "i32"); `aligned` names those a
+    launch specializes as multiples of 16 (pointers and strides of contiguous tensors)."""
+    full = {name: signature.get(name, "i32") for name in kernel.arg_names}
+    full.update({name: "constexpr" for name in constexprs})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = triton.compiler.ASTSource(fn=kernel, signature=full, constexprs=constexprs,
+                                       attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    build = target_build(compiled.asm["ptx"], f"sm{capability}")
+    return {"shared": compiled.metadata.shared, "threads": num_warps * 32,
+            "registers": build.registers, "spill_bytes": build.spill_bytes}
+
+
+def build_in_child(function: str, **arguments: Any) -> dict[str, Any]:
+    """Calls `function` ("module:name", returning a dict of plain values, such as
+    `build_for_target`'s) with `arguments` (plain values) in a child process without the
+    interpreter."""
+    module, name = function.split(":")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    code = (f"import json; from {module} import {name}; "
+            f"print(json.dumps({name}(**json.loads({json.dumps(json.dumps(arguments))}))))")
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+def programs_an_sm(arch: str, build: dict[str, int]) -> int:
+    """The target's resident programs an SM for a build, by its shared memory, threads and
+    registers."""
+    return resident_blocks(arch, build["threads"], build["shared"], build["registers"])
