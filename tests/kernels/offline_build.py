@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import triton
@@ -36,16 +37,19 @@ def build_for_target(kernel: Any, capability: int, signature: dict[str, str],
             "registers": build.registers, "spill_bytes": build.spill_bytes}
 
 
-def build_in_child(function: str, **arguments: Any) -> dict[str, Any]:
+def build_in_child(function: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Calls `function` ("module:name", returning a dict of plain values, such as
-    `build_for_target`'s) with `arguments` (plain values) in a child process without the
-    interpreter."""
+    `build_for_target`'s) once for each of `calls` (keyword arguments, plain values), in
+    order, in one child process without the interpreter and with an empty Triton cache (a
+    cached build would skip the compile stages these builds are about)."""
     module, name = function.split(":")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    arguments = json.dumps(json.dumps(calls))
     code = (f"import json; from {module} import {name}; "
-            f"print(json.dumps({name}(**json.loads({json.dumps(json.dumps(arguments))}))))")
-    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=300)
+            f"print(json.dumps([{name}(**call) for call in json.loads({arguments})]))")
+    with tempfile.TemporaryDirectory() as cache:
+        child = subprocess.run([sys.executable, "-c", code], env=env | {"TRITON_CACHE_DIR": cache},
+                               capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
     return json.loads(child.stdout.splitlines()[-1])
 

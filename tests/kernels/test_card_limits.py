@@ -209,9 +209,10 @@ def test_emulated_compile_selects_ptx_for_the_target(arch: str) -> None:
     """Triton lowers for the target but selects PTX for the card present: for an H200
     a bf16 add becomes `add.bf16`, which needs sm90, and the target's ptxas refuses it.
     The harness's hook selects for the target (sm80/86 have `fma.rn.bf16`)."""
-    plain = build_in_child("tests.kernels.test_card_limits:emulated_build", arch=None)
+    # Plain first: the emulated build installs the hook for the rest of the process.
+    plain, emulated = build_in_child("tests.kernels.test_card_limits:emulated_build",
+                                     [dict(arch=None), dict(arch=arch)])
     assert "add.bf16" in plain["ptx"], "the H200's own PTX no longer shows the difference"
-    emulated = build_in_child("tests.kernels.test_card_limits:emulated_build", arch=arch)
     assert f".target sm_{arch.removeprefix('sm')}\n" in emulated["ptx"]
     assert "add.bf16" not in emulated["ptx"]
     assert "fma.rn.bf16" in emulated["ptx"]

@@ -198,7 +198,8 @@ def test_prefill_tiling_leaves_every_target_two_programs_an_sm() -> None:
     """The 128 x 64 tiles (64 x 64 with sm89's fp8 dots) keep two programs an SM on each
     target card, by shared memory (49,664 B of sm86's 50,176 for two) and by registers
     (255 a thread on sm_80, whose few spills sit outside the R loop). Built without a GPU."""
-    for capability in (80, 86, 89):
-        build = build_in_child("tests.kernels.test_fp8_einsum:prefill_tiling_build",
-                               capability=capability)
+    capabilities = (80, 86, 89)
+    builds = build_in_child("tests.kernels.test_fp8_einsum:prefill_tiling_build",
+                            [dict(capability=c) for c in capabilities])
+    for capability, build in zip(capabilities, builds, strict=True):
         assert programs_an_sm(f"sm{capability}", build) >= 2, (capability, build)

@@ -204,9 +204,10 @@ def prefill_tiling_build(capability: int) -> dict[str, int]:
 
 def test_prefill_logits_tiling_leaves_every_target_two_programs_an_sm() -> None:
     """The prefill logits' default tiling keeps two programs an SM on each target card
-    (its shared memory is within 512 B of sm86/89's limit for two). Built without a GPU."""
-    for capability in (80, 86, 89):
-        build = build_in_child("tests.kernels.test_mqa_logits:prefill_tiling_build",
-                               capability=capability)
+    (on sm86 its shared memory is within 512 B of the limit for two). Built without a GPU."""
+    capabilities = (80, 86, 89)
+    builds = build_in_child("tests.kernels.test_mqa_logits:prefill_tiling_build",
+                            [dict(capability=c) for c in capabilities])
+    for capability, build in zip(capabilities, builds, strict=True):
         assert build["spill_bytes"] == 0, (capability, build)
         assert programs_an_sm(f"sm{capability}", build) >= 2, (capability, build)

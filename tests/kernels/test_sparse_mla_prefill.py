@@ -158,8 +158,9 @@ def test_default_tiling_leaves_every_target_two_programs_an_sm(with_lengths: boo
     """The default tiling's shared memory sits at sm86/89's limit for two programs an SM
     (50,176 B); at 128 B more those cards ran one, and the prefill took twice as long.
     On sm80 its registers (about 180 from sm_80's ptxas) allow two. Built without a GPU."""
-    for capability in (80, 86, 89):
-        build = build_in_child("tests.kernels.test_sparse_mla_prefill:default_tiling_build",
-                               capability=capability, with_lengths=with_lengths)
+    capabilities = (80, 86, 89)
+    builds = build_in_child("tests.kernels.test_sparse_mla_prefill:default_tiling_build",
+                            [dict(capability=c, with_lengths=with_lengths) for c in capabilities])
+    for capability, build in zip(capabilities, builds, strict=True):
         assert build["spill_bytes"] == 0, build
         assert programs_an_sm(f"sm{capability}", build) == 2, (capability, build)
