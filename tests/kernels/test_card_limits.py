@@ -4,6 +4,9 @@ in units of 256), and the padding that holds an H200 to a target's blocks."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 import triton
 import triton.language as tl
@@ -11,6 +14,7 @@ import triton.language as tl
 from services.engine.backport.kernels.arch_fidelity import (
     KERNEL_SHARED_KEY,
     TARGET_REGISTERS_KEY,
+    cubin_registers,
     emulation_stages_hook,
     hold_to_target_residency,
     target_build,
@@ -125,6 +129,26 @@ def test_target_registers_hold_the_launch_too() -> None:
     assert H200.resident_blocks(128, without["shared"]) == 3
 
 
+@pytest.mark.parametrize(("card_registers", "padded"), [(80, False), (None, True)])
+def test_the_cards_own_registers_can_leave_a_launch_unpadded(card_registers: int | None,
+                                                              padded: bool) -> None:
+    """The ratio-128 window merge: 2 warps, 256 B, 80 registers from both ptxas builds, so
+    an A100 and the H200 each hold 12 blocks. Counting only the target's registers, the
+    twenty-second session padded it to 16,936 B, which took the H200's L1: 10% slower."""
+    metadata = {"shared": 256, "num_warps": 2, "warp_size": 32}
+    hold_to_target_residency(metadata, "sm80", H200, registers=80, card_registers=card_registers)
+    assert (metadata["shared"] > 256) is padded
+    assert H200.resident_blocks(64, metadata["shared"], 80) == 12
+
+
+def test_the_cards_own_registers_do_not_lift_a_hold_they_do_not_make() -> None:
+    """The old sparse prefill again, with the 127 registers the H200's ptxas gave it: the
+    H200 would hold 3 of its blocks, so it is still padded to the A100's 2."""
+    metadata = {"shared": 50_304, "num_warps": 4, "warp_size": 32}
+    hold_to_target_residency(metadata, "sm80", H200, registers=186, card_registers=127)
+    assert H200.resident_blocks(128, metadata["shared"], 127) == 2
+
+
 # A kernel of 64 loads, 32 adds and 64 stores a thread, written for sm80 as the emulation
 # selects PTX for every target; it needs no more than its 64 values' registers and spills
 # nothing on any target.
@@ -145,6 +169,18 @@ def test_target_build_reads_registers_from_the_targets_ptxas(arch: str) -> None:
     build = target_build(_SIXTY_FOUR_FLOATS_PTX, arch)
     assert 16 <= build.registers <= 80
     assert build.spill_bytes == 0
+
+
+def test_cubin_registers_reads_the_cubin_the_card_runs(tmp_path) -> None:
+    """The card's registers come from the cubin itself: the same count its ptxas prints."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    source, cubin = tmp_path / "kernel.ptx", tmp_path / "kernel.cubin"
+    source.write_text(_SIXTY_FOUR_FLOATS_PTX)
+    built = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90", str(source), "-o",
+                            str(cubin)], capture_output=True, text=True, check=True)
+    printed = re.findall(r"Used (\d+) registers", built.stderr)
+    assert cubin_registers(cubin.read_bytes()) == int(printed[-1])
 
 
 def test_fp8_instructions_are_found_in_ptx() -> None:

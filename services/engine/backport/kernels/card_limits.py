@@ -69,8 +69,8 @@ def holding_shared_bytes(present: CardLimits, threads: int, shared_bytes: int, b
     """The dynamic shared memory, from `shared_bytes` up, to launch blocks of `threads`
     (of `registers` each, where known) with on the card `present` so that an SM holds at
     most `blocks` of them (the target's `resident_blocks`): `shared_bytes` itself where it
-    holds no more already. Only shared memory is padded: sm80-90 cards all have 64 Ki
-    registers an SM, so registers limit the target no more than the card present."""
+    holds no more already. Only shared memory can be padded; `registers` are the present
+    card's build's, which may hold it to fewer blocks than its shared memory does."""
     if blocks < 1:
         raise ValueError(f"blocks must be at least 1, got {blocks}")
     if present.resident_blocks(threads, shared_bytes, registers) <= blocks:
