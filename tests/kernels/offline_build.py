@@ -41,9 +41,12 @@ def build_in_child(function: str, calls: list[dict[str, Any]]) -> list[dict[str,
     """Calls `function` ("module:name", returning a dict of plain values, such as
     `build_for_target`'s) once for each of `calls` (keyword arguments, plain values), in
     order, in one child process without the interpreter and with an empty Triton cache (a
-    cached build would skip the compile stages these builds are about)."""
+    cached build would skip the compile stages these builds are about). The child lowers
+    for the arch each call asks for, not for the one a fidelity run set for this process
+    (Triton's `override_arch` knob sets its variable in the environment)."""
     module, name = function.split(":")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH")}
     arguments = json.dumps(json.dumps(calls))
     code = (f"import json; from {module} import {name}; "
             f"print(json.dumps([{name}(**call) for call in json.loads({arguments})]))")
