@@ -89,6 +89,16 @@ def _paged_mqa_logits_kernel(
     stop = tl.minimum(chunk_start + KEYS_PER_PROGRAM, length)
     if CLEAN:
         stop = tl.minimum(chunk_start + KEYS_PER_PROGRAM, logits_width)
+    logit_row = logits_ptr + row.to(tl.int64) * stride_logits
+    # The grid spans logits_width, which vLLM sets to the longest context the model takes
+    # (DeepSeek-V4: max_model_len / 4), so most programs of a short row have no key: they
+    # skip q, and write -inf or nothing.
+    if chunk_start >= length:
+        if CLEAN:
+            for key_start in range(chunk_start, stop, BLOCK_N):
+                keys = key_start + tl.arange(0, BLOCK_N)
+                tl.store(logit_row + keys, float("-inf"), mask=keys < stop)
+        return
 
     heads = tl.arange(0, HEADS)
     head_mask = heads < num_heads
@@ -100,7 +110,6 @@ def _paged_mqa_logits_kernel(
 
     dims = tl.arange(0, HEAD_DIM)
     pages = block_table_ptr + request.to(tl.int64) * stride_block_table
-    logit_row = logits_ptr + row.to(tl.int64) * stride_logits
     for key_start in range(chunk_start, stop, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
         valid = keys < length
