@@ -162,8 +162,12 @@ def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster)
 
 
 def test_repeated_shared_prefixes_land_on_the_same_engine(cluster: Cluster) -> None:
+    # Two prefixes homed on each engine by the gateway's hashing of this run's addresses
+    # (ports differ run to run: six random prefixes all homed on one engine 0.4% of runs).
     rng = random.Random(5)
-    prefixes = [[rng.randrange(100, 40_000) for _ in range(96)] for _ in range(6)]
+    names = ["A", "B", "C"] * 2
+    prefixes = [_prompt_homed_on(cluster, name, ["A", "B", "C"], rng, length=96)
+                for name in names]
     jobs = [(p, prefix + [rng.randrange(100, 40_000) for _ in range(8)])
             for p, prefix in enumerate(prefixes) for _ in range(5)]
     rng.shuffle(jobs)
@@ -184,10 +188,8 @@ def test_repeated_shared_prefixes_land_on_the_same_engine(cluster: Cluster) -> N
     by_prefix: dict[int, Counter[str]] = {}
     for index, engine in served:
         by_prefix.setdefault(index, Counter())[engine] += 1
-    on_home = sum(counts.most_common(1)[0][1] for counts in by_prefix.values())
+    on_home = sum(counts[cluster.addresses[names[p]]] for p, counts in by_prefix.items())
     assert on_home / len(served) >= 0.9, by_prefix
-    homes = {counts.most_common(1)[0][0] for counts in by_prefix.values()}
-    assert len(homes) >= 2, "six prefixes should spread over the engines"
 
 
 def test_metrics_are_exported_and_move_under_load(cluster: Cluster) -> None:

@@ -113,17 +113,19 @@ class PagedCase:
     per_draft_lengths: bool
     clean: bool
     keys_per_program: int = 1024
+    empty_requests: int = 0  # requests after the first with context length 0: rows of no keys
 
 
 GPU_PAGED = [
     PagedCase(8, 1, 64, 128, 64, 4096, per_draft_lengths=False, clean=False),
-    PagedCase(5, 2, 64, 128, 64, 3000, per_draft_lengths=True, clean=True),
+    PagedCase(5, 2, 64, 128, 64, 3000, per_draft_lengths=True, clean=True, empty_requests=2),
     PagedCase(3, 2, 40, 128, 16, 700, per_draft_lengths=False, clean=True, keys_per_program=256),
 ]
 INTERPRETER_PAGED = [
     PagedCase(3, 1, 20, 32, 16, 100, per_draft_lengths=False, clean=True, keys_per_program=64),
     PagedCase(2, 2, 16, 32, 8, 70, per_draft_lengths=True, clean=False),
-    PagedCase(2, 3, 16, 32, 8, 40, per_draft_lengths=False, clean=True),
+    PagedCase(3, 3, 16, 32, 8, 40, per_draft_lengths=False, clean=True, keys_per_program=16,
+              empty_requests=1),
 ]
 
 
@@ -149,6 +151,7 @@ def paged_inputs(case: PagedCase, device: str, seed: int) -> dict[str, object]:
     shape = (case.batch, case.next_n) if case.per_draft_lengths else (case.batch,)
     context_lens = torch.randint(case.next_n, case.max_model_len + 1, shape, generator=generator)
     context_lens.view(-1)[0] = case.max_model_len
+    context_lens[1 : 1 + case.empty_requests] = 0
     q = fp8_values((case.batch, case.next_n, case.num_heads, case.head_dim), generator)
     weights = torch.randn(case.batch * case.next_n, case.num_heads, generator=generator)
     inputs = dict(q=q, kv_cache=kv_cache, weights=weights,
