@@ -5,7 +5,8 @@
 Runs every test under tests/kernels with the fidelity plugin: on a CUDA card the kernels
 compile with the arch's instruction set in a fresh Triton cache and the table gives each
 kernel's max error vs reference, shared memory against the arch's limit, registers and
-spills; without CUDA the same tests run under Triton's interpreter.
+spills (the target's build) and the spills of the card's own build, which is what runs;
+without CUDA the same tests run under Triton's interpreter.
 """
 
 from __future__ import annotations
