@@ -266,8 +266,8 @@ class CompiledKernelReport:
     registers: int
     spills: int
     # The card's own build, which emulated timings run: its ptxas can spill where the
-    # target's does not (a persistent paged-logits grid: 5.4 KB a thread for sm_90, none
-    # for sm_80, and 30x slower on the H200 in the twenty-third session).
+    # target's does not (a persistent paged-logits grid: 5,488 B a thread for sm_90, none
+    # for sm_80, and 22-37x slower on the H200 in the twenty-third session).
     card_spills: int
 
 
