@@ -674,12 +674,12 @@ def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
         qd = fp8(batch, 1, INDEXER_HEADS, INDEXER_DIM)
         wd = torch.randn(batch, INDEXER_HEADS, device="cuda")
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
         # vLLM asks for logits as wide as the longest context the model is served with (over
         # the indexer's ratio): a row's keys end well before its last column.
         for width in (context, SERVED_LOGITS_WIDTH):
             graph_ms = bench_graph_ms(
                 lambda: paged_mqa_logits(qd, view, wd, lens, tables, width))
-            moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
             rate = moved / (graph_ms * 1e-3)
             columns = "" if width == context else f" of {width} columns"
             rows.append({"shape": f"decode B={batch} keys={context}{columns} H={INDEXER_HEADS}",
