@@ -663,7 +663,7 @@ def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
                  "baseline": f"cuBLAS bf16 {dense_rate:.0f} TFLOP/s",
                  "ratio": flops / graph_ms * 1e-9 / dense_rate})
     block_size, context = 64, 32768
-    for batch in (8, 64):
+    for batch in (1, 8, 64):
         blocks = batch * context // block_size
         cache = torch.randint(0, 255, (blocks, block_size * (INDEXER_DIM + SCALE_BYTES)),
                               dtype=torch.uint8, device="cuda")

@@ -3,7 +3,10 @@ plain-torch references."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from services.engine.backport.kernels.mqa_logits import (
     mqa_logits_reference,
 )
 from services.engine.backport.kernels.paged_mqa_logits import (
+    KEYS_PER_PROGRAM,
     SCALE_BYTES,
+    keys_per_program_for_rows,
     paged_mqa_logits,
     paged_mqa_logits_reference,
 )
@@ -173,6 +178,45 @@ def test_paged_mqa_logits_match_reference(kernel_device: str, case_index: int,
                            keys_per_program=case.keys_per_program)
     want = paged_mqa_logits_reference(**inputs)
     record_max_error("_paged_mqa_logits_kernel", assert_logits_match(got, want, case.clean))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_paged_mqa_logits_cut_rows_by_the_row_count(kernel_device: str, rows: int) -> None:
+    """The launcher's own keys a program (256 for one row, 512 for a few), past a row's end
+    and across pages, gives the reference's logits."""
+    case = PagedCase(rows, 1, 16, 32, 16, 1100, per_draft_lengths=False, clean=True)
+    inputs = paged_inputs(case, kernel_device, seed=rows)
+    got = paged_mqa_logits(**inputs, clean_logits=True)
+    assert_logits_match(got, paged_mqa_logits_reference(**inputs), clean=True)
+
+
+def keys_per_program_cases() -> list[dict]:
+    data = Path(__file__).with_name("data") / "paged_logits_keys_per_program_h200_sm80.json"
+    return json.loads(data.read_text())["cases"]
+
+
+@pytest.mark.parametrize(
+    "case", keys_per_program_cases(),
+    ids=lambda case: f"{case['sms']}SMs-rows{case['rows']}-keys{case['keys']}")
+def test_keys_per_program_rule_against_the_timed_cuts(case: dict) -> None:
+    """Against decode steps timed at 256, 512, 1,024 and 2,048 keys a program (H200, sm80
+    mode, 132, 112 and 88 SMs): the pick was timed, is never 10% slower than the 1,024 every
+    step took before, and within 1.5x of the fastest (the best cut of a few rows depends on
+    their lengths, which the launcher cannot read)."""
+    times = {int(keys): ms for keys, ms in case["ms"].items()}
+    pick = keys_per_program_for_rows(case["rows"])
+    assert pick in times
+    assert times[pick] <= 1.10 * times[KEYS_PER_PROGRAM]
+    assert times[pick] <= 1.5 * min(times.values())
+
+
+def test_keys_per_program_rule_pays_where_rows_are_few() -> None:
+    """Over the timed steps of up to 8 rows, the rule's cuts take at most 0.7x the time of
+    1,024 keys a program (geometric mean)."""
+    ratios = [case["ms"][str(keys_per_program_for_rows(case["rows"]))]
+              / case["ms"][str(KEYS_PER_PROGRAM)]
+              for case in keys_per_program_cases() if case["rows"] <= 8]
+    assert math.prod(ratios) ** (1 / len(ratios)) <= 0.7
 
 
 def test_logits_refuse_mismatched_inputs(kernel_device: str) -> None:
