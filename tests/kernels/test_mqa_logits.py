@@ -18,11 +18,15 @@ from services.engine.backport.kernels.mqa_logits import (
     mqa_logits_reference,
 )
 from services.engine.backport.kernels.paged_mqa_logits import (
+    DOUBLE_BUFFER_MIN_STEPS,
+    DOUBLE_BUFFER_STAGES,
     KEYS_PER_PROGRAM,
     SCALE_BYTES,
+    SINGLE_BUFFER_STAGES,
     keys_per_program_for_rows,
     paged_mqa_logits,
     paged_mqa_logits_reference,
+    pipeline_stages,
 )
 from tests.kernels.offline_build import build_for_target, build_in_child, programs_an_sm
 
@@ -180,6 +184,17 @@ def test_paged_mqa_logits_match_reference(kernel_device: str, case_index: int,
     record_max_error("_paged_mqa_logits_kernel", assert_logits_match(got, want, case.clean))
 
 
+@pytest.mark.parametrize("num_stages", [SINGLE_BUFFER_STAGES, DOUBLE_BUFFER_STAGES])
+def test_paged_mqa_logits_match_reference_with_either_buffering(kernel_device: str,
+                                                                 num_stages: int) -> None:
+    """Both builds the launcher picks between, whichever the card present would get."""
+    case = GPU_PAGED[1] if kernel_device == "cuda" else INTERPRETER_PAGED[1]
+    inputs = paged_inputs(case, kernel_device, seed=11)
+    got = paged_mqa_logits(**inputs, clean_logits=case.clean, num_stages=num_stages,
+                           keys_per_program=case.keys_per_program)
+    assert_logits_match(got, paged_mqa_logits_reference(**inputs), case.clean)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_paged_mqa_logits_cut_rows_by_the_row_count(kernel_device: str, rows: int) -> None:
     """The launcher's own keys a program (256 for one row, 512 for a few), past a row's end
@@ -217,6 +232,51 @@ def test_keys_per_program_rule_pays_where_rows_are_few() -> None:
               / case["ms"][str(KEYS_PER_PROGRAM)]
               for case in keys_per_program_cases() if case["rows"] <= 8]
     assert math.prod(ratios) ** (1 / len(ratios)) <= 0.7
+
+
+def test_pipeline_stages_double_buffer_long_programs_that_keep_their_residency() -> None:
+    assert pipeline_stages(8, 2, 2) == DOUBLE_BUFFER_STAGES
+    assert pipeline_stages(DOUBLE_BUFFER_MIN_STEPS, 2, 2) == DOUBLE_BUFFER_STAGES
+    assert pipeline_stages(DOUBLE_BUFFER_MIN_STEPS - 1, 2, 2) == SINGLE_BUFFER_STAGES
+    assert pipeline_stages(8, 2, 1) == SINGLE_BUFFER_STAGES  # sm86/89's 100 KB
+    assert pipeline_stages(8, 3, 2) == SINGLE_BUFFER_STAGES
+
+
+def paged_logits_build(capability: int, num_stages: int) -> dict[str, int]:
+    """The paged logits for DeepSeek-V4's indexer (64 heads of 128 dims, 64-token pages,
+    1,024 keys a program) built for sm`capability` (`offline_build.build_for_target`)."""
+    import triton.language as tl
+
+    from services.engine.backport.kernels import paged_mqa_logits as paged
+
+    pointers = {"q_ptr": "*u8", "cache_ptr": "*u8", "weights_ptr": "*fp32",
+                "lengths_ptr": "*i32", "block_table_ptr": "*i32", "logits_ptr": "*fp32"}
+    constants = dict(LENGTH_PER_ROW=False, BLOCK_SIZE=64, HEAD_DIM=128, HEADS=64,
+                     KEYS_PER_PROGRAM=KEYS_PER_PROGRAM, BLOCK_N=paged.DEFAULT_BLOCK_N,
+                     CLEAN=False, DOT_DTYPE=tl.bfloat16, FP8_DOT=capability >= 89,
+                     FAST_DEQUANT=True)
+    aligned = (*pointers, "block_stride", "stride_q_row", "stride_q_head", "stride_weights",
+               "stride_block_table", "stride_logits")
+    return build_for_target(paged._paged_mqa_logits_kernel, capability, pointers, constants,
+                            aligned, num_warps=paged.DEFAULT_NUM_WARPS, num_stages=num_stages)
+
+
+def test_paged_logits_double_buffer_fits_twice_on_sm80_only() -> None:
+    """The double-buffered K tiles keep two programs an SM on an A100 (as the single
+    buffer does with Triton 3.6, where it was timed) and one on sm86's 100 KB, so sm86
+    cards stay single-buffered. Built without a GPU."""
+    calls = [dict(capability=c, num_stages=s) for c in (80, 86)
+             for s in (SINGLE_BUFFER_STAGES, DOUBLE_BUFFER_STAGES)]
+    builds = build_in_child("tests.kernels.test_mqa_logits:paged_logits_build", calls)
+    programs = {(call["capability"], call["num_stages"]):
+                programs_an_sm(f"sm{call['capability']}", build)
+                for call, build in zip(calls, builds, strict=True)}
+    assert all(build["spill_bytes"] == 0 for build in builds), builds
+    assert programs[(80, DOUBLE_BUFFER_STAGES)] == 2, builds
+    assert programs[(86, DOUBLE_BUFFER_STAGES)] == 1, builds
+    assert programs[(86, SINGLE_BUFFER_STAGES)] == 2, builds
+    assert pipeline_stages(8, programs[(86, SINGLE_BUFFER_STAGES)],
+                           programs[(86, DOUBLE_BUFFER_STAGES)]) == SINGLE_BUFFER_STAGES
 
 
 def test_logits_refuse_mismatched_inputs(kernel_device: str) -> None:

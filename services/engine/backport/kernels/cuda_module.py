@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -233,6 +234,18 @@ def blocks_per_sm(function: int, threads: int, dynamic_shared_bytes: int) -> int
         ctypes.byref(blocks), ctypes.c_void_p(function), threads,
         ctypes.c_size_t(dynamic_shared_bytes)), "computing occupancy")
     return blocks.value
+
+
+def compiled_blocks_per_sm(kernel: Any, args: tuple[object, ...],
+                           constants: dict[str, object]) -> int:
+    """Blocks of the Triton `kernel` built for `args` and `constants` (launch options
+    included) that one SM keeps resident, as the driver reports: held to the target's
+    blocks under emulation, whose hold pads the build's shared memory. Compiles, does not
+    launch."""
+    compiled = kernel.warmup(*args, grid=(1,), **constants)
+    compiled._init_handles()
+    return blocks_per_sm(compiled.function, compiled.metadata.num_warps * 32,
+                         compiled.metadata.shared)
 
 
 @dataclass(frozen=True)

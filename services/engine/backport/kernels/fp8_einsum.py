@@ -34,7 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.backport.kernels.cuda_module import blocks_per_sm, context_sm_count
+from services.engine.backport.kernels.cuda_module import (
+    compiled_blocks_per_sm,
+    context_sm_count,
+)
 from services.engine.backport.kernels.fp8_e4m3 import (
     decode_e4m3_reference,
     dot_operand,
@@ -246,10 +249,8 @@ def programs_per_sm(tiling: EinsumTiling, args: tuple[object, ...],
     compiled once per tiling and arch, not launched."""
     key = (tiling, args[0].device, triton.knobs.runtime.override_arch, constants["FP8_DOT"])
     if key not in _programs_per_sm:
-        kernel = _fp8_einsum_kernel.warmup(*args, grid=(1,), **constants)
-        kernel._init_handles()
-        _programs_per_sm[key] = max(1, blocks_per_sm(
-            kernel.function, tiling.num_warps * 32, kernel.metadata.shared))
+        _programs_per_sm[key] = max(1, compiled_blocks_per_sm(_fp8_einsum_kernel, args,
+                                                               constants))
     return _programs_per_sm[key]
 
 
