@@ -215,14 +215,17 @@ class Mesh:
         if s.engine_metrics_port is not None:
             args += ["--metrics-port", str(s.engine_metrics_port + index)]
         if s.kv_events:
-            # A local socket file: nothing but this host's engine service needs to subscribe.
-            socket_path = Path(tempfile.gettempdir()) / f"backport-kv-events-{s.engine_port + index}"
-            args += ["--kv-events-endpoint", f"ipc://{socket_path}"]
+            args += ["--kv-events-endpoint", f"ipc://{self._kv_events_socket(index)}"]
         if self._kv_chunk_size_tokens is not None:
             args += ["--kv-service", f"127.0.0.1:{s.kv_cache_port}",
                      "--kv-transfer-mode", s.kv_transfer_mode.value,
                      "--kv-chunk-size-tokens", str(self._kv_chunk_size_tokens)]
         return args
+
+    def _kv_events_socket(self, index: int) -> Path:
+        """A local socket file: nothing but this host's engine service needs to subscribe."""
+        port = self.settings.engine_port + index
+        return Path(tempfile.gettempdir()) / f"backport-kv-events-{port}"
 
     def _wait_grpc(self, name: str, address: str) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
@@ -290,6 +293,10 @@ class Mesh:
             deadline = time.monotonic() + STOP_TIMEOUT_S
             for service in group:
                 service.wait_stopped(deadline)
+        if self.settings.kv_events:
+            # vLLM's publisher binds the file and leaves it behind when its engine stops.
+            for index in range(self.settings.engines):
+                self._kv_events_socket(index).unlink(missing_ok=True)
         logger.info("mesh stopped")
 
 

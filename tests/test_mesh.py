@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -222,16 +224,20 @@ def test_gateway_imports_no_torch_vllm_or_transformers() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_sigterm_to_backport_up_leaves_no_process_behind(mesh: RunningMesh) -> None:
+def test_sigterm_to_backport_up_leaves_no_process_or_socket_behind(mesh: RunningMesh) -> None:
     """Runs last in this module: it stops the shared mesh."""
     session = os.getpgid(mesh.process.pid)
     children = _descendants(mesh.process.pid)
     assert len(children) >= 3, "tokenizer, engine and gateway should be running"
+    engine_port = mesh.engine_address.rsplit(":", 1)[1]
+    kv_events_socket = Path(tempfile.gettempdir()) / f"backport-kv-events-{engine_port}"
+    assert kv_events_socket.is_socket(), "the mesh runs with --kv-events"
     mesh.process.send_signal(signal.SIGTERM)
     assert mesh.process.wait(timeout=90) == 0
     time.sleep(0.5)
     alive = [pid for pid in children if _is_alive(pid)]
     assert alive == [], f"left behind: {alive} (session {session})"
+    assert not kv_events_socket.exists()
     stop_mesh(mesh)
 
 
