@@ -232,12 +232,16 @@ def test_sigterm_to_backport_up_leaves_no_process_or_socket_behind(mesh: Running
     engine_port = mesh.engine_address.rsplit(":", 1)[1]
     kv_events_socket = Path(tempfile.gettempdir()) / f"backport-kv-events-{engine_port}"
     assert kv_events_socket.is_socket(), "the mesh runs with --kv-events"
+    # vLLM's own sockets, in the engine's directory (its engine core inherits the setting).
+    ipc_dirs = _environment_values(children, "VLLM_RPC_BASE_PATH")
+    assert any(path.is_socket() for ipc_dir in ipc_dirs for path in ipc_dir.iterdir())
     mesh.process.send_signal(signal.SIGTERM)
     assert mesh.process.wait(timeout=90) == 0
     time.sleep(0.5)
     alive = [pid for pid in children if _is_alive(pid)]
     assert alive == [], f"left behind: {alive} (session {session})"
     assert not kv_events_socket.exists()
+    assert not any(ipc_dir.exists() for ipc_dir in ipc_dirs)
     stop_mesh(mesh)
 
 
@@ -254,6 +258,19 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             frontier.append(child)
     return found
+
+
+def _environment_values(pids: list[int], name: str) -> set[Path]:
+    values = set()
+    for pid in pids:
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, PermissionError):
+            continue
+        prefix = f"{name}=".encode()
+        values |= {Path(item[len(prefix):].decode()) for item in environment
+                   if item.startswith(prefix)}
+    return values
 
 
 def _is_alive(pid: int) -> bool:

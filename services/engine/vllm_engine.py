@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +29,10 @@ from services.engine.settings import EngineSettings
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
+# Where vLLM binds its processes' ZMQ sockets (socket files named by uuid); read when each
+# socket is made, and inherited by the engine-core and worker processes.
+RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
+_RPC_BASE_PATH = os.environ.get(RPC_BASE_PATH_ENV)  # the setting before any engine's own
 
 
 class InvalidRequestError(ValueError):
@@ -100,6 +107,7 @@ class VllmEngine:
         self._scheduler_loads = Loads()
         self._num_in_flight = 0
         self._defaults: dict[str, Any] = {}
+        self._ipc_dir: str | None = None
         self.info: ModelInfo | None = None
 
     @property
@@ -124,7 +132,16 @@ class VllmEngine:
             logits_processors=list(s.logits_processors) or None,
             **engine_kv_args(s.model, s.kv_service, s.kv_transfer_mode, s.kv_chunk_size_tokens,
                              s.kv_events_endpoint))
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
+        # vLLM leaves its socket files behind when it stops (its engine core is killed once
+        # its grace period ends): a directory of this engine's own holds them, removed at
+        # shutdown.
+        self._ipc_dir = tempfile.mkdtemp(prefix="backport-engine-ipc-", dir=_RPC_BASE_PATH)
+        os.environ[RPC_BASE_PATH_ENV] = self._ipc_dir
+        try:
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
+        except BaseException:
+            self.shutdown()
+            raise
         model_config = self._llm.model_config
         self._defaults = model_config.get_diff_sampling_param()
         tokenizer = self._llm.get_tokenizer()
@@ -143,6 +160,8 @@ class VllmEngine:
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     @property
     def is_healthy(self) -> bool:
