@@ -1,22 +1,27 @@
-"""A Triton kernel built for a target card without a GPU: Triton's compiler for the card's
-arch, then the target's ptxas (as `arch_fidelity.target_build` runs it), for tests of what
-a default tiling leaves an SM. The suite runs under the interpreter, which replaces
-`triton.jit`, so builds run in a child process without it (`build_in_child`)."""
+"""Kernels built for a target card without a GPU, for tests of what a build leaves an SM: a
+Triton kernel by Triton's compiler for the card's arch, then the target's ptxas (as
+`arch_fidelity.target_build` runs it); a CUDA kernel's PTX by the toolkit's ptxas
+(`assemble_ptx`). The suite runs under the interpreter, which replaces `triton.jit`, so
+Triton builds run in a child process without it (`build_in_child`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
+import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 
 from services.engine.backport.kernels.arch_fidelity import target_build
 from services.engine.backport.kernels.card_limits import resident_blocks
+from services.engine.backport.kernels.cuda_module import ptxas_path
 
 
 def build_for_target(kernel: Any, capability: int, signature: dict[str, str],
@@ -61,3 +66,19 @@ def programs_an_sm(arch: str, build: dict[str, int]) -> int:
     """The target's resident programs an SM for a build, by its shared memory, threads and
     registers."""
     return resident_blocks(arch, build["threads"], build["shared"], build["registers"])
+
+
+def assemble_ptx(ptx: bytes, arch: str, directory: Path) -> tuple[int, int]:
+    """Registers a thread and spilled bytes of a CUDA kernel's PTX assembled by ptxas for
+    `arch` ("sm80"); skips the test without a CUDA toolkit."""
+    ptxas = ptxas_path()
+    if ptxas is None:
+        pytest.skip("no ptxas (CUDA toolkit) to assemble with")
+    source = directory / "kernel.ptx"
+    source.write_bytes(ptx)
+    result = subprocess.run(
+        [ptxas, f"-arch=sm_{arch[2:]}", "-v", "-o", str(directory / "kernel.cubin"),
+         str(source)], capture_output=True, text=True, check=True)
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
+    return registers, spills

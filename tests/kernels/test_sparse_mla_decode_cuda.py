@@ -9,8 +9,6 @@ for that arch's instruction set (compute_80 PTX, JIT-compiled for the card prese
 from __future__ import annotations
 
 import functools
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,19 +21,23 @@ from services.engine.backport.kernels.cuda_module import (
     CudaBuildError,
     context_sm_count,
     device_arch,
-    ptxas_path,
 )
+from services.engine.backport.kernels.sparse_mla_combine import combine_splits
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     DEFAULT_MIN_BLOCKS,
     DEFAULT_PARTIAL_DTYPE,
     KERNEL_NAME,
+    SOURCE,
     THREADS,
     LoadedDecode,
     choose_num_splits,
+    decode_launch,
     decode_ptx,
     load_decode,
     sparse_mla_decode_cuda,
 )
+from tests.kernels.cuda_host_emulation import EmulatedKernel
+from tests.kernels.offline_build import assemble_ptx
 from tests.kernels.test_sparse_mla_decode import (
     GPU_CASES,
     INTERPRETER_CASES,
@@ -68,20 +70,54 @@ def test_cuda_decode_assembles_for_ampere_without_spills(
 ) -> None:
     """ptxas for the real Ampere target: no fp8 instruction can pass it, and spills would
     show here first."""
-    ptx = tmp_path / "decode.ptx"
-    ptx.write_bytes(_ptx_or_skip(arch, min_blocks))
-    ptxas = ptxas_path()
-    if ptxas is None:
-        pytest.skip("no ptxas (CUDA toolkit) to assemble with")
-    result = subprocess.run(
-        [ptxas, f"-arch=sm_{arch[2:]}", "-v", "-o", str(tmp_path / "decode.cubin"), str(ptx)],
-        capture_output=True, text=True, check=True,
-    )
-    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
-    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
-    assert spills is not None and int(spills.group(1)) == 0, result.stderr
+    registers, spills = assemble_ptx(_ptx_or_skip(arch, min_blocks), arch, tmp_path)
+    assert spills == 0
     budget = REGISTERS_PER_SM // (THREADS * min_blocks)
     assert registers <= budget, f"{registers} registers: fewer than {min_blocks} blocks an SM"
+
+
+@pytest.fixture(scope="module")
+def emulated_decode(tmp_path_factory: pytest.TempPathFactory):
+    """The kernel's source built for the CPU, a build a blocks-an-SM count (which picks
+    between overlapped and one-after-another steps, q in registers or staged)."""
+    builds: dict[int, EmulatedKernel] = {}
+
+    def build(min_blocks: int) -> EmulatedKernel:
+        if min_blocks not in builds:
+            builds[min_blocks] = EmulatedKernel(
+                SOURCE, KERNEL_NAME, "DecodeParams",
+                {"SPARSE_MLA_DECODE_MIN_BLOCKS": min_blocks},
+                tmp_path_factory.mktemp("emulated"))
+        return builds[min_blocks]
+
+    return build
+
+
+@pytest.mark.parametrize(("min_blocks", "partial_dtype"),
+                         [(2, torch.bfloat16), (3, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("case_index", range(len(INTERPRETER_CASES)))
+def test_cuda_decode_matches_reference_in_a_cpu_emulation_of_the_gpu(
+        case_index: int, min_blocks: int, partial_dtype: torch.dtype, emulated_decode) -> None:
+    """The kernel's own code (slot runs, padding, the copy pipeline, online softmax,
+    fragment movement) on the CPU, its Ampere instructions emulated (`cuda_host_emulation`);
+    the combine is the Triton one, as on the GPU."""
+    case = INTERPRETER_CASES[case_index]
+    kernel = emulated_decode(min_blocks)
+
+    def decode(*, q, k_cache, indices, softmax_scale, topk_length=None, attn_sink=None,
+               extra_k_cache=None, extra_indices=None, extra_topk_length=None,
+               block_size=None, extra_block_size=None, num_splits=None):
+        launch = decode_launch(q, k_cache, indices, softmax_scale, topk_length, extra_k_cache,
+                               extra_indices, extra_topk_length, block_size, extra_block_size,
+                               num_splits, partial_dtype)
+        kernel.launch(launch.grid, THREADS, launch.params)
+        out = torch.empty_like(launch.operands[0])
+        lse = torch.empty(out.shape[:2], dtype=torch.float32)
+        combine_splits(launch.partial_out, launch.partial_lse, attn_sink, out, lse)
+        return out, lse
+
+    got, want = run_case(case, "cpu", seed=60 + case_index, decode=decode)
+    check_against_reference(case, got, want)
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,12 @@ from typing import Any
 import torch
 
 from services.engine.backport.kernels.card_limits import (
+    CARD_LIMITS,
     CardLimits,
     Fp8InstructionError,
+    holding_shared_bytes,
     refuse_fp8_instructions,
+    resident_blocks,
 )
 
 # CUfunction_attribute / CUdevice_attribute / CUresult values from cuda.h.
@@ -137,12 +140,13 @@ def _nvrtc_ptx(library: ctypes.CDLL, source: Path, options: list[str]) -> bytes:
 
 def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) -> bytes:
     """PTX of `source` for the virtual arch of `arch` (e.g. "sm80" -> compute_80), with
-    `defines` as -D macros (a kernel's tunables), cached."""
+    `defines` as -D macros (a kernel's tunables), cached. Headers (`.cuh`) beside the
+    source are on the include path and part of the cache key."""
     number = _arch_number(arch)
     nvrtc = nvrtc_path()
     compiler = nvrtc or nvcc_path()
     macros = [f"-D{name}={value}" for name, value in sorted((defines or {}).items())]
-    text = source.read_bytes()
+    text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.cuh"))])
     key = hashlib.sha256(text + f"|{number}|{compiler}|{macros}".encode()).hexdigest()[:32]
     cache_dir = Path(os.environ.get("BACKPORT_CUDA_CACHE_DIR",
                                     Path.home() / ".cache" / "backport" / "cuda"))
@@ -151,7 +155,8 @@ def compile_ptx(source: Path, arch: str, defines: dict[str, int] | None = None) 
         return cached.read_bytes()
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(f".{os.getpid()}.tmp")
-    options = [f"-arch=compute_{number}", "-std=c++17", "-lineinfo", *macros]
+    options = [f"-arch=compute_{number}", "-std=c++17", "-lineinfo", f"-I{source.parent}",
+               *macros]
     if nvrtc is not None:
         partial.write_bytes(_nvrtc_ptx(ctypes.CDLL(nvrtc), source, options))
     else:
@@ -296,6 +301,18 @@ class CudaKernel:
                 ctypes.byref(value), address, ctypes.c_size_t(ctypes.sizeof(value))),
                 f"reading {name}")
         return value.value
+
+    def target_shared_bytes(self, arch: str, threads: int, shared_bytes: int) -> int:
+        """The dynamic shared memory to launch blocks of `threads` that use `shared_bytes`
+        with, so that the card present holds no more of them an SM than `arch` would
+        (`card_limits`): more than they use on a card with more an SM."""
+        if arch not in CARD_LIMITS:
+            return shared_bytes
+        registers = self.resources.registers
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return holding_shared_bytes(device_limits(index), threads, shared_bytes,
+                                    resident_blocks(arch, threads, shared_bytes, registers),
+                                    registers)
 
     def blocks_per_sm(self, threads: int, dynamic_shared_bytes: int) -> int:
         self._allow_shared(dynamic_shared_bytes)

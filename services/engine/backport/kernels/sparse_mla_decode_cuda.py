@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,17 +20,11 @@ import torch
 import triton
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.card_limits import (
-    CARD_LIMITS,
-    holding_shared_bytes,
-    resident_blocks,
-)
 from services.engine.backport.kernels.cuda_module import (
     CudaKernel,
     compile_ptx,
     context_sm_count,
     device_arch,
-    device_limits,
 )
 from services.engine.backport.kernels.decode_splits import SplitCostModel
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E, combine_splits
@@ -142,12 +137,7 @@ def load_decode(
     device = torch.device("cuda", device_index)
     kernel = CudaKernel(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
-    launch_shared = shared
-    if arch in CARD_LIMITS:
-        registers = kernel.resources.registers
-        launch_shared = holding_shared_bytes(
-            device_limits(device_index), THREADS, shared,
-            resident_blocks(arch, THREADS, shared, registers), registers)
+    launch_shared = kernel.target_shared_bytes(arch, THREADS, shared)
     blocks = kernel.blocks_per_sm(THREADS, launch_shared)
     with torch.cuda.device(device):
         sm_count = context_sm_count(device_index)
@@ -166,6 +156,93 @@ def _log2_block_size(block_size: int) -> int:
     if block_size & (block_size - 1):
         raise ValueError(f"the CUDA decode needs a power-of-two block size, got {block_size}")
     return block_size.bit_length() - 1
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """One launch of the kernel: its grid and argument, and the tensors it fills."""
+
+    grid: tuple[int, int, int]
+    params: DecodeParams
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    operands: tuple[torch.Tensor | None, ...]  # what params point into, kept alive
+
+
+def decode_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None,
+    extra_k_cache: torch.Tensor | None,
+    extra_indices: torch.Tensor | None,
+    extra_topk_length: torch.Tensor | None,
+    block_size: int | None,
+    extra_block_size: int | None,
+    num_splits: int | Callable[[int, int, int], int],
+    partial_dtype: torch.dtype,
+) -> DecodeLaunch:
+    """Checks the operands and lays out the launch; `num_splits` is a count or, given the
+    grid's (token, head block) programs and the two lists' widths, picks one."""
+    operands = decode_operands(
+        q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
+    )
+    q, geometry, extra_geometry = operands.q, operands.geometry, operands.extra_geometry
+    indices, extra_indices = operands.indices, operands.extra_indices
+    has_extra = extra_indices is not None
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must be bfloat16, got {q.dtype}")
+    if partial_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
+    if q.stride(0) % 4 or q.stride(1) % 4:
+        raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
+    num_tokens, num_heads, _ = q.shape
+    lengths = int32_rows(topk_length)
+    extra_lengths = int32_rows(extra_topk_length) if has_extra else None
+    num_head_blocks = triton.cdiv(num_heads, HEADS_PER_BLOCK)
+    list_width = indices.shape[1]
+    extra_list_width = extra_indices.shape[1] if has_extra else 0
+    if callable(num_splits):
+        # A split walks its piece of both lists as one run of keys.
+        num_splits = num_splits(num_tokens * num_head_blocks, list_width, extra_list_width)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    partial_out = torch.empty(
+        (num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=partial_dtype,
+        device=q.device)
+    partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32,
+                              device=q.device)
+    params = DecodeParams(
+        q=q.data_ptr(),
+        cache=k_cache.data_ptr(),
+        extra_cache=(extra_k_cache if has_extra else k_cache).data_ptr(),
+        slots=indices.data_ptr(),
+        extra_slots=(extra_indices if has_extra else indices).data_ptr(),
+        lengths=lengths.data_ptr() if lengths is not None else None,
+        extra_lengths=extra_lengths.data_ptr() if extra_lengths is not None else None,
+        partial_out=partial_out.data_ptr(),
+        partial_lse=partial_lse.data_ptr(),
+        q_token_stride=q.stride(0),
+        q_head_stride=q.stride(1),
+        block_stride=geometry.block_stride,
+        extra_block_stride=extra_geometry.block_stride,
+        slots_stride=indices.stride(0),
+        extra_slots_stride=extra_indices.stride(0) if has_extra else 0,
+        block_size_log2=_log2_block_size(geometry.block_size),
+        extra_block_size_log2=_log2_block_size(extra_geometry.block_size),
+        list_width=list_width,
+        extra_list_width=extra_list_width,
+        split_len=triton.cdiv(list_width, num_splits),
+        extra_split_len=triton.cdiv(extra_list_width, num_splits),
+        num_heads=num_heads,
+        num_splits=num_splits,
+        bf16_partials=int(partial_dtype == torch.bfloat16),
+        qk_scale_log2=softmax_scale * LOG2E,
+    )
+    return DecodeLaunch((num_head_blocks, num_splits, num_tokens), params, partial_out,
+                        partial_lse, (q, k_cache, extra_k_cache, indices, extra_indices,
+                                      lengths, extra_lengths))
 
 
 def sparse_mla_decode_cuda(
@@ -195,75 +272,23 @@ def sparse_mla_decode_cuda(
     `partial_dtype` what the splits' partial outputs are stored in (bfloat16 or float32;
     default `DEFAULT_PARTIAL_DTYPE`).
     """
-    operands = decode_operands(
-        q, k_cache, indices, extra_k_cache, extra_indices, block_size, extra_block_size
-    )
-    q, geometry, extra_geometry = operands.q, operands.geometry, operands.extra_geometry
-    indices, extra_indices = operands.indices, operands.extra_indices
-    has_extra = extra_indices is not None
-    if q.dtype != torch.bfloat16:
-        raise TypeError(f"q must be bfloat16, got {q.dtype}")
-    if partial_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
-    if q.stride(0) % 4 or q.stride(1) % 4:
-        raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
-    num_tokens, num_heads, _ = q.shape
-    lengths = int32_rows(topk_length)
-    extra_lengths = int32_rows(extra_topk_length) if has_extra else None
+    def loaded() -> LoadedDecode:  # after the operands' checks, which need no GPU
+        device_index = q.device.index
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        return load_decode(arch or device_arch(q.device), device_index, stages, min_blocks)
 
-    device = q.device
-    device_index = device.index if device.index is not None else torch.cuda.current_device()
-    num_head_blocks = triton.cdiv(num_heads, HEADS_PER_BLOCK)
-    arch = arch or device_arch(device)
-    loaded = load_decode(arch, device_index, stages, min_blocks)
-    list_width = indices.shape[1]
-    extra_list_width = extra_indices.shape[1] if has_extra else 0
-    if num_splits is None:
-        # A split walks its piece of both lists as one run of keys.
-        num_splits = choose_num_splits(
-            num_tokens * num_head_blocks, list_width, extra_list_width, loaded
-        )
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-
+    launch = decode_launch(
+        q, k_cache, indices, softmax_scale, topk_length, extra_k_cache, extra_indices,
+        extra_topk_length, block_size, extra_block_size,
+        num_splits if num_splits is not None
+        else lambda *lists: choose_num_splits(*lists, loaded()), partial_dtype)
+    decode_q = launch.operands[0]
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty_like(decode_q)
     out = as_token_major(out, "q")
-    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
-    partial_out = torch.empty(
-        (num_tokens, num_splits, num_heads, layout.HEAD_DIM), dtype=partial_dtype, device=device
-    )
-    partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32,
-                              device=device)
-    params = DecodeParams(
-        q=q.data_ptr(),
-        cache=k_cache.data_ptr(),
-        extra_cache=(extra_k_cache if has_extra else k_cache).data_ptr(),
-        slots=indices.data_ptr(),
-        extra_slots=(extra_indices if has_extra else indices).data_ptr(),
-        lengths=lengths.data_ptr() if lengths is not None else None,
-        extra_lengths=extra_lengths.data_ptr() if extra_lengths is not None else None,
-        partial_out=partial_out.data_ptr(),
-        partial_lse=partial_lse.data_ptr(),
-        q_token_stride=q.stride(0),
-        q_head_stride=q.stride(1),
-        block_stride=geometry.block_stride,
-        extra_block_stride=extra_geometry.block_stride,
-        slots_stride=indices.stride(0),
-        extra_slots_stride=extra_indices.stride(0) if has_extra else 0,
-        block_size_log2=_log2_block_size(geometry.block_size),
-        extra_block_size_log2=_log2_block_size(extra_geometry.block_size),
-        list_width=list_width,
-        extra_list_width=extra_list_width,
-        split_len=triton.cdiv(list_width, num_splits),
-        extra_split_len=triton.cdiv(extra_list_width, num_splits),
-        num_heads=num_heads,
-        num_splits=num_splits,
-        bf16_partials=int(partial_dtype == torch.bfloat16),
-        qk_scale_log2=softmax_scale * LOG2E,
-    )
-    loaded.kernel.launch(
-        (num_head_blocks, num_splits, num_tokens), THREADS, loaded.launch_shared_bytes, params
-    )
-    combine_splits(partial_out, partial_lse, attn_sink, out, lse)
+    lse = torch.empty(decode_q.shape[:2], dtype=torch.float32, device=decode_q.device)
+    decode = loaded()
+    decode.kernel.launch(launch.grid, THREADS, decode.launch_shared_bytes, launch.params)
+    combine_splits(launch.partial_out, launch.partial_lse, attn_sink, out, lse)
     return out, lse

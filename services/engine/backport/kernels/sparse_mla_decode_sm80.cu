@@ -34,15 +34,7 @@
 // [T, splits, H] fp32 (-inf for no key); sparse_mla_combine merges them and applies the
 // attention sink.
 
-#ifdef __CUDACC_RTC__  // NVRTC has no C++ standard library headers
-using int32_t = int;
-using int64_t = long long;
-using uint8_t = unsigned char;
-using uint16_t = unsigned short;
-using uint32_t = unsigned int;
-#else
-#include <cstdint>
-#endif
+#include "ampere_shared.cuh"
 
 namespace {
 
@@ -133,82 +125,19 @@ extern "C" __constant__ int kSparseMlaDecodeSharedBytes = kSharedBytes;
 
 namespace {
 
-__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000u); }
-
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void copy_async_8(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(shared_address(dst)),
-               "l"(src), "r"(valid ? 8 : 0));
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n"); }
-
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void load_q_fragment(uint32_t (&a)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(address));
-}
-
-// c += a (16x16 bf16, row-major) * b (16x8 bf16, column-major), fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The transpose of an 8x8 b16 matrix held one row-pair a thread (thread t: row t / 4,
-// columns 2(t % 4), +1), in the same layout.
-__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
+using namespace ampere;
 
 // Two fp8 e4m3 bytes picked by `selector` (from x and y; each selector byte pair is
 // "byte, its sign") -> two bf16 values times the multipliers in `scale_pair`.
 __device__ __forceinline__ uint32_t dequantize_pair(uint32_t x, uint32_t y, uint32_t selector,
                                                     uint32_t scale_pair) {
-  uint32_t bits;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(bits) : "r"(x), "r"(y), "r"(selector));
-  bits = (bits << 4) & 0x87F087F0u;
-  uint32_t value;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
-      : "=r"(value)
-      : "r"(bits), "r"(scale_pair), "r"(0x80008000u));
-  return value;
+  const uint32_t bits = (byte_permute(x, y, selector) << 4) & 0x87F087F0u;
+  return fma_bf16x2(bits, scale_pair, 0x80008000u);  // -0.0 added keeps a zero's sign
 }
 
 // bf16 bits of 2^(120 + exponent) for a UE8M0 byte (exponent = byte - 127); bytes up to
 // 134 (exponent 7) stay finite, as for the Triton path.
 __device__ __forceinline__ uint32_t scale_bits(uint32_t ue8m0) { return (ue8m0 + 120u) << 7; }
-
-__device__ __forceinline__ uint32_t pack_bf16(float low, float high) {
-  uint32_t packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
-  return packed;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -338,11 +267,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
 #pragma unroll
     for (int chunk = 0; chunk < kChunksPerRow; chunk += kCopyThreadsPerKey) {
       if (chunk + copy_part < kChunksPerRow) {
-        copy_async_16(row + chunk * 16, data + chunk * 16, valid);
+        copy_async<16>(row + chunk * 16, data + chunk * 16, valid);
       }
     }
     if (copy_part == 0) {
-      copy_async_8(scales + (stage * kKeys + copy_key) * kScaleBytes, scale, valid);
+      copy_async<8>(scales + (stage * kKeys + copy_key) * kScaleBytes, scale, valid);
       key_biases[stage * kKeys + copy_key] = valid ? 0.f : negative_infinity();
     }
   };
@@ -392,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   const uint32_t q_address = shared_address(q_tile + fragment_row * kQStride + 8 * (lane / 16));
   // q's A fragment for this warp's tile j, k16 chunk t.
   auto load_q = [&](uint32_t (&a)[4], int j, int t) {
-    load_q_fragment(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
+    load_matrix_x4(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
   };
   // K of this warp's dims for one step's 16 keys, as QK^T's B fragments:
   // k[j][t][n] = {b0, b1} of tile j, k16 chunk t, n8 tile n (keys 8n..8n+7).

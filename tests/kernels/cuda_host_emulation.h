@@ -1,0 +1,290 @@
+// CUDA's built-ins and the backport's Ampere instructions (ampere_shared.cuh) for a kernel
+// compiled as host C++ (g++ -include this -DBACKPORT_HOST_EMULATION), run by
+// cuda_host_emulation.py one block at a time, one std::thread a CUDA thread. Warp-wide
+// instructions (ldmatrix, mma, shuffles) exchange values through a warp's slots between
+// two waits on the warp's barrier; cp.async copies land when a wait_group lets them (so a
+// read before the wait sees the old bytes, as it may on the GPU).
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __constant__
+#define __shared__
+#define __align__(n)
+
+using std::max;
+using std::min;
+
+struct dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct uint2 {
+  uint32_t x, y;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+struct int4 {
+  int32_t x, y, z, w;
+};
+struct float2 {
+  float x, y;
+};
+struct float4 {
+  float x, y, z, w;
+};
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+inline thread_local dim3 threadIdx;
+inline thread_local dim3 blockIdx;
+
+// The block's shared memory: blocks run one after another.
+alignas(16) inline uint8_t shared[1 << 18];
+
+namespace emulation {
+
+constexpr int kWarpSize = 32;
+
+struct Block {
+  explicit Block(int threads)
+      : barrier(threads), warps(threads / kWarpSize) {
+    for (auto& warp : warps) warp.barrier = std::make_unique<std::barrier<>>(kWarpSize);
+  }
+  std::barrier<> barrier;
+  struct Warp {
+    std::unique_ptr<std::barrier<>> barrier;
+    uint32_t slots[kWarpSize][10];
+  };
+  std::vector<Warp> warps;
+};
+
+inline Block* block = nullptr;
+
+// A thread's cp.async copies: the group being issued, then committed groups, oldest first.
+struct Copy {
+  uint32_t dst;
+  std::vector<uint8_t> bytes;
+};
+inline thread_local std::vector<std::vector<Copy>> copy_groups;
+inline thread_local std::vector<Copy> open_group;
+
+inline int lane() { return threadIdx.x % kWarpSize; }
+inline Block::Warp& warp() { return block->warps[threadIdx.x / kWarpSize]; }
+
+// Puts `count` words in this lane's slots; returns once every lane has, so `read` may run;
+// `done` must follow before the slots are written again.
+inline void publish(const uint32_t* words, int count) {
+  std::copy(words, words + count, warp().slots[lane()]);
+  warp().barrier->arrive_and_wait();
+}
+inline void done() { warp().barrier->arrive_and_wait(); }
+
+template <typename Kernel>
+void run_grid(dim3 grid, int threads, Kernel kernel) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        Block state(threads);
+        block = &state;
+        std::vector<std::thread> workers;
+        for (int t = 0; t < threads; ++t) {
+          workers.emplace_back([=] {
+            threadIdx = {static_cast<unsigned>(t), 0, 0};
+            blockIdx = {x, y, z};
+            copy_groups.clear();
+            open_group.clear();
+            kernel();
+          });
+        }
+        for (auto& worker : workers) worker.join();
+        block = nullptr;
+      }
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (std::isnan(value)) return 0x7FC0;
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// C += A B of mma.m16n8k16 on this lane's fragments, the operands' halves decoded by
+// `to_float` (PTX ISA layout: thread (g, t) = (lane / 4, lane % 4) holds A's rows g, g + 8
+// at k = 2t, 2t + 1 (a0, a1) and k = 2t + 8, 2t + 9 (a2, a3), B's column g at the same k
+// (b0, b1), C's rows g, g + 8 at columns 2t, 2t + 1).
+inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                         float (*to_float)(uint16_t)) {
+  const uint32_t words[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  publish(words, 6);
+  float A[16][16], B[16][8];
+  for (int other = 0; other < kWarpSize; ++other) {
+    const uint32_t* w = block->warps[threadIdx.x / kWarpSize].slots[other];
+    const int g = other / 4, t = other % 4;
+    const int rows[4] = {g, g + 8, g, g + 8}, ks[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+    for (int r = 0; r < 4; ++r) {
+      A[rows[r]][ks[r]] = to_float(w[r] & 0xFFFF);
+      A[rows[r]][ks[r] + 1] = to_float(w[r] >> 16);
+    }
+    for (int r = 0; r < 2; ++r) {
+      B[2 * t + 8 * r][g] = to_float(w[4 + r] & 0xFFFF);
+      B[2 * t + 8 * r + 1][g] = to_float(w[4 + r] >> 16);
+    }
+  }
+  done();
+  const int g = lane() / 4, t = lane() % 4;
+  for (int r = 0; r < 4; ++r) {
+    const int row = g + 8 * (r / 2), column = 2 * t + r % 2;
+    double sum = c[r];
+    for (int k = 0; k < 16; ++k) sum += static_cast<double>(A[row][k]) * B[k][column];
+    c[r] = static_cast<float>(sum);
+  }
+}
+
+}  // namespace emulation
+
+inline void __syncthreads() { emulation::block->barrier.arrive_and_wait(); }
+
+inline float __int_as_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  emulation::publish(&bits, 1);
+  const uint32_t partner = emulation::warp().slots[emulation::lane() ^ lane_mask][0];
+  emulation::done();
+  return __int_as_float(partner);
+}
+
+inline bool __any_sync(unsigned, bool predicate) {
+  const uint32_t word = predicate;
+  emulation::publish(&word, 1);
+  bool any = false;
+  for (int other = 0; other < emulation::kWarpSize; ++other)
+    any = any || emulation::warp().slots[other][0];
+  emulation::done();
+  return any;
+}
+
+inline size_t __cvta_generic_to_shared(const void* pointer) {
+  return static_cast<const uint8_t*>(pointer) - shared;
+}
+
+namespace ampere {
+
+inline float negative_infinity() { return __int_as_float(0xff800000u); }
+
+inline uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+template <int kBytes>
+void copy_async(uint32_t dst, const void* src, bool valid) {
+  emulation::Copy copy{dst, std::vector<uint8_t>(kBytes, 0)};
+  if (valid) std::memcpy(copy.bytes.data(), src, kBytes);
+  emulation::open_group.push_back(std::move(copy));
+}
+
+template <int kBytes>
+void copy_async(void* dst, const void* src, bool valid) {
+  copy_async<kBytes>(shared_address(dst), src, valid);
+}
+
+inline void commit_copies() {
+  emulation::copy_groups.push_back(std::move(emulation::open_group));
+  emulation::open_group.clear();
+}
+
+template <int kPending>
+void wait_copies() {
+  auto& groups = emulation::copy_groups;
+  while (groups.size() > static_cast<size_t>(kPending)) {
+    for (const auto& copy : groups.front())
+      std::memcpy(shared + copy.dst, copy.bytes.data(), copy.bytes.size());
+    groups.erase(groups.begin());
+  }
+}
+
+inline void load_matrix_x4(uint32_t (&a)[4], uint32_t address) {
+  emulation::publish(&address, 1);
+  const int group = emulation::lane() / 4, quad = emulation::lane() % 4;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t row = emulation::warp().slots[8 * i + group][0];
+    std::memcpy(&a[i], shared + row + 4 * quad, 4);
+  }
+  emulation::done();
+}
+
+inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emulation::mma_m16n8k16(c, a, b0, b1, emulation::bf16_to_float);
+}
+
+// movmatrix.trans: thread t holds row t / 4, columns 2(t % 4), +1 of an 8x8 b16 matrix.
+inline uint32_t transpose_8x8(uint32_t x) {
+  emulation::publish(&x, 1);
+  const int row = emulation::lane() / 4, column = 2 * (emulation::lane() % 4);
+  uint32_t halves[2];
+  for (int i = 0; i < 2; ++i) {  // element (row, column + i) of the transpose
+    const uint32_t held = emulation::warp().slots[4 * (column + i) + row / 2][0];
+    halves[i] = (held >> (16 * (row % 2))) & 0xFFFF;
+  }
+  emulation::done();
+  return halves[0] | (halves[1] << 16);
+}
+
+inline uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t out = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto half = [i](uint32_t pair) {
+      return emulation::bf16_to_float((pair >> (16 * i)) & 0xFFFF);
+    };
+    const float value = static_cast<float>(static_cast<double>(half(a)) * half(b) + half(c));
+    out |= static_cast<uint32_t>(emulation::float_to_bf16(value)) << (16 * i);
+  }
+  return out;
+}
+
+inline uint32_t pack_bf16(float low, float high) {
+  return emulation::float_to_bf16(low) |
+         (static_cast<uint32_t>(emulation::float_to_bf16(high)) << 16);
+}
+
+inline float fast_exp2(float x) { return std::exp2(x); }
+
+inline uint32_t byte_permute(uint32_t x, uint32_t y, uint32_t selector) {
+  const uint64_t bytes = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (selector >> (4 * i)) & 0xF;
+    uint32_t byte = (bytes >> (8 * (nibble & 7))) & 0xFF;
+    if (nibble & 8) byte = (byte & 0x80) ? 0xFF : 0;
+    out |= byte << (8 * i);
+  }
+  return out;
+}
+
+}  // namespace ampere
