@@ -13,6 +13,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,6 +75,16 @@ struct Block {
 };
 
 inline Block* block = nullptr;
+
+// The first fault a kernel made (the GPU would have stopped it there), for the launcher.
+inline std::mutex fault_lock;
+inline std::string fault;
+
+inline void check(bool ok, const char* what, uint64_t address) {
+  if (ok) return;
+  std::lock_guard<std::mutex> guard(fault_lock);
+  if (fault.empty()) fault = std::string(what) + " at " + std::to_string(address);
+}
 
 // A thread's cp.async copies: the group being issued, then committed groups, oldest first.
 struct Copy {
@@ -204,6 +216,11 @@ inline uint32_t shared_address(const void* pointer) {
 
 template <int kBytes>
 void copy_async(uint32_t dst, const void* src, bool valid) {
+  emulation::check(dst % kBytes == 0, "cp.async to a misaligned shared address", dst);
+  emulation::check(reinterpret_cast<uintptr_t>(src) % kBytes == 0,
+                   "cp.async from a misaligned global address",
+                   reinterpret_cast<uintptr_t>(src));
+  emulation::check(dst + kBytes <= sizeof(shared), "cp.async past shared memory", dst);
   emulation::Copy copy{dst, std::vector<uint8_t>(kBytes, 0)};
   if (valid) std::memcpy(copy.bytes.data(), src, kBytes);
   emulation::open_group.push_back(std::move(copy));
@@ -230,6 +247,7 @@ void wait_copies() {
 }
 
 inline void load_matrix_x4(uint32_t (&a)[4], uint32_t address) {
+  emulation::check(address % 16 == 0, "ldmatrix row at a misaligned address", address);
   emulation::publish(&address, 1);
   const int group = emulation::lane() / 4, quad = emulation::lane() % 4;
   for (int i = 0; i < 4; ++i) {

@@ -19,10 +19,12 @@ import pytest
 
 HEADER = Path(__file__).with_name("cuda_host_emulation.h")
 LAUNCHER = """#include "{source}"
-extern "C" void launch_emulated(const void* params, unsigned x, unsigned y, unsigned z,
-                                int threads) {{
+extern "C" const char* launch_emulated(const void* params, unsigned x, unsigned y,
+                                       unsigned z, int threads) {{
   const auto& p = *static_cast<const {params}*>(params);
+  emulation::fault.clear();
   emulation::run_grid(dim3{{x, y, z}}, threads, [&] {{ {kernel}(p); }});
+  return emulation::fault.empty() ? nullptr : emulation::fault.c_str();
 }}
 """
 
@@ -48,7 +50,11 @@ class EmulatedKernel:
         self._library = ctypes.CDLL(str(library))
         self._library.launch_emulated.argtypes = [
             ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int]
+        self._library.launch_emulated.restype = ctypes.c_char_p
 
     def launch(self, grid: tuple[int, int, int], threads: int,
                params: ctypes.Structure) -> None:
-        self._library.launch_emulated(ctypes.addressof(params), *grid, threads)
+        """Runs the grid; AssertionError for an access the GPU would fault on (a misaligned
+        cp.async or ldmatrix, a copy past shared memory)."""
+        fault = self._library.launch_emulated(ctypes.addressof(params), *grid, threads)
+        assert fault is None, f"the kernel faulted: {fault.decode()}"
