@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -97,8 +96,8 @@ inline thread_local std::vector<Copy> open_group;
 inline int lane() { return threadIdx.x % kWarpSize; }
 inline Block::Warp& warp() { return block->warps[threadIdx.x / kWarpSize]; }
 
-// Puts `count` words in this lane's slots; returns once every lane has, so `read` may run;
-// `done` must follow before the slots are written again.
+// Puts `count` words in this lane's slots and returns once every lane of the warp has, so
+// the slots may be read; `done` must follow before they are written again.
 inline void publish(const uint32_t* words, int count) {
   std::copy(words, words + count, warp().slots[lane()]);
   warp().barrier->arrive_and_wait();
