@@ -9,7 +9,6 @@ for that arch's instruction set (compute_80 PTX, JIT-compiled for the card prese
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ from services.engine.backport.kernels.cuda_module import (
     context_sm_count,
     device_arch,
 )
-from services.engine.backport.kernels.sparse_mla_combine import combine_splits
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     DEFAULT_MIN_BLOCKS,
     DEFAULT_PARTIAL_DTYPE,
@@ -65,12 +63,10 @@ def _ptx_or_skip(arch: str, min_blocks: int = 4) -> bytes:
 
 @pytest.mark.parametrize("min_blocks", [2, 3, 4])
 @pytest.mark.parametrize("arch", ["sm80", "sm86"])
-def test_cuda_decode_assembles_for_ampere_without_spills(
-    arch: str, min_blocks: int, tmp_path: Path
-) -> None:
+def test_cuda_decode_assembles_for_ampere_without_spills(arch: str, min_blocks: int) -> None:
     """ptxas for the real Ampere target: no fp8 instruction can pass it, and spills would
     show here first."""
-    registers, spills = assemble_ptx(_ptx_or_skip(arch, min_blocks), arch, tmp_path)
+    registers, spills = assemble_ptx(_ptx_or_skip(arch, min_blocks), arch)
     assert spills == 0
     budget = REGISTERS_PER_SM // (THREADS * min_blocks)
     assert registers <= budget, f"{registers} registers: fewer than {min_blocks} blocks an SM"
@@ -111,10 +107,7 @@ def test_cuda_decode_matches_reference_in_a_cpu_emulation_of_the_gpu(
                                extra_indices, extra_topk_length, block_size, extra_block_size,
                                num_splits, partial_dtype)
         kernel.launch(launch.grid, THREADS, launch.params)
-        out = torch.empty_like(launch.operands[0])
-        lse = torch.empty(out.shape[:2], dtype=torch.float32)
-        combine_splits(launch.partial_out, launch.partial_lse, attn_sink, out, lse)
-        return out, lse
+        return launch.combine(attn_sink)
 
     got, want = run_case(case, "cpu", seed=60 + case_index, decode=decode)
     check_against_reference(case, got, want)

@@ -143,19 +143,21 @@ class TargetBuild:
     spill_bytes: int
 
 
-def target_build(ptx: str, arch: str) -> TargetBuild:
-    """Registers and spills of `ptx` built for `arch` ("sm80") by the ptxas Triton ships.
-    The H200's ptxas allocates differently (in the twenty-first session 127 registers where
-    sm_80's took 186), and registers decide how many blocks an SM the target holds."""
+def target_build(ptx: str, arch: str, ptxas: str | None = None) -> TargetBuild:
+    """Registers and spills of `ptx` built for `arch` ("sm80") by `ptxas` (default: the one
+    Triton ships). The H200's ptxas allocates differently (in the twenty-first session 127
+    registers where sm_80's took 186), and registers decide how many blocks an SM the target
+    holds."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     capability = int(arch.removeprefix("sm"))
+    ptxas = ptxas or get_ptxas(capability).path
     with tempfile.TemporaryDirectory() as workdir:
         source = os.path.join(workdir, "kernel.ptx")
         with open(source, "w") as file:
             file.write(ptx)
         built = subprocess.run(
-            [get_ptxas(capability).path, "-v", f"--gpu-name=sm_{capability}", source,
+            [ptxas, "-v", f"--gpu-name=sm_{capability}", source,
              "-o", os.path.join(workdir, "kernel.cubin")],
             capture_output=True, text=True)
     registers = _PTXAS_REGISTERS.findall(built.stderr)

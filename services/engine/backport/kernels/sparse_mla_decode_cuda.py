@@ -164,9 +164,20 @@ class DecodeLaunch:
 
     grid: tuple[int, int, int]
     params: DecodeParams
+    q: torch.Tensor  # as the kernel reads it
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    operands: tuple[torch.Tensor | None, ...]  # what params point into, kept alive
+    operands: tuple[torch.Tensor | None, ...]  # the rest params point into, kept alive
+
+    def combine(self, attn_sink: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [T, H, 512], lse [T, H]) from the launch's split partials, with the sink."""
+        if out is None:
+            out = torch.empty_like(self.q)
+        out = as_token_major(out, "q")
+        lse = torch.empty(self.q.shape[:2], dtype=torch.float32, device=self.q.device)
+        combine_splits(self.partial_out, self.partial_lse, attn_sink, out, lse)
+        return out, lse
 
 
 def decode_launch(
@@ -240,8 +251,8 @@ def decode_launch(
         bf16_partials=int(partial_dtype == torch.bfloat16),
         qk_scale_log2=softmax_scale * LOG2E,
     )
-    return DecodeLaunch((num_head_blocks, num_splits, num_tokens), params, partial_out,
-                        partial_lse, (q, k_cache, extra_k_cache, indices, extra_indices,
+    return DecodeLaunch((num_head_blocks, num_splits, num_tokens), params, q, partial_out,
+                        partial_lse, (k_cache, extra_k_cache, indices, extra_indices,
                                       lengths, extra_lengths))
 
 
@@ -283,12 +294,6 @@ def sparse_mla_decode_cuda(
         extra_topk_length, block_size, extra_block_size,
         num_splits if num_splits is not None
         else lambda *lists: choose_num_splits(*lists, loaded()), partial_dtype)
-    decode_q = launch.operands[0]
-    if out is None:
-        out = torch.empty_like(decode_q)
-    out = as_token_major(out, "q")
-    lse = torch.empty(decode_q.shape[:2], dtype=torch.float32, device=decode_q.device)
     decode = loaded()
     decode.kernel.launch(launch.grid, THREADS, decode.launch_shared_bytes, launch.params)
-    combine_splits(launch.partial_out, launch.partial_lse, attn_sink, out, lse)
-    return out, lse
+    return launch.combine(attn_sink, out)
