@@ -635,12 +635,19 @@ INDEXER_HEADS, INDEXER_DIM = 64, 128  # DeepSeek-V4's indexer: 64 heads of 128 d
 SERVED_LOGITS_WIDTH = (1 << 20) // 4
 
 
-def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
+# The CUDA paged logits' builds timed beside the Triton kernel: (stages, blocks an SM).
+CUDA_LOGITS_BUILDS = ((2, 2), (3, 2), (2, 3))
+
+
+def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, object]]:
     """The indexer's logits: a 4k-token prefill chunk at the end of a 128k-token context
     (32k compressed keys), beside a dense bf16 matmul of the same flops by cuBLAS; decode
-    steps of B requests over 32k keys each, as bytes against the copy bandwidth."""
+    steps of B requests over 32k keys each, as bytes against the copy bandwidth, by the
+    Triton kernel and each build of the CUDA one (`CUDA_LOGITS_BUILDS`), whose ratio is its
+    speedup over the Triton kernel in the same run."""
     from services.engine.backport.kernels.mqa_logits import mqa_logits
     from services.engine.backport.kernels.paged_mqa_logits import SCALE_BYTES, paged_mqa_logits
+    from services.engine.backport.kernels.paged_mqa_logits_cuda import paged_mqa_logits_cuda
 
     def fp8(*shape: int) -> torch.Tensor:
         return torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
@@ -677,18 +684,27 @@ def indexer_cases(bandwidth: float) -> list[dict[str, object]]:
         moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
         # vLLM asks for logits as wide as the longest context the model is served with (over
         # the indexer's ratio): a row's keys end well before its last column.
+        flops = 2 * batch * context * INDEXER_HEADS * INDEXER_DIM
         for width in (context, SERVED_LOGITS_WIDTH):
-            graph_ms = bench_graph_ms(
-                lambda: paged_mqa_logits(qd, view, wd, lens, tables, width))
-            rate = moved / (graph_ms * 1e-3)
             columns = "" if width == context else f" of {width} columns"
-            rows.append({"shape": f"decode B={batch} keys={context}{columns} H={INDEXER_HEADS}",
-                         "graph ms": graph_ms,
-                         "TFLOP/s": 2 * batch * context * INDEXER_HEADS * INDEXER_DIM
-                         / graph_ms * 1e-9,
+            shape = f"decode B={batch} keys={context}{columns} H={INDEXER_HEADS}"
+            triton_ms = bench_graph_ms(
+                lambda: paged_mqa_logits(qd, view, wd, lens, tables, width))
+            rate = moved / (triton_ms * 1e-3)
+            rows.append({"shape": shape, "graph ms": triton_ms,
+                         "TFLOP/s": flops / triton_ms * 1e-9,
                          "baseline": f"{rate / 1e9:.0f} GB/s of {bandwidth / 1e9:.0f} GB/s copy",
                          "ratio": rate / bandwidth})
-        print(indexer_markdown(rows[-1:]).splitlines()[-1], flush=True)
+            for stages, blocks in CUDA_LOGITS_BUILDS:
+                graph_ms = bench_graph_ms(lambda: paged_mqa_logits_cuda(
+                    qd, view, wd, lens, tables, width, arch=cuda_arch, stages=stages,
+                    min_blocks=blocks))
+                rows.append({"shape": f"{shape} CUDA {stages} stages {blocks} blocks",
+                             "graph ms": graph_ms, "TFLOP/s": flops / graph_ms * 1e-9,
+                             "baseline": f"Triton {triton_ms:.4f} ms",
+                             "ratio": triton_ms / graph_ms})
+            print(indexer_markdown(rows[-1 - len(CUDA_LOGITS_BUILDS):]).split("\n", 2)[2],
+                  flush=True)
     return rows
 
 
@@ -924,7 +940,7 @@ def main() -> None:
         print(prefill_markdown(prefill_cases(args.quick)))
         return
     if args.indexer:
-        print(indexer_markdown(indexer_cases(bandwidth)))
+        print(indexer_markdown(indexer_cases(bandwidth, cuda_arch)))
         return
     if args.einsum:
         print(einsum_markdown(einsum_cases(bandwidth, args.quick)))
@@ -953,7 +969,7 @@ def main() -> None:
             print(f"config {config} failed: {type(error).__name__}: {error}", flush=True)
     rows.extend(quantizer_cases(bandwidth, args.quick))
     prefill_rows = prefill_cases(quick=True)
-    indexer_rows = indexer_cases(bandwidth)
+    indexer_rows = indexer_cases(bandwidth, cuda_arch)
     einsum_rows = einsum_cases(bandwidth, quick=True)
 
     from services.engine.backport.kernels import (

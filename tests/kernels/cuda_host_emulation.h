@@ -140,6 +140,19 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stay
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
+inline float fp16_to_float(uint16_t bits) {
+  const int exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa ? NAN : INFINITY;
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+  }
+  return (bits & 0x8000) ? -magnitude : magnitude;
+}
+
 // C += A B of mma.m16n8k16 on this lane's fragments, the operands' halves decoded by
 // `to_float` (PTX ISA layout: thread (g, t) = (lane / 4, lane % 4) holds A's rows g, g + 8
 // at k = 2t, 2t + 1 (a0, a1) and k = 2t + 8, 2t + 9 (a2, a3), B's column g at the same k
@@ -258,6 +271,10 @@ inline void load_matrix_x4(uint32_t (&a)[4], uint32_t address) {
 
 inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   emulation::mma_m16n8k16(c, a, b0, b1, emulation::bf16_to_float);
+}
+
+inline void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emulation::mma_m16n8k16(c, a, b0, b1, emulation::fp16_to_float);
 }
 
 // movmatrix.trans: thread t holds row t / 4, columns 2(t % 4), +1 of an 8x8 b16 matrix.

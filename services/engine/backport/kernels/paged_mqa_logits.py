@@ -25,6 +25,8 @@ dot where the card keeps as many programs an SM of that build (`pipeline_stages`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -180,22 +182,24 @@ def _paged_mqa_logits_kernel(
         tl.store(logit_row + keys, logits, mask=keys < stop)
 
 
-def paged_mqa_logits(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    max_model_len: int,
-    clean_logits: bool = False,
-    block_n: int = DEFAULT_BLOCK_N,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    keys_per_program: int | None = None,
-    num_stages: int | None = None,
-) -> torch.Tensor:
-    """Indexer logits [B * next_n, max_model_len] fp32 (see module doc); `keys_per_program`
-    by default from the row count (`keys_per_program_for_rows`), `num_stages` from the
-    programs' steps and what the card holds (`pipeline_stages`)."""
+@dataclass(frozen=True)
+class PagedOperands:
+    """The paged logits' operands, checked (see `paged_operands`)."""
+
+    q: torch.Tensor  # uint8 [B, next_n, H, D]
+    block_tables: torch.Tensor  # unit stride along a request's pages
+    block_size: int
+    length_per_row: bool  # context_lens is [B, next_n]
+
+    @property
+    def num_rows(self) -> int:
+        return self.q.shape[0] * self.q.shape[1]
+
+
+def paged_operands(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                   context_lens: torch.Tensor, block_tables: torch.Tensor) -> PagedOperands:
+    """Checks the shapes and layouts every paged logits kernel takes (see module doc);
+    ValueError naming the operand otherwise."""
     q = as_bytes(q)
     if q.dim() != 4 or q.stride(-1) != 1 or q.stride(0) != q.shape[1] * q.stride(1):
         raise ValueError(f"q must be [B, next_n, H, D] with evenly spaced tokens, got "
@@ -220,6 +224,28 @@ def paged_mqa_logits(
                          f"{tuple(context_lens.shape)}")
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
+    return PagedOperands(q, block_tables, block_size, length_per_row)
+
+
+def paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_model_len: int,
+    clean_logits: bool = False,
+    block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    keys_per_program: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Indexer logits [B * next_n, max_model_len] fp32 (see module doc); `keys_per_program`
+    by default from the row count (`keys_per_program_for_rows`), `num_stages` from the
+    programs' steps and what the card holds (`pipeline_stages`)."""
+    operands = paged_operands(q, kv_cache, weights, context_lens, block_tables)
+    q, block_tables = operands.q, operands.block_tables
+    num_rows, (_, next_n, num_heads, head_dim) = operands.num_rows, q.shape
     logits = torch.empty((num_rows, max_model_len), dtype=torch.float32, device=q.device)
     if num_rows == 0 or max_model_len == 0:
         return logits
@@ -231,8 +257,8 @@ def paged_mqa_logits(
             context_lens.stride(0), context_lens.stride(1) if context_lens.dim() == 2 else 0,
             block_tables.stride(0), logits.stride(0))
     constants = dict(
-        LENGTH_PER_ROW=length_per_row,
-        BLOCK_SIZE=block_size,
+        LENGTH_PER_ROW=operands.length_per_row,
+        BLOCK_SIZE=operands.block_size,
         HEAD_DIM=head_dim,
         HEADS=max(16, triton.next_power_of_2(num_heads)),
         KEYS_PER_PROGRAM=keys_per_program,

@@ -1,0 +1,198 @@
+"""Launcher of the CUDA paged indexer logits (`paged_mqa_logits_sm80.cu`).
+
+Same interface and semantics as `paged_mqa_logits.paged_mqa_logits` (the Triton kernel,
+which runs everywhere else, the interpreter included), and the same keys a program
+(`keys_per_program_for_rows`): DeepGEMM's fp8 paged MQA logits as DeepSeek-V4's indexer
+calls them on decode steps. The CUDA kernel takes 128-dim heads, at most 64 of them, pages
+of a power of two of at least 16 tokens at 16-byte-aligned strides (`takes`); it needs a
+CUDA card and a CUDA compiler (NVRTC from torch's wheels, or nvcc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from services.engine.backport.kernels.cuda_module import CudaKernel, compile_ptx, device_arch
+from services.engine.backport.kernels.paged_mqa_logits import (
+    keys_per_program_for_rows,
+    paged_operands,
+)
+
+SOURCE = Path(__file__).with_name("paged_mqa_logits_sm80.cu")
+KERNEL_NAME = "paged_mqa_logits_sm80"
+THREADS = 128
+KEYS_PER_STEP = 128  # the kernel's kKeys
+HEAD_DIM = 128
+MAX_HEADS = 64
+MIN_BLOCK_SIZE = 16
+DEFAULT_STAGES = 2
+DEFAULT_MIN_BLOCKS = 2
+
+
+class LogitsParams(ctypes.Structure):
+    """The kernel's `LogitsParams`, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("cache", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("block_table", ctypes.c_void_p),
+        ("logits", ctypes.c_void_p),
+        ("q_request_stride", ctypes.c_int64),
+        ("q_draft_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("weights_stride", ctypes.c_int64),
+        ("lengths_request_stride", ctypes.c_int64),
+        ("lengths_draft_stride", ctypes.c_int64),
+        ("block_table_stride", ctypes.c_int64),
+        ("logits_stride", ctypes.c_int64),
+        ("num_heads", ctypes.c_int32),
+        ("next_n", ctypes.c_int32),
+        ("logits_width", ctypes.c_int32),
+        ("keys_per_program", ctypes.c_int32),
+        ("length_per_row", ctypes.c_int32),
+        ("clean", ctypes.c_int32),
+    ]
+
+
+def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the CUDA kernel takes these operands: 128-dim heads, at most 64 of them, and
+    pages of a power of two of at least 16 tokens, 16-byte aligned."""
+    block_size = kv_cache.shape[1] if kv_cache.dim() == 4 else 0
+    return (q.dim() == 4 and q.shape[-1] == HEAD_DIM and q.shape[2] <= MAX_HEADS
+            and block_size >= MIN_BLOCK_SIZE and block_size & (block_size - 1) == 0
+            and kv_cache.stride(0) % 16 == 0 and kv_cache.data_ptr() % 16 == 0)
+
+
+def logits_ptx(arch: str, block_size: int, stages: int = DEFAULT_STAGES,
+               min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
+    """The kernel's PTX for `arch`'s instruction set and `block_size`-token pages (cached
+    on disk by `compile_ptx`)."""
+    return compile_ptx(SOURCE, arch, {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size,
+                                      "PAGED_MQA_LOGITS_STAGES": stages,
+                                      "PAGED_MQA_LOGITS_MIN_BLOCKS": min_blocks})
+
+
+@dataclass(frozen=True)
+class LoadedLogits:
+    """The kernel on one GPU, with what its launches need."""
+
+    kernel: CudaKernel
+    shared_bytes: int  # dynamic shared memory a block uses (the source's own constant)
+    launch_shared_bytes: int  # what launches ask for: more on a card with more per SM
+
+
+@functools.cache
+def load_logits(arch: str, device_index: int, block_size: int, stages: int = DEFAULT_STAGES,
+                min_blocks: int = DEFAULT_MIN_BLOCKS) -> LoadedLogits:
+    """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
+    launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
+    holds more. Load before capturing a CUDA graph: loading reads a constant back."""
+    device = torch.device("cuda", device_index)
+    kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks), KERNEL_NAME, device)
+    shared = kernel.read_int_global("kPagedMqaLogitsSharedBytes")
+    return LoadedLogits(kernel, shared, kernel.target_shared_bytes(arch, THREADS, shared))
+
+
+@dataclass(frozen=True)
+class LogitsLaunch:
+    """One launch of the kernel: its grid and argument, and the logits it fills."""
+
+    grid: tuple[int, int, int]
+    params: LogitsParams
+    block_size: int
+    logits: torch.Tensor
+    operands: tuple[torch.Tensor, ...]  # what params point into, kept alive
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied where its rows do not start at 16-byte boundaries."""
+    if tensor.data_ptr() % 16 or any(stride % 16 for stride in tensor.stride()[:-1]):
+        return tensor.contiguous()
+    return tensor
+
+
+def logits_launch(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                  context_lens: torch.Tensor, block_tables: torch.Tensor, max_model_len: int,
+                  clean_logits: bool, keys_per_program: int | None) -> LogitsLaunch:
+    """Checks the operands and lays out the launch (grid: rows x programs a row)."""
+    operands = paged_operands(q, kv_cache, weights, context_lens, block_tables)
+    q = _aligned(operands.q)
+    if not takes(q, kv_cache):
+        raise ValueError(
+            f"the CUDA paged logits take {HEAD_DIM}-dim heads, at most {MAX_HEADS}, and pages "
+            f"of a power of two of at least {MIN_BLOCK_SIZE} tokens at 16-byte-aligned "
+            f"strides; got q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} stride "
+            f"{kv_cache.stride(0)}")
+    if keys_per_program is None:
+        keys_per_program = keys_per_program_for_rows(operands.num_rows)
+    if keys_per_program <= 0 or keys_per_program % KEYS_PER_STEP:
+        raise ValueError(f"keys_per_program must be a positive multiple of {KEYS_PER_STEP}, "
+                         f"got {keys_per_program}")
+    weights = weights.to(torch.float32)
+    context_lens = context_lens.to(torch.int32)
+    block_tables = operands.block_tables.to(torch.int32)
+    logits = torch.empty((operands.num_rows, max_model_len), dtype=torch.float32,
+                         device=q.device)
+    params = LogitsParams(
+        q=q.data_ptr(),
+        cache=kv_cache.data_ptr(),
+        weights=weights.data_ptr(),
+        lengths=context_lens.data_ptr(),
+        block_table=block_tables.data_ptr(),
+        logits=logits.data_ptr(),
+        q_request_stride=q.stride(0),
+        q_draft_stride=q.stride(1),
+        q_head_stride=q.stride(2),
+        block_stride=kv_cache.stride(0),
+        weights_stride=weights.stride(0),
+        lengths_request_stride=context_lens.stride(0),
+        lengths_draft_stride=context_lens.stride(1) if context_lens.dim() == 2 else 0,
+        block_table_stride=block_tables.stride(0),
+        logits_stride=logits.stride(0),
+        num_heads=q.shape[2],
+        next_n=q.shape[1],
+        logits_width=max_model_len,
+        keys_per_program=keys_per_program,
+        length_per_row=int(operands.length_per_row),
+        clean=int(clean_logits),
+    )
+    grid = (operands.num_rows, triton.cdiv(max_model_len, keys_per_program), 1)
+    return LogitsLaunch(grid, params, operands.block_size, logits,
+                        (q, kv_cache, weights, context_lens, block_tables))
+
+
+def paged_mqa_logits_cuda(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_model_len: int,
+    clean_logits: bool = False,
+    keys_per_program: int | None = None,
+    arch: str | None = None,
+    stages: int = DEFAULT_STAGES,
+    min_blocks: int = DEFAULT_MIN_BLOCKS,
+) -> torch.Tensor:
+    """Indexer logits [B * next_n, max_model_len] fp32, as `paged_mqa_logits`. `arch` picks
+    the instruction set the kernel is built for (default: the card's own), `stages` how
+    many 128-key steps shared memory holds, `min_blocks` the blocks an SM the build must
+    fit."""
+    launch = logits_launch(q, kv_cache, weights, context_lens, block_tables, max_model_len,
+                           clean_logits, keys_per_program)
+    if launch.logits.numel() == 0:
+        return launch.logits
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    loaded = load_logits(arch or device_arch(q.device), device_index, launch.block_size,
+                         stages, min_blocks)
+    loaded.kernel.launch(launch.grid, THREADS, loaded.launch_shared_bytes, launch.params)
+    return launch.logits

@@ -1,0 +1,352 @@
+// DeepSeek-V4's indexer logits over the paged fp8 indexer cache with Ampere's mma.sync: the
+// CUDA counterpart of paged_mqa_logits.py's Triton kernel (DeepGEMM's fp8_paged_mqa_logits),
+// for sm80/86.
+//
+// Why CUDA: both operands of the Triton kernel's dot take the layout K's fp8 bytes give, so
+// q's fragments are moved register by register every step (216 of its 1,061 instructions a
+// 128-key step, sm_80 ptxas); keeping q in the layout ldmatrix gives costs it a K tile
+// decoded through shared memory instead (docs/kernels-history.md, twenty-sixth session).
+// Here K goes from its 16-byte loads to mma fragments in registers and q comes by ldmatrix.
+//
+// One block = one row (a request's token) and up to keys_per_program of its keys, 128 a
+// step; four warps, warp w scores keys 32w..32w+31 of a step against all 64 heads:
+//   1. Once a block, q (64 heads x 128 dims) is decoded to fp16 into shared memory, its dims
+//      permuted: a head's dot with a key may sum its dims in any order, so k16 chunk c of
+//      thread (group, quad) takes dims 32 quad + 4c .. +3, the 4 bytes at offset 4c of the
+//      32 consecutive bytes the thread loads of a key. Rows are XOR-swizzled so that an
+//      ldmatrix's eight row addresses fall in distinct banks.
+//   2. cp.async stages each step's 128 rows of 128 bytes and their fp32 scales kStages - 1
+//      steps ahead; rows past the row's length are zero-filled. Each row's 16-byte pieces
+//      are swapped pairwise on odd keys, so a quarter-warp's two keys hit distinct banks.
+//   3. A thread decodes its four keys' 32 dims into B fragments (64 registers), then for
+//      each 16-head M tile: 8 ldmatrix and 32 mma; relu and each head's weight fold the
+//      accumulators into 8 sums a thread (its 8 heads, its 8 keys).
+//   4. The 8 lanes sharing a column of keys reduce-scatter their sums in 7 shuffles: each
+//      lane ends with one key's logit, which takes the key's scale and is stored.
+// fp8 -> fp16 without fp8 instructions: prmt sign-extends each byte to 16 bits, a shift
+// by 7 puts exponent and mantissa in fp16's fields and the sign at bit 15, and a mask
+// clears bit 14: the fp16 value is the fp8 value times 2^-8 exactly, subnormals included
+// (fp8 NaN reads as 480 x 2^-8; the quantizers write none). The scale takes 2^16 once.
+
+#include "ampere_shared.cuh"
+
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int kHeads = 64;  // staged q rows: four mma M tiles, heads past num_heads zero
+constexpr int kMTiles = kHeads / 16;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeys = 128;  // a step
+constexpr int kKeysPerWarp = kKeys / kWarps;
+constexpr int kNTiles = kKeysPerWarp / 8;  // mma n8 tiles a warp
+constexpr int kChunks = kHeadDim / 16;     // mma k16 chunks
+constexpr int kScaleBytes = 4;
+constexpr float kUnscale = 65536.f;  // undoes the 2^-8 of both fp16 operands
+
+#ifndef PAGED_MQA_LOGITS_BLOCK_SIZE
+#define PAGED_MQA_LOGITS_BLOCK_SIZE 64
+#endif
+// Tokens a page: a build constant, so that a key's page and position are shifts and masks.
+constexpr int kBlockSize = PAGED_MQA_LOGITS_BLOCK_SIZE;
+static_assert(kBlockSize >= 16 && (kBlockSize & (kBlockSize - 1)) == 0,
+              "pages hold a power of two of at least 16 tokens");
+constexpr int kPagesPerStep = kKeys >= kBlockSize ? kKeys / kBlockSize : 1;
+
+#ifndef PAGED_MQA_LOGITS_STAGES
+#define PAGED_MQA_LOGITS_STAGES 2
+#endif
+constexpr int kStages = PAGED_MQA_LOGITS_STAGES;
+static_assert(kStages >= 2, "a step's rows load while the one before is scored");
+#ifndef PAGED_MQA_LOGITS_MIN_BLOCKS
+#define PAGED_MQA_LOGITS_MIN_BLOCKS 2
+#endif
+
+constexpr int kQRowBytes = kHeadDim * 2;
+constexpr int kQBytes = kHeads * kQRowBytes;
+constexpr int kStageRowBytes = kKeys * kHeadDim;
+constexpr int kStageScaleBytes = kKeys * kScaleBytes;
+constexpr int kRowsBytes = kStages * kStageRowBytes;
+constexpr int kSharedBytes = kQBytes + kRowsBytes + kStages * kStageScaleBytes;
+constexpr int kRowPieces = kHeadDim / 16;
+constexpr int kRowCopiesPerThread = kKeys * kRowPieces / kThreads;
+
+}  // namespace
+
+// Must match paged_mqa_logits_cuda.LogitsParams field for field.
+struct LogitsParams {
+  const uint8_t* q;            // fp8 [B, next_n, H, 128]
+  const uint8_t* cache;        // pages: [block_size x 128 fp8][block_size x fp32 scale][pad]
+  const float* weights;        // [B * next_n, H]
+  const int32_t* lengths;      // [B], or [B, next_n] (length_per_row)
+  const int32_t* block_table;  // [B, pages a request]
+  float* logits;               // [B * next_n, logits_width]
+  int64_t q_request_stride;
+  int64_t q_draft_stride;
+  int64_t q_head_stride;
+  int64_t block_stride;
+  int64_t weights_stride;
+  int64_t lengths_request_stride;
+  int64_t lengths_draft_stride;
+  int64_t block_table_stride;
+  int64_t logits_stride;
+  int32_t num_heads;
+  int32_t next_n;
+  int32_t logits_width;
+  int32_t keys_per_program;  // a multiple of 128
+  int32_t length_per_row;
+  int32_t clean;  // -inf from the row's length to the program's end
+};
+static_assert(sizeof(LogitsParams) == 144, "LogitsParams changed: update the Python struct");
+
+extern "C" __constant__ int kPagedMqaLogitsSharedBytes = kSharedBytes;
+
+namespace {
+
+using namespace ampere;
+
+// Bytes 0, 1 (kLowBytes) or 2, 3 (kHighBytes) of x, each sign-extended to 16 bits.
+constexpr uint32_t kLowBytes = 0x9180u;
+constexpr uint32_t kHighBytes = 0xB3A2u;
+
+// Two fp8 e4m3 bytes of x -> two fp16 values, each 2^-8 times the byte's value.
+__device__ __forceinline__ uint32_t fp16_pair(uint32_t x, uint32_t selector) {
+  return (byte_permute(x, 0u, selector) << 7) & 0xBF80BF80u;
+}
+
+// Byte offset of 16-byte piece `piece` of staged q row `head`.
+__device__ __forceinline__ int q_offset(int head, int piece) {
+  return head * kQRowBytes + ((piece ^ (head & 7)) << 4);
+}
+
+// Byte offset of 16-byte piece `piece` of staged key row `key`.
+__device__ __forceinline__ int row_offset(int key, int piece) {
+  return key * kHeadDim + ((piece ^ (key & 1)) << 4);
+}
+
+// The pages a step starting at key `start` reads: the row's table entries, 0 past `end`.
+__device__ __forceinline__ void load_pages(int (&pages)[kPagesPerStep], const int32_t* table,
+                                           int start, int end) {
+#pragma unroll
+  for (int i = 0; i < kPagesPerStep; ++i) {
+    const int first = start + i * kBlockSize;
+    pages[i] = first < end ? table[first / kBlockSize] : 0;
+  }
+}
+
+// pages[slot] for a slot known only at run time, by selects: an indexed register array would
+// go to local memory.
+__device__ __forceinline__ int page_at(const int (&pages)[kPagesPerStep], int slot) {
+  int page = pages[0];
+#pragma unroll
+  for (int i = 1; i < kPagesPerStep; ++i) page = slot == i ? pages[i] : page;
+  return page;
+}
+
+// a + the same-position value of the lane `mask` away, keeping the half of `values` that
+// lane bit `mask` selects and sending the other half.
+template <int kCount>
+__device__ __forceinline__ void reduce_scatter_step(float (&kept)[kCount / 2],
+                                                    const float (&values)[kCount], int mask,
+                                                    int lane) {
+  const bool upper = lane & mask;
+#pragma unroll
+  for (int i = 0; i < kCount / 2; ++i) {
+    const float send = upper ? values[i] : values[i + kCount / 2];
+    const float keep = upper ? values[i + kCount / 2] : values[i];
+    kept[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+  }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOCKS)
+    paged_mqa_logits_sm80(const LogitsParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  uint8_t* q_tile = shared;
+  uint8_t* rows = shared + kQBytes;
+  uint8_t* scales = rows + kRowsBytes;
+
+  const int row = blockIdx.x;
+  const int chunk_start = blockIdx.y * p.keys_per_program;
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int group = lane / 4;  // mma "groupID": A/C row, B column
+  const int quad = lane % 4;   // mma "threadID_in_group"
+  const int request = row / p.next_n;
+  const int draft = row % p.next_n;
+
+  int length = p.length_per_row
+                   ? p.lengths[request * p.lengths_request_stride + draft * p.lengths_draft_stride]
+                   : p.lengths[request * p.lengths_request_stride] - p.next_n + 1 + draft;
+  length = min(length, p.logits_width);
+  const int program_end = min(chunk_start + p.keys_per_program, p.logits_width);
+  const int key_end = min(program_end, length);  // keys with data
+  const int stop = p.clean ? program_end : key_end;  // columns written
+  float* logit_row = p.logits + row * p.logits_stride;
+  // The grid spans logits_width (max_model_len over the indexer's ratio), so most programs
+  // of a short row have no key.
+  if (chunk_start >= length) {
+    for (int n = chunk_start + thread; n < stop; n += kThreads) logit_row[n] = negative_infinity();
+    return;
+  }
+  const int steps = (key_end - chunk_start + kKeys - 1) / kKeys;
+  const int32_t* table = p.block_table + request * p.block_table_stride;
+
+  auto issue = [&](int step, const int(&pages)[kPagesPerStep]) {
+    const int start = chunk_start + step * kKeys;
+    uint8_t* stage_rows = rows + (step % kStages) * kStageRowBytes;
+    uint8_t* stage_scales = scales + (step % kStages) * kStageScaleBytes;
+#pragma unroll
+    for (int i = 0; i < kRowCopiesPerThread; ++i) {
+      // Keys i * 16 + 0..15: within one page (pages hold 16 or more), known at build time.
+      const int key = thread / kRowPieces + i * (kThreads / kRowPieces);
+      const int slot = i * (kThreads / kRowPieces) / kBlockSize % kPagesPerStep;
+      const int piece = thread % kRowPieces;
+      const int n = start + key;
+      const bool valid = n < key_end;
+      const uint8_t* source = p.cache;
+      if (valid) {
+        source += pages[slot] * p.block_stride + (n % kBlockSize) * kHeadDim + piece * 16;
+      }
+      copy_async<16>(stage_rows + row_offset(key, piece), source, valid);
+    }
+    if (thread < kKeys / 4) {  // scales: four keys a 16-byte piece, never across a page
+      const int key = 4 * thread;
+      const int n = start + key;
+      const bool valid = n < key_end;
+      const uint8_t* source = p.cache;
+      if (valid) {
+        source += page_at(pages, key / kBlockSize % kPagesPerStep) * p.block_stride +
+                  kBlockSize * kHeadDim + (n % kBlockSize) * kScaleBytes;
+      }
+      copy_async<16>(stage_scales + key * kScaleBytes, source, valid);
+    }
+  };
+
+  // Start the first steps' copies before decoding q, so that they land meanwhile.
+  int pages[kPagesPerStep];
+#pragma unroll
+  for (int step = 0; step < kStages - 1; ++step) {
+    if (step < steps) {
+      load_pages(pages, table, chunk_start + step * kKeys, key_end);
+      issue(step, pages);
+    }
+    commit_copies();
+  }
+  load_pages(pages, table, chunk_start + (kStages - 1) * kKeys, key_end);
+
+  const uint8_t* q_row = p.q + request * p.q_request_stride + draft * p.q_draft_stride;
+  for (int i = thread; i < kHeads * kRowPieces; i += kThreads) {
+    const int head = i / kRowPieces;
+    const int piece = i % kRowPieces;  // dims 16 piece .. +15
+    uint4 bytes = make_uint4(0, 0, 0, 0);
+    if (head < p.num_heads) {
+      bytes = *reinterpret_cast<const uint4*>(q_row + head * p.q_head_stride + piece * 16);
+    }
+    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+    // Word w holds dims 32 d + 4c .. +3 (d = piece / 2, c = 4 (piece % 2) + w): chunk c's
+    // k = 2d, 2d + 1 (its first 8-column half) and k = 8 + 2d, 9 + 2d (its second).
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int chunk = 4 * (piece % 2) + w;
+      const int column_bytes = 4 * (piece / 2);
+      *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * chunk) + column_bytes) =
+          fp16_pair(words[w], kLowBytes);
+      *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * chunk + 1) + column_bytes) =
+          fp16_pair(words[w], kHighBytes);
+    }
+  }
+
+  // This thread's heads: tile m's rows group and group + 8.
+  float weights[kMTiles][2];
+  const float* weight_row = p.weights + row * p.weights_stride;
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * m + group + 8 * r;
+      weights[m][r] = head < p.num_heads ? weight_row[head] : 0.f;
+    }
+  }
+  // ldmatrix: lanes 8i..8i+7 give the rows of matrix i, which is rows +8 (i odd) and the
+  // chunk's second 8 columns (i >= 2) of the A fragment.
+  const int a_row = (lane % 8) + 8 * ((lane / 8) % 2);
+  const int a_half = lane / 16;
+  const uint32_t q_base = shared_address(q_tile);
+
+  for (int step = 0; step < steps; ++step) {
+    wait_copies<kStages - 2>();
+    __syncthreads();  // this step's rows have landed; the buffer refilled below is free
+    const int ahead = step + kStages - 1;
+    if (ahead < steps) {
+      issue(ahead, pages);
+      load_pages(pages, table, chunk_start + (ahead + 1) * kKeys, key_end);
+    }
+    commit_copies();
+
+    const uint8_t* stage_rows = rows + (step % kStages) * kStageRowBytes;
+    const float* stage_scales =
+        reinterpret_cast<const float*>(scales + (step % kStages) * kStageScaleBytes);
+    uint32_t words[kNTiles][kChunks];  // word c: dims 32 quad + 4c .. +3 of key 8t + group
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) {
+      const int key = warp * kKeysPerWarp + 8 * t + group;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint4 bytes =
+            *reinterpret_cast<const uint4*>(stage_rows + row_offset(key, 2 * quad + half));
+        words[t][4 * half] = bytes.x;
+        words[t][4 * half + 1] = bytes.y;
+        words[t][4 * half + 2] = bytes.z;
+        words[t][4 * half + 3] = bytes.w;
+      }
+    }
+    float scores[kMTiles][kNTiles][4] = {};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      uint32_t b[kNTiles][2];
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) {
+        b[t][0] = fp16_pair(words[t][c], kLowBytes);
+        b[t][1] = fp16_pair(words[t][c], kHighBytes);
+      }
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+        uint32_t a[4];
+        load_matrix_x4(a, q_base + q_offset(16 * m + a_row, 2 * c + a_half));
+#pragma unroll
+        for (int t = 0; t < kNTiles; ++t) mma_f16(scores[m][t], a, b[t][0], b[t][1]);
+      }
+    }
+    float sums[kNTiles * 2] = {};  // key 8t + 2 quad + e at 2t + e
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          sums[2 * t + e] += weights[m][0] * fmaxf(scores[m][t][e], 0.f);
+          sums[2 * t + e] += weights[m][1] * fmaxf(scores[m][t][2 + e], 0.f);
+        }
+      }
+    }
+
+    // Over the 8 lanes of this quad (lane bits 4, 3, 2): lane (group, quad) keeps sum
+    // `group`, the logit of key 8 (group / 2) + 2 quad + group % 2.
+    float half[4], quarter[2], logit[1];
+    reduce_scatter_step<8>(half, sums, 16, lane);
+    reduce_scatter_step<4>(quarter, half, 8, lane);
+    reduce_scatter_step<2>(logit, quarter, 4, lane);
+    const int key = warp * kKeysPerWarp + 8 * (group / 2) + 2 * quad + group % 2;
+    const int n = chunk_start + step * kKeys + key;
+    if (n < stop) {
+      logit_row[n] = n < key_end ? logit[0] * (stage_scales[key] * kUnscale)
+                                 : negative_infinity();
+    }
+  }
+  for (int n = chunk_start + steps * kKeys + thread; n < stop; n += kThreads) {
+    logit_row[n] = negative_infinity();
+  }
+}

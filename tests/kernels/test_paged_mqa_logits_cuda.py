@@ -1,0 +1,173 @@
+"""The CUDA paged indexer logits against the same plain-torch reference as the Triton ones.
+
+Without a GPU the kernel's own source runs in the CPU emulation (`cuda_host_emulation`) on
+small shapes, and its PTX is assembled for sm80 and sm86 where a CUDA toolkit exists. On a
+CUDA card, `--gpu-arch` builds it for that arch's instruction set.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
+from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
+from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch
+from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits_reference
+from services.engine.backport.kernels.paged_mqa_logits_cuda import (
+    DEFAULT_MIN_BLOCKS,
+    KERNEL_NAME,
+    SOURCE,
+    THREADS,
+    load_logits,
+    logits_launch,
+    logits_ptx,
+    paged_mqa_logits_cuda,
+    takes,
+)
+from tests.kernels.cuda_host_emulation import EmulatedKernel
+from tests.kernels.offline_build import assemble_ptx
+from tests.kernels.test_mqa_logits import GPU_PAGED, PagedCase, assert_logits_match, paged_inputs
+
+REGISTERS_PER_SM = 65536  # sm80, sm86 and sm89 alike
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")
+
+
+def _ptx_or_skip(arch: str, block_size: int = 64, min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
+    try:
+        return logits_ptx(arch, block_size, min_blocks=min_blocks)
+    except CudaBuildError as exc:
+        if "needs NVRTC" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.mark.parametrize("min_blocks", [2, 3])
+@pytest.mark.parametrize("arch", ["sm80", "sm86"])
+def test_cuda_logits_assemble_for_ampere_without_spills(arch: str, min_blocks: int) -> None:
+    """ptxas for the real Ampere target: no fp8 instruction can pass it, and spills would
+    show here first."""
+    registers, spills = assemble_ptx(_ptx_or_skip(arch, min_blocks=min_blocks), arch)
+    assert spills == 0
+    assert registers <= REGISTERS_PER_SM // (THREADS * min_blocks)
+
+
+# Small shapes the emulation runs in seconds: 16-, 64- and 128-token pages, 2 and 3
+# stages, rows ending mid-step and mid-page, speculative rows with their own lengths,
+# requests of no key, clean and plain logits, fewer heads than the 64 staged.
+EMULATED = [
+    (PagedCase(2, 1, 64, 128, 64, 300, per_draft_lengths=False, clean=True,
+               keys_per_program=256), 2),
+    (PagedCase(2, 2, 40, 128, 16, 200, per_draft_lengths=True, clean=False,
+               keys_per_program=128, empty_requests=1), 3),
+    (PagedCase(3, 2, 20, 128, 128, 260, per_draft_lengths=False, clean=True,
+               keys_per_program=384, empty_requests=1), 2),
+]
+
+
+@pytest.fixture(scope="module")
+def emulated_logits(tmp_path_factory: pytest.TempPathFactory):
+    builds: dict[tuple[int, int], EmulatedKernel] = {}
+
+    def build(block_size: int, stages: int) -> EmulatedKernel:
+        if (block_size, stages) not in builds:
+            builds[block_size, stages] = EmulatedKernel(
+                SOURCE, KERNEL_NAME, "LogitsParams",
+                {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size, "PAGED_MQA_LOGITS_STAGES": stages},
+                tmp_path_factory.mktemp("emulated"))
+        return builds[block_size, stages]
+
+    return build
+
+
+@pytest.mark.parametrize("case_index", range(len(EMULATED)))
+def test_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
+        case_index: int, emulated_logits) -> None:
+    """The kernel's own code (page lookups, the copy pipeline, q's permuted staging, the
+    fp8 decode, fragment layouts, the reduce-scatter) on the CPU, its Ampere instructions
+    emulated."""
+    case, stages = EMULATED[case_index]
+    inputs = paged_inputs(case, "cpu", seed=70 + case_index)
+    launch = logits_launch(**inputs, clean_logits=case.clean,
+                           keys_per_program=case.keys_per_program)
+    if not case.clean:  # columns the kernel leaves unwritten must not pass for written ones
+        launch.logits.fill_(float("nan"))
+    emulated_logits(case.block_size, stages).launch(launch.grid, THREADS, launch.params)
+    want = paged_mqa_logits_reference(**inputs)
+    if not case.clean:
+        written = torch.isfinite(want)
+        assert not torch.isnan(launch.logits[written]).any()
+        launch.logits[~written] = float("-inf")
+    assert_logits_match(launch.logits, want, case.clean)
+
+
+def test_cuda_logits_refuse_what_they_do_not_take() -> None:
+    """Checked before anything is built or launched, so it holds without a CUDA card."""
+    case = PagedCase(1, 1, 16, 32, 16, 64, per_draft_lengths=False, clean=False)
+    inputs = paged_inputs(case, "cpu", seed=1)
+    assert not takes(inputs["q"], inputs["kv_cache"])
+    with pytest.raises(ValueError, match="128-dim heads"):
+        paged_mqa_logits_cuda(**inputs)
+    case = PagedCase(1, 1, 16, 128, 64, 256, per_draft_lengths=False, clean=False)
+    inputs = paged_inputs(case, "cpu", seed=1)
+    assert takes(inputs["q"], inputs["kv_cache"])
+    with pytest.raises(ValueError, match="keys_per_program"):
+        paged_mqa_logits_cuda(**inputs, keys_per_program=200)
+
+
+@pytest.fixture(scope="module")
+def cuda_arch(gpu_arch: str | None) -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA card")
+    arch = gpu_arch or device_arch(torch.device("cuda"))
+    _ptx_or_skip(arch)
+    return arch
+
+
+# (case, keys a program (None: the launcher's), stages, blocks an SM)
+GPU_CASES = [
+    *[(case, case.keys_per_program, 2, DEFAULT_MIN_BLOCKS) for case in GPU_PAGED],
+    # The launcher's own keys a program: one row (256), a few rows (512).
+    (PagedCase(1, 1, 64, 128, 64, 5000, per_draft_lengths=False, clean=True), None, 2, 2),
+    (PagedCase(5, 1, 64, 128, 64, 3000, per_draft_lengths=False, clean=False), None, 2, 2),
+    (PagedCase(4, 2, 64, 128, 256, 4096, per_draft_lengths=True, clean=True,
+               empty_requests=1), 1024, 2, 2),
+    # The other builds: 3 stages, 3 blocks an SM.
+    (GPU_PAGED[1], 1024, 3, 2),
+    (GPU_PAGED[0], 1024, 2, 3),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case_index", range(len(GPU_CASES)))
+def test_cuda_logits_match_reference(case_index: int, cuda_arch: str, record_max_error) -> None:
+    case, keys_per_program, stages, min_blocks = GPU_CASES[case_index]
+    inputs = paged_inputs(case, "cuda", seed=case_index)
+    got = paged_mqa_logits_cuda(**inputs, clean_logits=case.clean,
+                                keys_per_program=keys_per_program, arch=cuda_arch,
+                                stages=stages, min_blocks=min_blocks)
+    want = paged_mqa_logits_reference(**inputs)
+    if not case.clean:
+        got[~torch.isfinite(want)] = float("-inf")
+    record_max_error(KERNEL_NAME, assert_logits_match(got, want, case.clean))
+
+
+@needs_cuda
+@pytest.mark.parametrize("min_blocks", [2, 3])
+def test_cuda_logits_fit_the_arch(cuda_arch: str, min_blocks: int, record_cuda_kernel) -> None:
+    """Within the target's shared memory, no spills after the JIT, and launches held to
+    the blocks an SM the target would keep."""
+    loaded = load_logits(cuda_arch, torch.cuda.current_device(), 64, min_blocks=min_blocks)
+    resources = loaded.kernel.resources
+    record_cuda_kernel(KERNEL_NAME, loaded.shared_bytes, resources.registers,
+                       resources.local_bytes)
+    limit = SHARED_MEMORY_LIMIT_BYTES.get(cuda_arch)
+    if limit is not None:
+        assert loaded.shared_bytes <= limit
+    assert resources.local_bytes == 0
+    if cuda_arch in CARD_LIMITS:
+        target = resident_blocks(cuda_arch, THREADS, loaded.shared_bytes, resources.registers)
+        assert target >= 2
+        present = loaded.kernel.blocks_per_sm(THREADS, loaded.launch_shared_bytes)
+        assert present == min(target, loaded.kernel.blocks_per_sm(THREADS,
+                                                                   loaded.shared_bytes))
