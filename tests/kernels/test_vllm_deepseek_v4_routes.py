@@ -31,6 +31,7 @@ import torch
 from services.engine.backport import deepseek_v4
 from services.engine.backport.deepseek_v4 import activation, op_adapters
 from services.engine.backport.kernels import ds_mla_cache as layout
+from services.engine.backport.kernels.cuda_module import device_arch
 from services.engine.backport.kernels.fp8_einsum import SCALE_BLOCK
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
@@ -39,10 +40,19 @@ from services.engine.backport.kernels.inv_rope_fp8_quant import (
     fused_inv_rope_fp8_quant_reference,
 )
 from services.engine.backport.kernels.mqa_logits import mqa_logits
-from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
+from services.engine.backport.kernels.paged_mqa_logits import (
+    paged_mqa_logits,
+    paged_mqa_logits_reference,
+)
+from services.engine.backport.kernels.paged_mqa_logits_cuda import (
+    CUDA_LOGITS_ARCHS,
+    default_min_blocks,
+    paged_mqa_logits_cuda,
+)
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode_reference
 from tests.kernels.test_fp8_einsum import assert_einsum_matches
 from tests.kernels.test_mqa_logits import (
+    GPU_PAGED,
     INTERPRETER_PAGED,
     INTERPRETER_RAGGED,
     fp8_values,
@@ -227,7 +237,7 @@ def test_decode_adapter_runs_the_cuda_decode_in_a_cuda_graph(
     if kernel_device != "cuda":
         pytest.skip("the CUDA decode needs a CUDA card")
     call, want = decode_call(kernel_device, seed=22)
-    assert op_adapters.prepare_cuda_decode(torch.device("cuda"), gpu_arch)
+    assert op_adapters.prepare_cuda_kernels(torch.device("cuda"), gpu_arch)
     assert op_adapters.runs_cuda_decode(call["q"], call["k_cache"], call["extra_k_cache"])
     op_adapters.flash_mla_with_kvcache(**call)  # Triton's combine compiles outside capture
     call["out"].zero_()
@@ -238,6 +248,30 @@ def test_decode_adapter_runs_the_cuda_decode_in_a_cuda_graph(
     graph.replay()
     torch.cuda.synchronize()
     check_decode(out, lse, call, want)
+
+
+def test_paged_logits_adapter_runs_the_cuda_kernel_in_a_cuda_graph(
+        kernel_device: str, gpu_arch: str | None) -> None:
+    """Loaded first, the CUDA paged logits are what the adapter runs for the indexer's
+    64-token pages on sm80/86 (bit for bit the CUDA kernel's result, which sums in another
+    order than the Triton one), and a CUDA graph captured around the adapter replays it."""
+    arch = gpu_arch or (kernel_device == "cuda" and device_arch(torch.device("cuda")))
+    if arch not in CUDA_LOGITS_ARCHS:
+        pytest.skip("the CUDA paged logits serve sm80/86 cards")
+    inputs = paged_inputs(GPU_PAGED[0], kernel_device, seed=23)
+    assert inputs["kv_cache"].shape[1] == op_adapters.INDEXER_BLOCK_SIZE
+    assert op_adapters.prepare_cuda_kernels(torch.device("cuda"), arch)
+    want = paged_mqa_logits_cuda(**inputs, arch=arch, min_blocks=default_min_blocks(arch))
+    call = ((inputs["q"], None), inputs["kv_cache"], inputs["weights"], inputs["context_lens"],
+            inputs["block_tables"], None, inputs["max_model_len"], False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = op_adapters.fp8_fp4_paged_mqa_logits(*call)
+    got.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    written = torch.isfinite(paged_mqa_logits_reference(**inputs))
+    assert torch.equal(got[written], want[written])
 
 
 def test_decode_adapter_refuses_what_is_not_backported() -> None:

@@ -194,7 +194,7 @@ def _extend_layer_init(layer_class: type) -> None:
 
     from services.engine.backport.deepseek_v4.op_adapters import (
         keep_fp8_wo_a,
-        prepare_cuda_decode,
+        prepare_cuda_kernels,
     )
 
     stock_init = layer_class.__init__
@@ -203,7 +203,7 @@ def _extend_layer_init(layer_class: type) -> None:
         stock_init(self, *args, **kwargs)
         keep_fp8_wo_a(self)  # before the loader runs its quant method on the weights
         if torch.cuda.is_available():
-            prepare_cuda_decode(torch.device("cuda", torch.cuda.current_device()))
+            prepare_cuda_kernels(torch.device("cuda", torch.cuda.current_device()))
 
     _replace(layer_class, "__init__", __init__)
 

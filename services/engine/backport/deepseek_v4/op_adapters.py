@@ -30,6 +30,13 @@ from services.engine.backport.kernels.indexer_k_compress import indexer_k_compre
 from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
 from services.engine.backport.kernels.mqa_logits import mqa_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits
+from services.engine.backport.kernels.paged_mqa_logits_cuda import (
+    CUDA_LOGITS_ARCHS,
+    default_min_blocks,
+    load_logits,
+    paged_mqa_logits_cuda,
+    takes,
+)
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     load_decode,
@@ -42,21 +49,30 @@ logger = logging.getLogger(__name__)
 # the Triton one elsewhere (the CUDA one took 0.044 ms where the Triton one took 0.079,
 # B=64 H=16 top-k 2048 on the H200 in sm80 mode).
 _cuda_decode_archs: dict[int, str] = {}
+# (GPU index, page size) -> the arch the CUDA paged logits for those pages were built for
+# (1.2-1.4x the Triton kernel's speed at 8 and 64 rows: docs/kernels.md).
+_cuda_logits_archs: dict[tuple[int, int], str] = {}
+# The indexer cache's tokens a page, which the CUDA paged logits are built for ahead of use.
+INDEXER_BLOCK_SIZE = 64
 
 
-def prepare_cuda_decode(device: torch.device, arch: str | None = None) -> bool:
-    """Builds the CUDA decode for `arch` (default: the card's own) and loads it on
-    `device`, so the decode adapter uses it there from now on. Must run before CUDA-graph
-    capture: loading reads a constant back from the GPU. Returns whether it loaded
-    (without a CUDA compiler the Triton decode serves)."""
+def prepare_cuda_kernels(device: torch.device, arch: str | None = None) -> bool:
+    """Builds the CUDA decode and, for sm80/86, the CUDA paged logits for `arch` (default:
+    the card's own) and loads them on `device`, so the adapters use them there from now on.
+    Must run before CUDA-graph capture: loading reads a constant back from the GPU. Returns
+    whether the decode loaded (without a CUDA compiler the Triton kernels serve)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = arch or device_arch(torch.device("cuda", index))
     try:
         load_decode(arch, index)
-    except Exception:  # the Triton decode still serves; say why once
-        logger.exception("backport: CUDA sparse MLA decode unavailable on cuda:%d", index)
+        if arch in CUDA_LOGITS_ARCHS:
+            load_logits(arch, index, INDEXER_BLOCK_SIZE, min_blocks=default_min_blocks(arch))
+    except Exception:  # the Triton kernels still serve; say why once
+        logger.exception("backport: CUDA kernels unavailable on cuda:%d", index)
         return False
     _cuda_decode_archs[index] = arch
+    if arch in CUDA_LOGITS_ARCHS:
+        _cuda_logits_archs[index, INDEXER_BLOCK_SIZE] = arch
     return True
 
 
@@ -96,7 +112,7 @@ def flash_mla_with_kvcache(
 
     Only the sparse fp8 form DeepSeek-V4 uses: `block_table` and `cache_seqlens` are unused
     there, and FlashMLA's tile-scheduler plan is replaced by the decode's own split rule.
-    The CUDA decode runs where `prepare_cuda_decode` loaded it, the Triton one elsewhere.
+    The CUDA decode runs where `prepare_cuda_kernels` loaded it, the Triton one elsewhere.
     """
     if indices is None or not is_fp8_kvcache:
         raise NotImplementedError("only FlashMLA's sparse fp8 decode is backported "
@@ -151,11 +167,17 @@ def fp8_fp4_paged_mqa_logits(
 ) -> torch.Tensor:
     """DeepGEMM's fp8 indexer logits over the paged cache: [B * next_n, max_model_len] fp32.
     DeepGEMM's SM schedule is not needed; its varlen rows (`indices`, Blackwell's) are not
-    backported."""
+    backported. The CUDA kernel runs where `prepare_cuda_kernels` loaded it for these
+    pages, the Triton one elsewhere."""
     if indices is not None:
         raise NotImplementedError("varlen paged logits (indices) are not backported")
-    return paged_mqa_logits(_fp8_q(q), kv_cache, weights, context_lens, block_tables,
-                            max_model_len, clean_logits)
+    values = _fp8_q(q)
+    operands = (values, kv_cache, weights, context_lens, block_tables, max_model_len,
+                clean_logits)
+    arch = _cuda_logits_archs.get((values.device.index, kv_cache.shape[1]))
+    if values.is_cuda and arch is not None and takes(values, kv_cache):
+        return paged_mqa_logits_cuda(*operands, arch=arch, min_blocks=default_min_blocks(arch))
+    return paged_mqa_logits(*operands)
 
 
 def indexer_logits_available() -> bool:
