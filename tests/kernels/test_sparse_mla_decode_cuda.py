@@ -8,6 +8,7 @@ for that arch's instruction set (compute_80 PTX, JIT-compiled for the card prese
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -93,7 +94,8 @@ def emulated_decode(tmp_path_factory: pytest.TempPathFactory):
                          [(2, torch.bfloat16), (3, torch.bfloat16), (2, torch.float32)])
 @pytest.mark.parametrize("case_index", range(len(INTERPRETER_CASES)))
 def test_cuda_decode_matches_reference_in_a_cpu_emulation_of_the_gpu(
-        case_index: int, min_blocks: int, partial_dtype: torch.dtype, emulated_decode) -> None:
+        case_index: int, min_blocks: int, partial_dtype: torch.dtype, emulated_decode,
+        kernel_device: str) -> None:
     """The kernel's own code (slot runs, padding, the copy pipeline, online softmax,
     fragment movement) on the CPU, its Ampere instructions emulated (`cuda_host_emulation`);
     the combine is the Triton one, as on the GPU."""
@@ -107,7 +109,13 @@ def test_cuda_decode_matches_reference_in_a_cpu_emulation_of_the_gpu(
                                extra_indices, extra_topk_length, block_size, extra_block_size,
                                num_splits, partial_dtype)
         kernel.launch(launch.grid, THREADS, launch.params)
-        return launch.combine(attn_sink)
+        if kernel_device == "cuda":  # Triton's combine runs compiled there, on GPU tensors
+            launch = dataclasses.replace(launch, q=launch.q.cuda(),
+                                         partial_out=launch.partial_out.cuda(),
+                                         partial_lse=launch.partial_lse.cuda())
+            attn_sink = attn_sink.cuda() if attn_sink is not None else None
+        out, lse = launch.combine(attn_sink)
+        return out.cpu(), lse.cpu()
 
     got, want = run_case(case, "cpu", seed=60 + case_index, decode=decode)
     check_against_reference(case, got, want)
