@@ -636,7 +636,7 @@ SERVED_LOGITS_WIDTH = (1 << 20) // 4
 
 
 # The CUDA paged logits' builds timed beside the Triton kernel: (stages, blocks an SM).
-CUDA_LOGITS_BUILDS = ((2, 2), (3, 2), (2, 3))
+CUDA_LOGITS_BUILDS = ((2, 2), (2, 3))
 
 
 def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, object]]:

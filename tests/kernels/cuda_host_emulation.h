@@ -52,6 +52,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 
 inline thread_local dim3 threadIdx;
 inline thread_local dim3 blockIdx;
+inline thread_local dim3 gridDim;
 
 // The block's shared memory: blocks run one after another.
 alignas(16) inline uint8_t shared[1 << 18];
@@ -116,6 +117,7 @@ void run_grid(dim3 grid, int threads, Kernel kernel) {
           workers.emplace_back([=] {
             threadIdx = {static_cast<unsigned>(t), 0, 0};
             blockIdx = {x, y, z};
+            gridDim = grid;
             copy_groups.clear();
             open_group.clear();
             kernel();

@@ -7,6 +7,8 @@ CUDA card, `--gpu-arch` builds it for that arch's instruction set.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from services.engine.backport.kernels.cuda_module import CudaBuildError, device_
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits_reference
 from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     DEFAULT_MIN_BLOCKS,
+    DEFAULT_STAGES,
     KERNEL_NAME,
     SOURCE,
     THREADS,
@@ -52,16 +55,27 @@ def test_cuda_logits_assemble_for_ampere_without_spills(arch: str, min_blocks: i
     assert registers <= REGISTERS_PER_SM // (THREADS * min_blocks)
 
 
+class CudaCase(NamedTuple):
+    case: PagedCase
+    keys_per_program: int | None  # None: the launcher's
+    stages: int = DEFAULT_STAGES
+    min_blocks: int = DEFAULT_MIN_BLOCKS
+    blocks_per_row: int | None = None  # None: the launcher's (on a GPU), a block a chunk
+
+
 # Small shapes the emulation runs in seconds: 16-, 64- and 128-token pages, 2 and 3
 # stages, rows ending mid-step and mid-page, speculative rows with their own lengths,
-# requests of no key, clean and plain logits, fewer heads than the 64 staged.
+# requests of no key, clean and plain logits, fewer heads than the 64 staged, and blocks
+# that take one, two and every chunk of their row.
 EMULATED = [
-    (PagedCase(2, 1, 64, 128, 64, 300, per_draft_lengths=False, clean=True,
-               keys_per_program=256), 2),
-    (PagedCase(2, 2, 40, 128, 16, 200, per_draft_lengths=True, clean=False,
-               keys_per_program=128, empty_requests=1), 3),
-    (PagedCase(3, 2, 20, 128, 128, 260, per_draft_lengths=False, clean=True,
-               keys_per_program=384, empty_requests=1), 2),
+    CudaCase(PagedCase(3, 1, 64, 128, 64, 700, per_draft_lengths=False, clean=True), 384,
+             blocks_per_row=1),
+    CudaCase(PagedCase(2, 2, 40, 128, 16, 200, per_draft_lengths=True, clean=False,
+                       empty_requests=1), 128, stages=3),
+    CudaCase(PagedCase(3, 2, 20, 128, 128, 390, per_draft_lengths=False, clean=True,
+                       empty_requests=1), 128, blocks_per_row=2),
+    CudaCase(PagedCase(2, 1, 16, 128, 32, 600, per_draft_lengths=False, clean=False), 128,
+             blocks_per_row=2),
 ]
 
 
@@ -86,17 +100,16 @@ def test_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
     """The kernel's own code (page lookups, the copy pipeline, q's permuted staging, the
     fp8 decode, fragment layouts, the reduce-scatter) on the CPU, its Ampere instructions
     emulated."""
-    case, stages = EMULATED[case_index]
+    case, keys_per_program, stages, _, blocks_per_row = EMULATED[case_index]
     inputs = paged_inputs(case, "cpu", seed=70 + case_index)
-    launch = logits_launch(**inputs, clean_logits=case.clean,
-                           keys_per_program=case.keys_per_program)
-    if not case.clean:  # columns the kernel leaves unwritten must not pass for written ones
-        launch.logits.fill_(float("nan"))
+    launch = logits_launch(**inputs, clean_logits=case.clean, keys_per_program=keys_per_program,
+                           blocks_per_row=blocks_per_row)
+    launch.logits.fill_(float("nan"))  # a column left unwritten must not pass for written
     emulated_logits(case.block_size, stages).launch(launch.grid, THREADS, launch.params)
     want = paged_mqa_logits_reference(**inputs)
     if not case.clean:
         written = torch.isfinite(want)
-        assert not torch.isnan(launch.logits[written]).any()
+        assert torch.isnan(launch.logits[~written]).all(), "wrote past a row's keys"
         launch.logits[~written] = float("-inf")
     assert_logits_match(launch.logits, want, case.clean)
 
@@ -124,28 +137,33 @@ def cuda_arch(gpu_arch: str | None) -> str:
     return arch
 
 
-# (case, keys a program (None: the launcher's), stages, blocks an SM)
 GPU_CASES = [
-    *[(case, case.keys_per_program, 2, DEFAULT_MIN_BLOCKS) for case in GPU_PAGED],
+    *[CudaCase(case, case.keys_per_program) for case in GPU_PAGED],
     # The launcher's own keys a program: one row (256), a few rows (512).
-    (PagedCase(1, 1, 64, 128, 64, 5000, per_draft_lengths=False, clean=True), None, 2, 2),
-    (PagedCase(5, 1, 64, 128, 64, 3000, per_draft_lengths=False, clean=False), None, 2, 2),
-    (PagedCase(4, 2, 64, 128, 256, 4096, per_draft_lengths=True, clean=True,
-               empty_requests=1), 1024, 2, 2),
+    CudaCase(PagedCase(1, 1, 64, 128, 64, 5000, per_draft_lengths=False, clean=True), None),
+    CudaCase(PagedCase(5, 1, 64, 128, 64, 3000, per_draft_lengths=False, clean=False), None),
+    CudaCase(PagedCase(4, 2, 64, 128, 256, 4096, per_draft_lengths=True, clean=True,
+                       empty_requests=1), 1024),
+    # Blocks that take several chunks of a wide row.
+    CudaCase(PagedCase(6, 1, 64, 128, 64, 20000, per_draft_lengths=False, clean=False), 512,
+             blocks_per_row=3),
+    CudaCase(PagedCase(3, 2, 64, 128, 64, 9000, per_draft_lengths=True, clean=True), 256,
+             blocks_per_row=5),
     # The other builds: 3 stages, 3 blocks an SM.
-    (GPU_PAGED[1], 1024, 3, 2),
-    (GPU_PAGED[0], 1024, 2, 3),
+    CudaCase(GPU_PAGED[1], 1024, stages=3),
+    CudaCase(GPU_PAGED[0], 1024, min_blocks=3),
 ]
 
 
 @needs_cuda
 @pytest.mark.parametrize("case_index", range(len(GPU_CASES)))
 def test_cuda_logits_match_reference(case_index: int, cuda_arch: str, record_max_error) -> None:
-    case, keys_per_program, stages, min_blocks = GPU_CASES[case_index]
+    case, keys_per_program, stages, min_blocks, blocks_per_row = GPU_CASES[case_index]
     inputs = paged_inputs(case, "cuda", seed=case_index)
     got = paged_mqa_logits_cuda(**inputs, clean_logits=case.clean,
                                 keys_per_program=keys_per_program, arch=cuda_arch,
-                                stages=stages, min_blocks=min_blocks)
+                                stages=stages, min_blocks=min_blocks,
+                                blocks_per_row=blocks_per_row)
     want = paged_mqa_logits_reference(**inputs)
     if not case.clean:
         got[~torch.isfinite(want)] = float("-inf")

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 
-from services.engine.backport.kernels.cuda_module import CudaKernel, compile_ptx, device_arch
+from services.engine.backport.kernels.cuda_module import (
+    CudaKernel,
+    compile_ptx,
+    context_sm_count,
+    device_arch,
+)
 from services.engine.backport.kernels.paged_mqa_logits import (
     keys_per_program_for_rows,
     paged_operands,
@@ -44,6 +50,11 @@ DEFAULT_MIN_BLOCKS = 2
 # two: an A100's 164 KB holds three (168 registers a thread, against 191): 1.07-1.12x the
 # 2-block build at 8 and 64 rows on 132 and 112 SMs in sm80 mode. sm86/89 hold two.
 MIN_BLOCKS_BY_ARCH = {"sm80": 3}
+
+
+# Blocks a launch gives a row: at most this many rounds of the blocks the card keeps
+# resident, however wide the rows (see the kernel's comment on chunks).
+WAVES = 4
 
 
 def default_min_blocks(arch: str) -> int:
@@ -104,6 +115,14 @@ class LoadedLogits:
     kernel: CudaKernel
     shared_bytes: int  # dynamic shared memory a block uses (the source's own constant)
     launch_shared_bytes: int  # what launches ask for: more on a card with more per SM
+    blocks_per_sm: int  # resident at once: the target card's figure, where it is known
+    sm_count: int  # SMs of the context it was loaded in (a green context's share)
+
+    def blocks_per_row(self, num_rows: int, chunks: int) -> int:
+        """Blocks a row for `num_rows` rows of `chunks` chunks: each takes every so many of
+        its row's chunks, so that the grid is at most `WAVES` rounds of resident blocks."""
+        resident = self.blocks_per_sm * self.sm_count
+        return max(1, min(chunks, triton.cdiv(WAVES * resident, max(1, num_rows))))
 
 
 @functools.cache
@@ -115,7 +134,11 @@ def load_logits(arch: str, device_index: int, block_size: int, stages: int = DEF
     device = torch.device("cuda", device_index)
     kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kPagedMqaLogitsSharedBytes")
-    return LoadedLogits(kernel, shared, kernel.target_shared_bytes(arch, THREADS, shared))
+    launch_shared = kernel.target_shared_bytes(arch, THREADS, shared)
+    with torch.cuda.device(device):
+        sm_count = context_sm_count(device_index)
+    return LoadedLogits(kernel, shared, launch_shared,
+                        kernel.blocks_per_sm(THREADS, launch_shared), sm_count)
 
 
 @dataclass(frozen=True)
@@ -138,8 +161,12 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
 
 def logits_launch(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, max_model_len: int,
-                  clean_logits: bool, keys_per_program: int | None) -> LogitsLaunch:
-    """Checks the operands and lays out the launch (grid: rows x programs a row)."""
+                  clean_logits: bool, keys_per_program: int | None,
+                  blocks_per_row: Callable[[int, int], int] | int | None = None
+                  ) -> LogitsLaunch:
+    """Checks the operands and lays out the launch: a grid of rows x blocks a row, which is
+    a count or, given the rows and each row's chunks of `keys_per_program` keys, picks one
+    (default: a block a chunk)."""
     operands = paged_operands(q, kv_cache, weights, context_lens, block_tables)
     q = _aligned(operands.q)
     if not takes(q, kv_cache):
@@ -181,7 +208,10 @@ def logits_launch(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
         length_per_row=int(operands.length_per_row),
         clean=int(clean_logits),
     )
-    grid = (operands.num_rows, triton.cdiv(max_model_len, keys_per_program), 1)
+    chunks = triton.cdiv(max_model_len, keys_per_program)
+    if callable(blocks_per_row):
+        blocks_per_row = blocks_per_row(operands.num_rows, chunks)
+    grid = (operands.num_rows, min(chunks, blocks_per_row or chunks), 1)
     return LogitsLaunch(grid, params, operands.block_size, logits,
                         (q, kv_cache, weights, context_lens, block_tables))
 
@@ -198,17 +228,25 @@ def paged_mqa_logits_cuda(
     arch: str | None = None,
     stages: int = DEFAULT_STAGES,
     min_blocks: int = DEFAULT_MIN_BLOCKS,
+    blocks_per_row: int | None = None,
 ) -> torch.Tensor:
     """Indexer logits [B * next_n, max_model_len] fp32, as `paged_mqa_logits`. `arch` picks
     the instruction set the kernel is built for (default: the card's own), `stages` how
     many 128-key steps shared memory holds, `min_blocks` the blocks an SM the build must
-    fit."""
+    fit, `blocks_per_row` the grid's blocks a row (default: `LoadedLogits.blocks_per_row`)."""
+    def loaded() -> LoadedLogits:  # after the operands' checks, which need no GPU
+        device_index = q.device.index
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        return load_logits(arch or device_arch(q.device), device_index, kv_cache.shape[1],
+                           stages, min_blocks)
+
     launch = logits_launch(q, kv_cache, weights, context_lens, block_tables, max_model_len,
-                           clean_logits, keys_per_program)
+                           clean_logits, keys_per_program,
+                           blocks_per_row if blocks_per_row is not None
+                           else lambda *shape: loaded().blocks_per_row(*shape))
     if launch.logits.numel() == 0:
         return launch.logits
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    loaded = load_logits(arch or device_arch(q.device), device_index, launch.block_size,
-                         stages, min_blocks)
-    loaded.kernel.launch(launch.grid, THREADS, loaded.launch_shared_bytes, launch.params)
+    built = loaded()
+    built.kernel.launch(launch.grid, THREADS, built.launch_shared_bytes, launch.params)
     return launch.logits

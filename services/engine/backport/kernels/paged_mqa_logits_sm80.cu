@@ -8,8 +8,8 @@
 // decoded through shared memory instead (docs/kernels-history.md, twenty-sixth session).
 // Here K goes from its 16-byte loads to mma fragments in registers and q comes by ldmatrix.
 //
-// One block = one row (a request's token) and up to keys_per_program of its keys, 128 a
-// step; four warps, warp w scores keys 32w..32w+31 of a step against all 64 heads:
+// One block = one row (a request's token) and some chunks of keys_per_program of its keys,
+// 128 a step; four warps, warp w scores keys 32w..32w+31 of a step against all 64 heads:
 //   1. Once a block, q (64 heads x 128 dims) is decoded to fp16 into shared memory, its dims
 //      permuted: a head's dot with a key may sum its dims in any order, so k16 chunk c of
 //      thread (group, quad) takes dims 32 quad + 4c .. +3, the 4 bytes at offset 4c of the
@@ -93,7 +93,7 @@ struct LogitsParams {
   int32_t num_heads;
   int32_t next_n;
   int32_t logits_width;
-  int32_t keys_per_program;  // a multiple of 128
+  int32_t keys_per_program;  // a chunk's keys, a multiple of 128
   int32_t length_per_row;
   int32_t clean;  // -inf from the row's length to the program's end
 };
@@ -168,7 +168,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   uint8_t* scales = rows + kRowsBytes;
 
   const int row = blockIdx.x;
-  const int chunk_start = blockIdx.y * p.keys_per_program;
   const int thread = threadIdx.x;
   const int warp = thread / 32;
   const int lane = thread % 32;
@@ -180,22 +179,47 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   int length = p.length_per_row
                    ? p.lengths[request * p.lengths_request_stride + draft * p.lengths_draft_stride]
                    : p.lengths[request * p.lengths_request_stride] - p.next_n + 1 + draft;
-  length = min(length, p.logits_width);
-  const int program_end = min(chunk_start + p.keys_per_program, p.logits_width);
-  const int key_end = min(program_end, length);  // keys with data
-  const int stop = p.clean ? program_end : key_end;  // columns written
+  length = max(min(length, p.logits_width), 0);
   float* logit_row = p.logits + row * p.logits_stride;
-  // The grid spans logits_width (max_model_len over the indexer's ratio), so most programs
-  // of a short row have no key.
-  if (chunk_start >= length) {
-    for (int n = chunk_start + thread; n < stop; n += kThreads) logit_row[n] = negative_infinity();
-    return;
+
+  // The row's columns are cut into chunks of keys_per_program; this block takes chunks
+  // blockIdx.y, + gridDim.y, + 2 gridDim.y, ... The launcher caps gridDim.y at a few
+  // waves of blocks: vLLM asks for rows max_model_len / 4 wide whatever their lengths, and
+  // a block a chunk would mostly be blocks that find no key, each holding its 50 KB of
+  // shared memory while it looks. Its chunks with keys are all full but the last, so its
+  // steps are a run of `steps` 128-key steps.
+  const int first_chunk = blockIdx.y;
+  const int chunk_stride = gridDim.y;
+  const int steps_per_chunk = p.keys_per_program / kKeys;
+  const int row_chunks = (length + p.keys_per_program - 1) / p.keys_per_program;
+  const int data_chunks =
+      first_chunk < row_chunks ? (row_chunks - first_chunk + chunk_stride - 1) / chunk_stride : 0;
+  const int last_start = (first_chunk + (data_chunks - 1) * chunk_stride) * p.keys_per_program;
+  const int last_steps = (length - last_start + kKeys - 1) / kKeys;
+  const int steps = data_chunks > 0 ? (data_chunks - 1) * steps_per_chunk + last_steps : 0;
+  auto step_start = [&](int step) {
+    return (first_chunk + step / steps_per_chunk * chunk_stride) * p.keys_per_program +
+           step % steps_per_chunk * kKeys;
+  };
+  if (p.clean) {  // -inf on the block's columns that no step writes
+    for (int chunk = 0; first_chunk + chunk * chunk_stride <
+                        (p.logits_width + p.keys_per_program - 1) / p.keys_per_program;
+         ++chunk) {
+      const int start = (first_chunk + chunk * chunk_stride) * p.keys_per_program;
+      const int written = chunk < data_chunks - 1 ? p.keys_per_program
+                          : chunk == data_chunks - 1 ? last_steps * kKeys
+                                                     : 0;
+      const int end = min(start + p.keys_per_program, p.logits_width);
+      for (int n = start + written + thread; n < end; n += kThreads) {
+        logit_row[n] = negative_infinity();
+      }
+    }
   }
-  const int steps = (key_end - chunk_start + kKeys - 1) / kKeys;
+  if (steps == 0) return;
   const int32_t* table = p.block_table + request * p.block_table_stride;
 
   auto issue = [&](int step, const int(&pages)[kPagesPerStep]) {
-    const int start = chunk_start + step * kKeys;
+    const int start = step_start(step);
     uint8_t* stage_rows = rows + (step % kStages) * kStageRowBytes;
     uint8_t* stage_scales = scales + (step % kStages) * kStageScaleBytes;
 #pragma unroll
@@ -205,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
       const int slot = i * (kThreads / kRowPieces) / kBlockSize % kPagesPerStep;
       const int piece = thread % kRowPieces;
       const int n = start + key;
-      const bool valid = n < key_end;
+      const bool valid = n < length;
       const uint8_t* source = p.cache;
       if (valid) {
         source += pages[slot] * p.block_stride + (n % kBlockSize) * kHeadDim + piece * 16;
@@ -215,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     if (thread < kKeys / 4) {  // scales: four keys a 16-byte piece, never across a page
       const int key = 4 * thread;
       const int n = start + key;
-      const bool valid = n < key_end;
+      const bool valid = n < length;
       const uint8_t* source = p.cache;
       if (valid) {
         source += page_at(pages, key / kBlockSize % kPagesPerStep) * p.block_stride +
@@ -230,12 +254,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
 #pragma unroll
   for (int step = 0; step < kStages - 1; ++step) {
     if (step < steps) {
-      load_pages(pages, table, chunk_start + step * kKeys, key_end);
+      load_pages(pages, table, step_start(step), length);
       issue(step, pages);
     }
     commit_copies();
   }
-  load_pages(pages, table, chunk_start + (kStages - 1) * kKeys, key_end);
+  if (kStages - 1 < steps) load_pages(pages, table, step_start(kStages - 1), length);
 
   const uint8_t* q_row = p.q + request * p.q_request_stride + draft * p.q_draft_stride;
   for (int i = thread; i < kHeads * kRowPieces; i += kThreads) {
@@ -282,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     const int ahead = step + kStages - 1;
     if (ahead < steps) {
       issue(ahead, pages);
-      load_pages(pages, table, chunk_start + (ahead + 1) * kKeys, key_end);
+      if (ahead + 1 < steps) load_pages(pages, table, step_start(ahead + 1), length);
     }
     commit_copies();
 
@@ -340,13 +364,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     reduce_scatter_step<4>(quarter, half, 8, lane);
     reduce_scatter_step<2>(logit, quarter, 4, lane);
     const int key = warp * kKeysPerWarp + 8 * (group / 2) + 2 * quad + group % 2;
-    const int n = chunk_start + step * kKeys + key;
-    if (n < stop) {
-      logit_row[n] = n < key_end ? logit[0] * (stage_scales[key] * kUnscale)
-                                 : negative_infinity();
+    const int n = step_start(step) + key;
+    if (n < length) {
+      logit_row[n] = logit[0] * (stage_scales[key] * kUnscale);
+    } else if (p.clean && n < p.logits_width) {
+      logit_row[n] = negative_infinity();
     }
-  }
-  for (int n = chunk_start + steps * kKeys + thread; n < stop; n += kThreads) {
-    logit_row[n] = negative_infinity();
   }
 }
