@@ -195,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   const int data_chunks =
       first_chunk < row_chunks ? (row_chunks - first_chunk + chunk_stride - 1) / chunk_stride : 0;
   const int last_start = (first_chunk + (data_chunks - 1) * chunk_stride) * p.keys_per_program;
-  const int last_steps = (length - last_start + kKeys - 1) / kKeys;
+  const int last_steps = min((length - last_start + kKeys - 1) / kKeys, steps_per_chunk);
   const int steps = data_chunks > 0 ? (data_chunks - 1) * steps_per_chunk + last_steps : 0;
   auto step_start = [&](int step) {
     return (first_chunk + step / steps_per_chunk * chunk_stride) * p.keys_per_program +
