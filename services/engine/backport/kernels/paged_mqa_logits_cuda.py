@@ -44,15 +44,14 @@ MIN_BLOCK_SIZE = 16
 CUDA_LOGITS_ARCHS = ("sm80", "sm86")
 # A second stage (a step's rows load during the one before) fits two blocks on every
 # target (50,176 B); a third stage held 1.00-1.02x on 132 and 112 SMs in sm80 mode and left
-# sm86 one block (0.7-0.95x).
+# sm86 one block (0.69-0.95x).
 DEFAULT_STAGES = 2
 DEFAULT_MIN_BLOCKS = 2
 # Blocks an SM the build fits in registers where the card's shared memory holds more than
-# two: an A100's 164 KB holds three (168 registers a thread, against 191): 1.07-1.12x the
-# 2-block build at 8 and 64 rows on 132 and 112 SMs in sm80 mode. sm86/89 hold two.
+# two: an A100's 164 KB holds three (168 registers a thread, against 191): 1.10-1.16x the
+# 2-block build at 64 rows, 0.95-1.16x at 8, on 132 and 112 SMs in sm80 mode (a block a
+# chunk). sm86/89 hold two.
 MIN_BLOCKS_BY_ARCH = {"sm80": 3}
-
-
 # Blocks a launch gives a row: at most this many rounds of the blocks the card keeps
 # resident, however wide the rows (see the kernel's comment on chunks). Against a block a
 # chunk, in the runs above: 64 rows 1.09-2.01x, 8 rows 1.04-1.67x, one row 1.00-1.03x.
