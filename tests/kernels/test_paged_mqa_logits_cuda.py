@@ -22,6 +22,8 @@ from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     KERNEL_NAME,
     SOURCE,
     THREADS,
+    WAVES,
+    LoadedLogits,
     load_logits,
     logits_launch,
     logits_ptx,
@@ -126,6 +128,22 @@ def test_cuda_logits_refuse_what_they_do_not_take() -> None:
     assert takes(inputs["q"], inputs["kv_cache"])
     with pytest.raises(ValueError, match="keys_per_program"):
         paged_mqa_logits_cuda(**inputs, keys_per_program=200)
+
+
+@pytest.mark.parametrize(("rows", "chunks"), [(1, 1024), (8, 512), (64, 256), (64, 8),
+                                             (2000, 256), (0, 64)])
+def test_grid_is_a_few_rounds_of_resident_blocks_at_most(rows: int, chunks: int) -> None:
+    """Blocks a row under the cap: every row gets at least one block and at most a block a
+    chunk, and a grid of more than one block a row stays within `WAVES` rounds of what an
+    A100 (108 SMs, 3 blocks) keeps resident. Needs no GPU."""
+    loaded = LoadedLogits(kernel=None, shared_bytes=50176, launch_shared_bytes=50176,
+                          blocks_per_sm=3, sm_count=108)
+    blocks = loaded.blocks_per_row(rows, chunks)
+    assert 1 <= blocks <= chunks
+    if blocks > 1:
+        assert rows * blocks <= WAVES * 3 * 108 + rows
+    if rows * chunks <= WAVES * 3 * 108:
+        assert blocks == chunks  # few enough rows: a block a chunk, as before the cap
 
 
 @pytest.fixture(scope="module")
