@@ -252,16 +252,16 @@ def test_decode_adapter_runs_the_cuda_decode_in_a_cuda_graph(
 
 def test_paged_logits_adapter_runs_the_cuda_kernel_in_a_cuda_graph(
         kernel_device: str, gpu_arch: str | None) -> None:
-    """Loaded first, the CUDA paged logits are what the adapter runs for the indexer's
-    64-token pages on sm80/86 (bit for bit the CUDA kernel's result, which sums in another
-    order than the Triton one), and a CUDA graph captured around the adapter replays it."""
+    """Loaded by `prepare_cuda_kernels` alone (as the layer's constructor does), the CUDA
+    paged logits are what the adapter runs for the indexer's 64-token pages on sm80/86 (bit
+    for bit the CUDA kernel's result, which sums in another order than the Triton one), and
+    a CUDA graph captured around the adapter's first call replays it."""
     arch = gpu_arch or (kernel_device == "cuda" and device_arch(torch.device("cuda")))
     if arch not in CUDA_LOGITS_ARCHS:
         pytest.skip("the CUDA paged logits serve sm80/86 cards")
     inputs = paged_inputs(GPU_PAGED[0], kernel_device, seed=23)
     assert inputs["kv_cache"].shape[1] == op_adapters.INDEXER_BLOCK_SIZE
     assert op_adapters.prepare_cuda_kernels(torch.device("cuda"), arch)
-    want = paged_mqa_logits_cuda(**inputs, arch=arch, min_blocks=default_min_blocks(arch))
     call = ((inputs["q"], None), inputs["kv_cache"], inputs["weights"], inputs["context_lens"],
             inputs["block_tables"], None, inputs["max_model_len"], False)
     graph = torch.cuda.CUDAGraph()
@@ -270,6 +270,7 @@ def test_paged_logits_adapter_runs_the_cuda_kernel_in_a_cuda_graph(
     got.zero_()
     graph.replay()
     torch.cuda.synchronize()
+    want = paged_mqa_logits_cuda(**inputs, arch=arch, min_blocks=default_min_blocks(arch))
     written = torch.isfinite(paged_mqa_logits_reference(**inputs))
     assert torch.equal(got[written], want[written])
 

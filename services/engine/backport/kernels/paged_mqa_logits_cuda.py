@@ -126,12 +126,18 @@ class LoadedLogits:
         return max(1, min(chunks, triton.cdiv(WAVES * resident, max(1, num_rows))))
 
 
-@functools.cache
 def load_logits(arch: str, device_index: int, block_size: int, stages: int = DEFAULT_STAGES,
                 min_blocks: int = DEFAULT_MIN_BLOCKS) -> LoadedLogits:
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
     launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
-    holds more. Load before capturing a CUDA graph: loading reads a constant back."""
+    holds more. Load before capturing a CUDA graph: loading reads a constant back. Loaded
+    once per build and GPU, however the arguments are spelled."""
+    return _load_logits(arch, device_index, block_size, stages, min_blocks)
+
+
+@functools.cache  # keyed by position only, so a defaulted argument finds the same build
+def _load_logits(arch: str, device_index: int, block_size: int, stages: int,
+                 min_blocks: int) -> LoadedLogits:
     device = torch.device("cuda", device_index)
     kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kPagedMqaLogitsSharedBytes")

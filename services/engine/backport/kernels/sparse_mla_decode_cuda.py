@@ -125,7 +125,6 @@ def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,
     )
 
 
-@functools.cache
 def load_decode(
     arch: str, device_index: int, stages: int = DEFAULT_STAGES,
     min_blocks: int = DEFAULT_MIN_BLOCKS,
@@ -133,7 +132,12 @@ def load_decode(
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
     launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
     holds more. Load before capturing a CUDA graph: loading reads a constant back from the
-    GPU."""
+    GPU. Loaded once per build and GPU, however the arguments are spelled."""
+    return _load_decode(arch, device_index, stages, min_blocks)
+
+
+@functools.cache  # keyed by position only, so a defaulted argument finds the same build
+def _load_decode(arch: str, device_index: int, stages: int, min_blocks: int) -> LoadedDecode:
     device = torch.device("cuda", device_index)
     kernel = CudaKernel(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, device)
     shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
