@@ -67,6 +67,7 @@ struct Block {
     for (auto& warp : warps) warp.barrier = std::make_unique<std::barrier<>>(kWarpSize);
   }
   std::barrier<> barrier;
+  unsigned barriers = 0;  // __syncthreads the block has passed
   struct Warp {
     std::unique_ptr<std::barrier<>> barrier;
     uint32_t slots[kWarpSize][10];
@@ -75,6 +76,9 @@ struct Block {
 };
 
 inline Block* block = nullptr;
+// Barriers each block of the last grid passed, in launch order (x fastest): a count of its
+// steps for kernels with one barrier a step.
+inline std::vector<unsigned> block_barriers;
 
 // The first fault a kernel made (the GPU would have stopped it there), for the launcher.
 inline std::mutex fault_lock;
@@ -107,6 +111,7 @@ inline void done() { warp().barrier->arrive_and_wait(); }
 
 template <typename Kernel>
 void run_grid(dim3 grid, int threads, Kernel kernel) {
+  block_barriers.clear();
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -124,6 +129,7 @@ void run_grid(dim3 grid, int threads, Kernel kernel) {
           });
         }
         for (auto& worker : workers) worker.join();
+        block_barriers.push_back(state.barriers);
         block = nullptr;
       }
 }
@@ -189,7 +195,10 @@ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
 
 }  // namespace emulation
 
-inline void __syncthreads() { emulation::block->barrier.arrive_and_wait(); }
+inline void __syncthreads() {
+  if (threadIdx.x == 0) ++emulation::block->barriers;
+  emulation::block->barrier.arrive_and_wait();
+}
 
 inline float __int_as_float(uint32_t bits) {
   float value;

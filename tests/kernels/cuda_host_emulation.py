@@ -26,6 +26,9 @@ extern "C" const char* launch_emulated(const void* params, unsigned x, unsigned 
   emulation::run_grid(dim3{{x, y, z}}, threads, [&] {{ {kernel}(p); }});
   return emulation::fault.empty() ? nullptr : emulation::fault.c_str();
 }}
+extern "C" unsigned block_barriers(unsigned block) {{
+  return emulation::block_barriers.at(block);
+}}
 """
 
 
@@ -51,10 +54,18 @@ class EmulatedKernel:
         self._library.launch_emulated.argtypes = [
             ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int]
         self._library.launch_emulated.restype = ctypes.c_char_p
+        self._library.block_barriers.argtypes = [ctypes.c_uint]
+        self._library.block_barriers.restype = ctypes.c_uint
+        self._blocks = 0
 
     def launch(self, grid: tuple[int, int, int], threads: int,
                params: ctypes.Structure) -> None:
         """Runs the grid; AssertionError for an access the GPU would fault on (a misaligned
         cp.async or ldmatrix, a copy past shared memory)."""
         fault = self._library.launch_emulated(ctypes.addressof(params), *grid, threads)
+        self._blocks = grid[0] * grid[1] * grid[2]
         assert fault is None, f"the kernel faulted: {fault.decode()}"
+
+    def block_barriers(self) -> list[int]:
+        """The barriers (`__syncthreads`) each block of the last launch passed, x fastest."""
+        return [self._library.block_barriers(block) for block in range(self._blocks)]

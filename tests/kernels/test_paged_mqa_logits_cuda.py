@@ -20,6 +20,7 @@ from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     DEFAULT_MIN_BLOCKS,
     DEFAULT_STAGES,
     KERNEL_NAME,
+    KEYS_PER_STEP,
     SOURCE,
     THREADS,
     WAVES,
@@ -114,6 +115,30 @@ def test_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
         assert torch.isnan(launch.logits[~written]).all(), "wrote past a row's keys"
         launch.logits[~written] = float("-inf")
     assert_logits_match(launch.logits, want, case.clean)
+
+
+def test_each_cuda_logits_block_walks_only_its_own_keys(emulated_logits) -> None:
+    """A block's 128-key steps (one barrier each, counted by the emulation) are those of
+    its own chunks' keys and no more. A block that walked on past them wrote nothing wrong
+    (the extra keys lie past its row), so the reference checks cannot see it; on the GPU it
+    cost 10-50x the time."""
+    case = PagedCase(3, 1, 16, 128, 64, 1000, per_draft_lengths=False, clean=False)
+    keys_per_program = 256
+    inputs = paged_inputs(case, "cpu", seed=81)
+    launch = logits_launch(**inputs, clean_logits=False, keys_per_program=keys_per_program,
+                           blocks_per_row=2)
+    kernel = emulated_logits(case.block_size, DEFAULT_STAGES)
+    kernel.launch(launch.grid, THREADS, launch.params)
+    rows, blocks, _ = launch.grid
+    chunks = -(-case.max_model_len // keys_per_program)
+    want = []
+    for block in range(blocks):
+        for length in inputs["context_lens"].tolist():
+            keys = [min(max(length - chunk * keys_per_program, 0), keys_per_program)
+                    for chunk in range(block, chunks, blocks)]
+            want.append(sum(-(-count // KEYS_PER_STEP) for count in keys))
+    assert rows == len(inputs["context_lens"])
+    assert kernel.block_barriers() == want
 
 
 def test_cuda_logits_refuse_what_they_do_not_take() -> None:
