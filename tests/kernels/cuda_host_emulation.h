@@ -193,6 +193,47 @@ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
   }
 }
 
+inline float e4m3_to_float(uint8_t bits) {
+  const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -9);
+  } else if (exponent == 15 && mantissa == 7) {
+    magnitude = NAN;  // e4m3 has no infinity
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x8), exponent - 10);
+  }
+  return (bits & 0x80) ? -magnitude : magnitude;
+}
+
+// C += A B of mma.m16n8k32 on e4m3 fragments (PTX ISA layout: thread (g, t) holds A's rows
+// g, g + 8 at k = 4t .. 4t + 3 (a0, a1) and k = 16 + 4t .. (a2, a3), a byte a k, and B's
+// column g at the same k (b0, b1); C as for m16n8k16).
+inline void mma_m16n8k32_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const uint32_t words[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  publish(words, 6);
+  float A[16][32], B[32][8];
+  for (int other = 0; other < kWarpSize; ++other) {
+    const uint32_t* w = block->warps[threadIdx.x / kWarpSize].slots[other];
+    const int g = other / 4, t = other % 4;
+    const int rows[4] = {g, g + 8, g, g + 8}, ks[4] = {4 * t, 4 * t, 16 + 4 * t, 16 + 4 * t};
+    for (int byte = 0; byte < 4; ++byte) {
+      for (int r = 0; r < 4; ++r) A[rows[r]][ks[r] + byte] = e4m3_to_float(w[r] >> (8 * byte));
+      for (int r = 0; r < 2; ++r) {
+        B[4 * t + 16 * r + byte][g] = e4m3_to_float(w[4 + r] >> (8 * byte));
+      }
+    }
+  }
+  done();
+  const int g = lane() / 4, t = lane() % 4;
+  for (int r = 0; r < 4; ++r) {
+    const int row = g + 8 * (r / 2), column = 2 * t + r % 2;
+    double sum = c[r];
+    for (int k = 0; k < 32; ++k) sum += static_cast<double>(A[row][k]) * B[k][column];
+    c[r] = static_cast<float>(sum);
+  }
+}
+
 }  // namespace emulation
 
 inline void __syncthreads() {
@@ -286,6 +327,10 @@ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 
 inline void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   emulation::mma_m16n8k16(c, a, b0, b1, emulation::fp16_to_float);
+}
+
+inline void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emulation::mma_m16n8k32_e4m3(c, a, b0, b1);
 }
 
 // movmatrix.trans: thread t holds row t / 4, columns 2(t % 4), +1 of an 8x8 b16 matrix.

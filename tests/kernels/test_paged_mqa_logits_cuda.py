@@ -1,8 +1,9 @@
 """The CUDA paged indexer logits against the same plain-torch reference as the Triton ones.
 
-Without a GPU the kernel's own source runs in the CPU emulation (`cuda_host_emulation`) on
-small shapes, and its PTX is assembled for sm80 and sm86 where a CUDA toolkit exists. On a
-CUDA card, `--gpu-arch` builds it for that arch's instruction set.
+Without a GPU the kernel's own source (both builds: fp16 mma for sm80/86, fp8 mma for
+sm89) runs in the CPU emulation (`cuda_host_emulation`) on small shapes, and its PTX is
+assembled for sm80, sm86 and sm89 where a CUDA toolkit exists. On a CUDA card, `--gpu-arch`
+builds it for that arch's instruction set.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import pytest
 import torch
 
 from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
-from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
+from services.engine.backport.kernels.card_limits import (
+    CARD_LIMITS,
+    fp8_instructions,
+    resident_blocks,
+)
 from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits_reference
 from services.engine.backport.kernels.paged_mqa_logits_cuda import (
@@ -49,11 +54,13 @@ def _ptx_or_skip(arch: str, block_size: int = 64, min_blocks: int = DEFAULT_MIN_
 
 
 @pytest.mark.parametrize("min_blocks", [2, 3])
-@pytest.mark.parametrize("arch", ["sm80", "sm86"])
-def test_cuda_logits_assemble_for_ampere_without_spills(arch: str, min_blocks: int) -> None:
-    """ptxas for the real Ampere target: no fp8 instruction can pass it, and spills would
-    show here first."""
-    registers, spills = assemble_ptx(_ptx_or_skip(arch, min_blocks=min_blocks), arch)
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89"])
+def test_cuda_logits_assemble_for_their_targets_without_spills(arch: str, min_blocks: int) -> None:
+    """ptxas for the real target: no fp8 instruction can pass it for Ampere, and spills
+    would show here first. sm89's build multiplies fp8 on the tensor cores."""
+    ptx = _ptx_or_skip(arch, min_blocks=min_blocks)
+    assert bool(fp8_instructions(ptx)) == (arch == "sm89")
+    registers, spills = assemble_ptx(ptx, arch)
     assert spills == 0
     assert registers <= REGISTERS_PER_SM // (THREADS * min_blocks)
 
@@ -86,29 +93,32 @@ EMULATED = [
 def emulated_logits(tmp_path_factory: pytest.TempPathFactory):
     builds: dict[tuple[int, int], EmulatedKernel] = {}
 
-    def build(block_size: int, stages: int) -> EmulatedKernel:
-        if (block_size, stages) not in builds:
-            builds[block_size, stages] = EmulatedKernel(
+    def build(block_size: int, stages: int, fp8_mma: bool = False) -> EmulatedKernel:
+        if (block_size, stages, fp8_mma) not in builds:
+            builds[block_size, stages, fp8_mma] = EmulatedKernel(
                 SOURCE, KERNEL_NAME, "LogitsParams",
-                {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size, "PAGED_MQA_LOGITS_STAGES": stages},
+                {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size, "PAGED_MQA_LOGITS_STAGES": stages,
+                 "PAGED_MQA_LOGITS_FP8_MMA": int(fp8_mma)},
                 tmp_path_factory.mktemp("emulated"))
-        return builds[block_size, stages]
+        return builds[block_size, stages, fp8_mma]
 
     return build
 
 
+@pytest.mark.parametrize("fp8_mma", [False, True], ids=["fp16-mma", "fp8-mma"])
 @pytest.mark.parametrize("case_index", range(len(EMULATED)))
 def test_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
-        case_index: int, emulated_logits) -> None:
+        case_index: int, fp8_mma: bool, emulated_logits) -> None:
     """The kernel's own code (page lookups, the copy pipeline, q's permuted staging, the
-    fp8 decode, fragment layouts, the reduce-scatter) on the CPU, its Ampere instructions
-    emulated."""
+    fp8 decode or sm89's fp8 operands, fragment layouts, the reduce-scatter) on the CPU, its
+    instructions emulated."""
     case, keys_per_program, stages, _, blocks_per_row = EMULATED[case_index]
     inputs = paged_inputs(case, "cpu", seed=70 + case_index)
     launch = logits_launch(**inputs, clean_logits=case.clean, keys_per_program=keys_per_program,
                            blocks_per_row=blocks_per_row)
     launch.logits.fill_(float("nan"))  # a column left unwritten must not pass for written
-    emulated_logits(case.block_size, stages).launch(launch.grid, THREADS, launch.params)
+    emulated_logits(case.block_size, stages, fp8_mma).launch(launch.grid, THREADS,
+                                                              launch.params)
     want = paged_mqa_logits_reference(**inputs)
     if not case.clean:
         written = torch.isfinite(want)

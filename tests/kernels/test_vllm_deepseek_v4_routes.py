@@ -253,12 +253,12 @@ def test_decode_adapter_runs_the_cuda_decode_in_a_cuda_graph(
 def test_paged_logits_adapter_runs_the_cuda_kernel_in_a_cuda_graph(
         kernel_device: str, gpu_arch: str | None) -> None:
     """Loaded by `prepare_cuda_kernels` alone (as the layer's constructor does), the CUDA
-    paged logits are what the adapter runs for the indexer's 64-token pages on sm80/86 (bit
+    paged logits are what the adapter runs for the indexer's 64-token pages on sm80/86/89 (bit
     for bit the CUDA kernel's result, which sums in another order than the Triton one), and
     a CUDA graph captured around the adapter's first call replays it."""
     arch = gpu_arch or (kernel_device == "cuda" and device_arch(torch.device("cuda")))
     if arch not in CUDA_LOGITS_ARCHS:
-        pytest.skip("the CUDA paged logits serve sm80/86 cards")
+        pytest.skip("the CUDA paged logits serve sm80/86/89 cards")
     inputs = paged_inputs(GPU_PAGED[0], kernel_device, seed=23)
     assert inputs["kv_cache"].shape[1] == op_adapters.INDEXER_BLOCK_SIZE
     assert op_adapters.prepare_cuda_kernels(torch.device("cuda"), arch)

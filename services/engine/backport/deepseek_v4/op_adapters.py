@@ -57,7 +57,7 @@ INDEXER_BLOCK_SIZE = 64
 
 
 def prepare_cuda_kernels(device: torch.device, arch: str | None = None) -> bool:
-    """Builds the CUDA decode and, for sm80/86, the CUDA paged logits for `arch` (default:
+    """Builds the CUDA decode and, for sm80/86/89, the CUDA paged logits for `arch` (default:
     the card's own) and loads them on `device`, so the adapters use them there from now on.
     Must run before CUDA-graph capture: loading reads a constant back from the GPU. Returns
     whether the decode loaded (without a CUDA compiler the Triton kernels serve)."""

@@ -1,6 +1,7 @@
 // Ampere's instructions as the backport's CUDA kernels use them: async copies from global
 // to shared memory (cp.async, with zero fill), ldmatrix, mma (bf16, fp16) and movmatrix, bf16x2
-// arithmetic, byte permutes, ex2; and the integer types NVRTC lacks. Included by each
+// arithmetic, byte permutes, ex2; sm89's fp8 mma, for builds that target it; and the integer
+// types NVRTC lacks. Included by each
 // kernel's source; compile_ptx finds it beside them. Under BACKPORT_HOST_EMULATION (the
 // tests' CPU run of a kernel, tests/kernels/cuda_host_emulation.py) the emulator provides
 // namespace ampere instead.
@@ -74,6 +75,17 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
                                         uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a (16x32 fp8 e4m3, row-major) * b (32x8 fp8 e4m3, column-major), fp32 accumulate.
+// sm89 and later only: a build for sm80/86 must not reach it (compile_ptx refuses the PTX).
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

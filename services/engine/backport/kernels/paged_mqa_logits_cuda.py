@@ -3,9 +3,10 @@
 Same interface and semantics as `paged_mqa_logits.paged_mqa_logits` (the Triton kernel,
 which runs everywhere else, the interpreter included), and the same keys a program
 (`keys_per_program_for_rows`): DeepGEMM's fp8 paged MQA logits as DeepSeek-V4's indexer
-calls them on decode steps. The CUDA kernel takes 128-dim heads, at most 64 of them, pages
-of a power of two of at least 16 tokens at 16-byte-aligned strides (`takes`); it needs a
-CUDA card and a CUDA compiler (NVRTC from torch's wheels, or nvcc).
+calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. The CUDA
+kernel takes 128-dim heads, at most 64 of them, pages of a power of two of at least 16
+tokens at 16-byte-aligned strides (`takes`); it needs a CUDA card and a CUDA compiler
+(NVRTC from torch's wheels, or nvcc).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
+from services.engine.backport.kernels.card_limits import ARCHS_WITHOUT_FP8
 from services.engine.backport.kernels.cuda_module import (
     CudaKernel,
     compile_ptx,
@@ -38,13 +40,14 @@ HEAD_DIM = 128
 MAX_HEADS = 64
 MIN_BLOCK_SIZE = 16
 # The archs whose cards the kernel was timed for (in emulation on the H200, 112 SMs in sm80
-# mode and 88 in sm86 mode, rows of 4k and 32k keys, 262,144 columns): against the Triton
-# kernel 1.33-1.64x at 64 rows, 0.90-1.19x at 8, 0.92-0.99x at one. sm89 keeps the Triton
-# kernel, which takes fp8 dots there.
-CUDA_LOGITS_ARCHS = ("sm80", "sm86")
+# mode, 88 in sm86 mode and 128 in sm89 mode, rows of 4k and 32k keys, 262,144 columns):
+# against the Triton kernel 1.17-1.64x at 64 rows, 0.90-1.19x at 8, 0.92-1.01x at one. In
+# sm89 mode the Triton kernel takes fp8 dots and the CUDA build fp8 mma; the H200 runs
+# sm89's fp8 mma.sync no faster than the fp16 build's (docs/kernels.md).
+CUDA_LOGITS_ARCHS = ("sm80", "sm86", "sm89")
 # A second stage (a step's rows load during the one before) fits two blocks on every
-# target (50,176 B); a third stage held 1.00-1.02x on 132 and 112 SMs in sm80 mode and left
-# sm86 one block (0.69-0.95x).
+# target (50,176 B; 41,984 with sm89's fp8 q); a third stage held 1.00-1.02x on 132 and 112
+# SMs in sm80 mode and left sm86 one block (0.69-0.95x).
 DEFAULT_STAGES = 2
 DEFAULT_MIN_BLOCKS = 2
 # Blocks an SM the build fits in registers where the card's shared memory holds more than
@@ -103,10 +106,12 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def logits_ptx(arch: str, block_size: int, stages: int = DEFAULT_STAGES,
                min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
     """The kernel's PTX for `arch`'s instruction set and `block_size`-token pages (cached
-    on disk by `compile_ptx`)."""
+    on disk by `compile_ptx`): fp8 mma where the arch has it (sm89 on), fp16 before."""
     return compile_ptx(SOURCE, arch, {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size,
                                       "PAGED_MQA_LOGITS_STAGES": stages,
-                                      "PAGED_MQA_LOGITS_MIN_BLOCKS": min_blocks})
+                                      "PAGED_MQA_LOGITS_MIN_BLOCKS": min_blocks,
+                                      "PAGED_MQA_LOGITS_FP8_MMA": int(arch not in
+                                                                      ARCHS_WITHOUT_FP8)})
 
 
 @dataclass(frozen=True)

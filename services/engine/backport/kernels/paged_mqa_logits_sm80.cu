@@ -1,6 +1,6 @@
 // DeepSeek-V4's indexer logits over the paged fp8 indexer cache with Ampere's mma.sync: the
 // CUDA counterpart of paged_mqa_logits.py's Triton kernel (DeepGEMM's fp8_paged_mqa_logits),
-// for sm80/86.
+// for sm80/86/89.
 //
 // Why CUDA: both operands of the Triton kernel's dot take the layout K's fp8 bytes give, so
 // q's fragments are moved register by register every step (216 of its 1,061 instructions a
@@ -10,23 +10,26 @@
 //
 // One block = one row (a request's token) and some chunks of keys_per_program of its keys,
 // 128 a step; four warps, warp w scores keys 32w..32w+31 of a step against all 64 heads:
-//   1. Once a block, q (64 heads x 128 dims) is decoded to fp16 into shared memory, its dims
-//      permuted: a head's dot with a key may sum its dims in any order, so k16 chunk c of
-//      thread (group, quad) takes dims 32 quad + 4c .. +3, the 4 bytes at offset 4c of the
-//      32 consecutive bytes the thread loads of a key. Rows are XOR-swizzled so that an
-//      ldmatrix's eight row addresses fall in distinct banks.
+//   1. Once a block, q (64 heads x 128 dims) is staged into shared memory, its dims
+//      permuted: a head's dot with a key may sum its dims in any order, so each mma chunk
+//      of thread (group, quad) takes a word of the 32 consecutive bytes the thread loads of
+//      a key (dims 32 quad .. +31): k16 chunk c word c, k32 chunk c words 2c and 2c + 1.
+//      Rows are XOR-swizzled so that an ldmatrix's eight row addresses fall in distinct
+//      banks.
 //   2. cp.async stages each step's 128 rows of 128 bytes and their fp32 scales kStages - 1
 //      steps ahead; rows past the row's length are zero-filled. Each row's 16-byte pieces
 //      are swapped pairwise on odd keys, so a quarter-warp's two keys hit distinct banks.
-//   3. A thread decodes its four keys' 32 dims into B fragments (64 registers), then for
-//      each 16-head M tile: 8 ldmatrix and 32 mma; relu and each head's weight fold the
-//      accumulators into 8 sums a thread (its 8 heads, its 8 keys).
+//   3. A thread's four keys' 32 dims are its B fragments: decoded to fp16 (64 registers),
+//      then for each 16-head M tile 8 ldmatrix and 32 mma.m16n8k16; or, on sm89, the fp8
+//      bytes themselves, 4 ldmatrix and 16 mma.m16n8k32. Relu and each head's weight fold
+//      the accumulators into 8 sums a thread (its 8 heads, its 8 keys).
 //   4. The 8 lanes sharing a column of keys reduce-scatter their sums in 7 shuffles: each
 //      lane ends with one key's logit, which takes the key's scale and is stored.
-// fp8 -> fp16 without fp8 instructions: prmt sign-extends each byte to 16 bits, a shift
-// by 7 puts exponent and mantissa in fp16's fields and the sign at bit 15, and a mask
+// fp8 -> fp16 without fp8 instructions (sm80/86): prmt sign-extends each byte to 16 bits, a
+// shift by 7 puts exponent and mantissa in fp16's fields and the sign at bit 15, and a mask
 // clears bit 14: the fp16 value is the fp8 value times 2^-8 exactly, subnormals included
 // (fp8 NaN reads as 480 x 2^-8; the quantizers write none). The scale takes 2^16 once.
+// sm89's tensor cores multiply the e4m3 bytes as they are, so that build decodes nothing.
 
 #include "ampere_shared.cuh"
 
@@ -40,9 +43,17 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kKeys = 128;  // a step
 constexpr int kKeysPerWarp = kKeys / kWarps;
 constexpr int kNTiles = kKeysPerWarp / 8;  // mma n8 tiles a warp
-constexpr int kChunks = kHeadDim / 16;     // mma k16 chunks
 constexpr int kScaleBytes = 4;
-constexpr float kUnscale = 65536.f;  // undoes the 2^-8 of both fp16 operands
+
+#ifndef PAGED_MQA_LOGITS_FP8_MMA
+#define PAGED_MQA_LOGITS_FP8_MMA 0
+#endif
+// sm89 and later: q and K go to mma.m16n8k32 as fp8 e4m3 bytes. Before: both as fp16.
+constexpr bool kFp8Mma = PAGED_MQA_LOGITS_FP8_MMA;
+constexpr int kChunkDims = kFp8Mma ? 32 : 16;  // an mma's K
+constexpr int kChunks = kHeadDim / kChunkDims;
+constexpr int kQRowBytes = kFp8Mma ? kHeadDim : kHeadDim * 2;
+constexpr float kUnscale = kFp8Mma ? 1.f : 65536.f;  // undoes fp16's 2^-8 on both operands
 
 #ifndef PAGED_MQA_LOGITS_BLOCK_SIZE
 #define PAGED_MQA_LOGITS_BLOCK_SIZE 64
@@ -62,7 +73,6 @@ static_assert(kStages >= 2, "a step's rows load while the one before is scored")
 #define PAGED_MQA_LOGITS_MIN_BLOCKS 2
 #endif
 
-constexpr int kQRowBytes = kHeadDim * 2;
 constexpr int kQBytes = kHeads * kQRowBytes;
 constexpr int kStageRowBytes = kKeys * kHeadDim;
 constexpr int kStageScaleBytes = kKeys * kScaleBytes;
@@ -270,16 +280,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
       bytes = *reinterpret_cast<const uint4*>(q_row + head * p.q_head_stride + piece * 16);
     }
     const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-    // Word w holds dims 32 d + 4c .. +3 (d = piece / 2, c = 4 (piece % 2) + w): chunk c's
-    // k = 2d, 2d + 1 (its first 8-column half) and k = 8 + 2d, 9 + 2d (its second).
+    // Word w holds dims 32 d + 4 j .. +3 (d = piece / 2, j = 4 (piece % 2) + w), quad d's
+    // word j. fp16: k16 chunk j's k = 2d, 2d + 1 (its first 8-column half) and 8 + 2d,
+    // 9 + 2d (its second). fp8: k32 chunk j / 2's k = 4d .. 4d + 3 of half j % 2.
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const int chunk = 4 * (piece % 2) + w;
+      const int j = 4 * (piece % 2) + w;
       const int column_bytes = 4 * (piece / 2);
-      *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * chunk) + column_bytes) =
-          fp16_pair(words[w], kLowBytes);
-      *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * chunk + 1) + column_bytes) =
-          fp16_pair(words[w], kHighBytes);
+      if constexpr (kFp8Mma) {
+        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, j) + column_bytes) = words[w];
+      } else {
+        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * j) + column_bytes) =
+            fp16_pair(words[w], kLowBytes);
+        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * j + 1) + column_bytes) =
+            fp16_pair(words[w], kHighBytes);
+      }
     }
   }
 
@@ -313,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     const uint8_t* stage_rows = rows + (step % kStages) * kStageRowBytes;
     const float* stage_scales =
         reinterpret_cast<const float*>(scales + (step % kStages) * kStageScaleBytes);
-    uint32_t words[kNTiles][kChunks];  // word c: dims 32 quad + 4c .. +3 of key 8t + group
+    uint32_t words[kNTiles][8];  // word j: dims 32 quad + 4j .. +3 of key 8t + group
 #pragma unroll
     for (int t = 0; t < kNTiles; ++t) {
       const int key = warp * kKeysPerWarp + 8 * t + group;
@@ -333,15 +348,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
       uint32_t b[kNTiles][2];
 #pragma unroll
       for (int t = 0; t < kNTiles; ++t) {
-        b[t][0] = fp16_pair(words[t][c], kLowBytes);
-        b[t][1] = fp16_pair(words[t][c], kHighBytes);
+        if constexpr (kFp8Mma) {
+          b[t][0] = words[t][2 * c];
+          b[t][1] = words[t][2 * c + 1];
+        } else {
+          b[t][0] = fp16_pair(words[t][c], kLowBytes);
+          b[t][1] = fp16_pair(words[t][c], kHighBytes);
+        }
       }
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
         uint32_t a[4];
         load_matrix_x4(a, q_base + q_offset(16 * m + a_row, 2 * c + a_half));
 #pragma unroll
-        for (int t = 0; t < kNTiles; ++t) mma_f16(scores[m][t], a, b[t][0], b[t][1]);
+        for (int t = 0; t < kNTiles; ++t) {
+          if constexpr (kFp8Mma) {
+            mma_e4m3(scores[m][t], a, b[t][0], b[t][1]);
+          } else {
+            mma_f16(scores[m][t], a, b[t][0], b[t][1]);
+          }
+        }
       }
     }
     float sums[kNTiles * 2] = {};  // key 8t + 2 quad + e at 2t + e
