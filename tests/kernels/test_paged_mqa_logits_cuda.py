@@ -8,6 +8,9 @@ builds it for that arch's instruction set.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -20,6 +23,7 @@ from services.engine.backport.kernels.card_limits import (
     resident_blocks,
 )
 from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch
+from services.engine.backport.kernels import paged_mqa_logits as triton_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits_reference
 from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     DEFAULT_MIN_BLOCKS,
@@ -30,6 +34,7 @@ from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     THREADS,
     WAVES,
     LoadedLogits,
+    keys_per_program_for_rows,
     load_logits,
     logits_launch,
     logits_ptx,
@@ -181,6 +186,35 @@ def test_grid_is_a_few_rounds_of_resident_blocks_at_most(rows: int, chunks: int)
         assert blocks == chunks  # few enough rows: a block a chunk, as before the cap
 
 
+def timed_cuts() -> list[dict]:
+    data = Path(__file__).with_name("data") / "paged_logits_cuda_keys_per_program_h200.json"
+    return json.loads(data.read_text())["cases"]
+
+
+@pytest.mark.parametrize(
+    "case", timed_cuts(),
+    ids=lambda case: f"{case['arch']}-rows{case['rows']}-keys{case['keys']}")
+def test_cuda_keys_per_program_against_the_timed_cuts(case: dict) -> None:
+    """Against steps timed at 256 to 2,048 keys a chunk (H200, sm80/86/89 mode): the pick
+    was timed, is within 1.3x of the fastest and never 10% slower than the Triton kernel's
+    rule, which the CUDA kernel took before (a row's best cut depends on its length, which
+    the launcher cannot read)."""
+    times = {int(keys): ms for keys, ms in case["ms"].items()}
+    pick = keys_per_program_for_rows(case["rows"])
+    assert pick in times
+    assert times[pick] <= 1.3 * min(times.values())
+    assert times[pick] <= 1.1 * times[triton_logits.keys_per_program_for_rows(case["rows"])]
+
+
+def test_cuda_keys_per_program_pay_over_the_triton_rule() -> None:
+    """Over every timed step, the CUDA rule's cuts take at most 0.92x the time of the
+    Triton kernel's (geometric mean)."""
+    ratios = [case["ms"][str(keys_per_program_for_rows(case["rows"]))]
+              / case["ms"][str(triton_logits.keys_per_program_for_rows(case["rows"]))]
+              for case in timed_cuts()]
+    assert math.prod(ratios) ** (1 / len(ratios)) <= 0.92
+
+
 @pytest.fixture(scope="module")
 def cuda_arch(gpu_arch: str | None) -> str:
     if not torch.cuda.is_available():
@@ -192,7 +226,7 @@ def cuda_arch(gpu_arch: str | None) -> str:
 
 GPU_CASES = [
     *[CudaCase(case, case.keys_per_program) for case in GPU_PAGED],
-    # The launcher's own keys a program: one row (256), a few rows (512).
+    # The launcher's own keys a program: one row (256), five rows (512).
     CudaCase(PagedCase(1, 1, 64, 128, 64, 5000, per_draft_lengths=False, clean=True), None),
     CudaCase(PagedCase(5, 1, 64, 128, 64, 3000, per_draft_lengths=False, clean=False), None),
     CudaCase(PagedCase(4, 2, 64, 128, 256, 4096, per_draft_lengths=True, clean=True,

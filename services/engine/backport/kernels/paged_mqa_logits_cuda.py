@@ -1,7 +1,7 @@
 """Launcher of the CUDA paged indexer logits (`paged_mqa_logits_sm80.cu`).
 
 Same interface and semantics as `paged_mqa_logits.paged_mqa_logits` (the Triton kernel,
-which runs everywhere else, the interpreter included), and the same keys a program
+which runs everywhere else, the interpreter included), with keys a program of its own
 (`keys_per_program_for_rows`): DeepGEMM's fp8 paged MQA logits as DeepSeek-V4's indexer
 calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. The CUDA
 kernel takes 128-dim heads, at most 64 of them, pages of a power of two of at least 16
@@ -27,10 +27,7 @@ from services.engine.backport.kernels.cuda_module import (
     context_sm_count,
     device_arch,
 )
-from services.engine.backport.kernels.paged_mqa_logits import (
-    keys_per_program_for_rows,
-    paged_operands,
-)
+from services.engine.backport.kernels.paged_mqa_logits import KEYS_PER_PROGRAM, paged_operands
 
 SOURCE = Path(__file__).with_name("paged_mqa_logits_sm80.cu")
 KERNEL_NAME = "paged_mqa_logits_sm80"
@@ -59,6 +56,22 @@ MIN_BLOCKS_BY_ARCH = {"sm80": 3}
 # resident, however wide the rows (see the kernel's comment on chunks). Against a block a
 # chunk, in the runs above: 64 rows 1.09-2.01x, 8 rows 1.04-1.67x, one row 1.00-1.03x.
 WAVES = 4
+
+
+def keys_per_program_for_rows(num_rows: int) -> int:
+    """Keys a chunk for a step of `num_rows` rows. A block's 128-key steps run one after
+    another (1.5-1.7 us each on the H200 when its SM has no other block), so a step of few
+    rows is as slow as its longest chain of them unless rows are cut finer, and the grid
+    cap lets long rows take short chunks at little cost. Timed at 1 to 64 rows of 4k and 32k
+    keys in sm80, sm86 and sm89 mode (H200 on 112, 88 and 128 SMs; tests/kernels/data/
+    paged_logits_cuda_keys_per_program_h200.json): 1.11x the Triton kernel's rule
+    (geometric mean), up to 1.56x (2 to 16 rows of 4k keys), at worst 10% slower (4 rows of
+    32k keys, sm89). More rows were not timed: 1,024, as for Triton."""
+    if num_rows <= 4:
+        return 256
+    if num_rows <= 64:
+        return 512
+    return KEYS_PER_PROGRAM
 
 
 def default_min_blocks(arch: str) -> int:
