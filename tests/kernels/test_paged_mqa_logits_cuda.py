@@ -195,24 +195,24 @@ def timed_cuts() -> list[dict]:
     "case", timed_cuts(),
     ids=lambda case: f"{case['arch']}-rows{case['rows']}-keys{case['keys']}")
 def test_cuda_keys_per_program_against_the_timed_cuts(case: dict) -> None:
-    """Against steps timed at 256 to 2,048 keys a chunk (H200, sm80/86/89 mode): the pick
-    was timed, is within 1.3x of the fastest and never 10% slower than the Triton kernel's
+    """Against steps timed at 128 to 2,048 keys a chunk (H200, sm80/86/89 mode): the pick
+    was timed, is within 1.4x of the fastest and never 10% slower than the Triton kernel's
     rule, which the CUDA kernel took before (a row's best cut depends on its length, which
     the launcher cannot read)."""
     times = {int(keys): ms for keys, ms in case["ms"].items()}
     pick = keys_per_program_for_rows(case["rows"])
     assert pick in times
-    assert times[pick] <= 1.3 * min(times.values())
+    assert times[pick] <= 1.4 * min(times.values())
     assert times[pick] <= 1.1 * times[triton_logits.keys_per_program_for_rows(case["rows"])]
 
 
 def test_cuda_keys_per_program_pay_over_the_triton_rule() -> None:
-    """Over every timed step, the CUDA rule's cuts take at most 0.92x the time of the
+    """Over every timed step, the CUDA rule's cuts take at most 0.9x the time of the
     Triton kernel's (geometric mean)."""
     ratios = [case["ms"][str(keys_per_program_for_rows(case["rows"]))]
               / case["ms"][str(triton_logits.keys_per_program_for_rows(case["rows"]))]
               for case in timed_cuts()]
-    assert math.prod(ratios) ** (1 / len(ratios)) <= 0.92
+    assert math.prod(ratios) ** (1 / len(ratios)) <= 0.9
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def cuda_arch(gpu_arch: str | None) -> str:
 
 GPU_CASES = [
     *[CudaCase(case, case.keys_per_program) for case in GPU_PAGED],
-    # The launcher's own keys a program: one row (256), five rows (512).
+    # The launcher's own keys a program: one row (128), five rows (512).
     CudaCase(PagedCase(1, 1, 64, 128, 64, 5000, per_draft_lengths=False, clean=True), None),
     CudaCase(PagedCase(5, 1, 64, 128, 64, 3000, per_draft_lengths=False, clean=False), None),
     CudaCase(PagedCase(4, 2, 64, 128, 256, 4096, per_draft_lengths=True, clean=True,
