@@ -635,19 +635,26 @@ INDEXER_HEADS, INDEXER_DIM = 64, 128  # DeepSeek-V4's indexer: 64 heads of 128 d
 SERVED_LOGITS_WIDTH = (1 << 20) // 4
 
 
-# The CUDA paged logits' builds timed beside the Triton kernel: (stages, blocks an SM).
-CUDA_LOGITS_BUILDS = ((2, 2), (2, 3))
+# Decode steps of the indexer logits: rows (requests of one token) x keys a row.
+INDEXER_DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+INDEXER_DECODE_KEYS = (4096, 32768)
 
 
 def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, object]]:
     """The indexer's logits: a 4k-token prefill chunk at the end of a 128k-token context
     (32k compressed keys), beside a dense bf16 matmul of the same flops by cuBLAS; decode
-    steps of B requests over 32k keys each, as bytes against the copy bandwidth, by the
-    Triton kernel and each build of the CUDA one (`CUDA_LOGITS_BUILDS`), whose ratio is its
-    speedup over the Triton kernel in the same run."""
+    steps of 1 to 64 rows of 4k and 32k keys, logits as wide as vLLM asks for a 1M-token
+    model, as bytes against the copy bandwidth, by the Triton kernel and by the CUDA one
+    as the route runs it (`op_adapters.fp8_fp4_paged_mqa_logits`: the arch's build, each
+    kernel's own keys a program), whose ratio is its speedup over the Triton kernel in the
+    same run."""
+    from services.engine.backport.kernels.cuda_module import device_arch
     from services.engine.backport.kernels.mqa_logits import mqa_logits
     from services.engine.backport.kernels.paged_mqa_logits import SCALE_BYTES, paged_mqa_logits
-    from services.engine.backport.kernels.paged_mqa_logits_cuda import paged_mqa_logits_cuda
+    from services.engine.backport.kernels.paged_mqa_logits_cuda import (
+        default_min_blocks,
+        paged_mqa_logits_cuda,
+    )
 
     def fp8(*shape: int) -> torch.Tensor:
         return torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
@@ -669,25 +676,23 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
                  "graph ms": graph_ms, "TFLOP/s": flops / graph_ms * 1e-9,
                  "baseline": f"cuBLAS bf16 {dense_rate:.0f} TFLOP/s",
                  "ratio": flops / graph_ms * 1e-9 / dense_rate})
-    block_size, context = 64, 32768
-    for batch in (1, 8, 64):
-        blocks = batch * context // block_size
-        cache = torch.randint(0, 255, (blocks, block_size * (INDEXER_DIM + SCALE_BYTES)),
-                              dtype=torch.uint8, device="cuda")
-        view = cache.view(blocks, block_size, 1, INDEXER_DIM + SCALE_BYTES)
-        cache[:, block_size * INDEXER_DIM:].view(torch.float32).copy_(
-            torch.rand(blocks, block_size, device="cuda"))
-        tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
-        qd = fp8(batch, 1, INDEXER_HEADS, INDEXER_DIM)
-        wd = torch.randn(batch, INDEXER_HEADS, device="cuda")
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
-        # vLLM asks for logits as wide as the longest context the model is served with (over
-        # the indexer's ratio): a row's keys end well before its last column.
-        flops = 2 * batch * context * INDEXER_HEADS * INDEXER_DIM
-        for width in (context, SERVED_LOGITS_WIDTH):
-            columns = "" if width == context else f" of {width} columns"
-            shape = f"decode B={batch} keys={context}{columns} H={INDEXER_HEADS}"
+    block_size, width = 64, SERVED_LOGITS_WIDTH
+    arch = cuda_arch or device_arch(torch.device("cuda"))
+    for context in INDEXER_DECODE_KEYS:
+        for batch in INDEXER_DECODE_ROWS:
+            blocks = batch * context // block_size
+            cache = torch.randint(0, 255, (blocks, block_size * (INDEXER_DIM + SCALE_BYTES)),
+                                  dtype=torch.uint8, device="cuda")
+            view = cache.view(blocks, block_size, 1, INDEXER_DIM + SCALE_BYTES)
+            cache[:, block_size * INDEXER_DIM:].view(torch.float32).copy_(
+                torch.rand(blocks, block_size, device="cuda"))
+            tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
+            qd = fp8(batch, 1, INDEXER_HEADS, INDEXER_DIM)
+            wd = torch.randn(batch, INDEXER_HEADS, device="cuda")
+            lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
+            flops = 2 * batch * context * INDEXER_HEADS * INDEXER_DIM
+            shape = f"decode B={batch} keys={context} of {width} columns H={INDEXER_HEADS}"
             triton_ms = bench_graph_ms(
                 lambda: paged_mqa_logits(qd, view, wd, lens, tables, width))
             rate = moved / (triton_ms * 1e-3)
@@ -695,16 +700,14 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
                          "TFLOP/s": flops / triton_ms * 1e-9,
                          "baseline": f"{rate / 1e9:.0f} GB/s of {bandwidth / 1e9:.0f} GB/s copy",
                          "ratio": rate / bandwidth})
-            for stages, blocks in CUDA_LOGITS_BUILDS:
-                graph_ms = bench_graph_ms(lambda: paged_mqa_logits_cuda(
-                    qd, view, wd, lens, tables, width, arch=cuda_arch, stages=stages,
-                    min_blocks=blocks))
-                rows.append({"shape": f"{shape} CUDA {stages} stages {blocks} blocks",
-                             "graph ms": graph_ms, "TFLOP/s": flops / graph_ms * 1e-9,
-                             "baseline": f"Triton {triton_ms:.4f} ms",
-                             "ratio": triton_ms / graph_ms})
-            print(indexer_markdown(rows[-1 - len(CUDA_LOGITS_BUILDS):]).split("\n", 2)[2],
-                  flush=True)
+            graph_ms = bench_graph_ms(lambda: paged_mqa_logits_cuda(
+                qd, view, wd, lens, tables, width, arch=arch,
+                min_blocks=default_min_blocks(arch)))
+            rows.append({"shape": f"{shape} CUDA", "graph ms": graph_ms,
+                         "TFLOP/s": flops / graph_ms * 1e-9,
+                         "baseline": f"Triton {triton_ms:.4f} ms", "ratio": triton_ms / graph_ms})
+            print(indexer_markdown(rows[-2:]).split("\n", 2)[2], flush=True)
+            del cache
     return rows
 
 
