@@ -161,6 +161,18 @@ inline float fp16_to_float(uint16_t bits) {
   return (bits & 0x8000) ? -magnitude : magnitude;
 }
 
+// This lane's C fragment (rows g, g + 8 at columns 2t, 2t + 1) += A B, in double.
+template <int kK>
+inline void accumulate_tile(float (&c)[4], const float (&A)[16][kK], const float (&B)[kK][8]) {
+  const int g = lane() / 4, t = lane() % 4;
+  for (int r = 0; r < 4; ++r) {
+    const int row = g + 8 * (r / 2), column = 2 * t + r % 2;
+    double sum = c[r];
+    for (int k = 0; k < kK; ++k) sum += static_cast<double>(A[row][k]) * B[k][column];
+    c[r] = static_cast<float>(sum);
+  }
+}
+
 // C += A B of mma.m16n8k16 on this lane's fragments, the operands' halves decoded by
 // `to_float` (PTX ISA layout: thread (g, t) = (lane / 4, lane % 4) holds A's rows g, g + 8
 // at k = 2t, 2t + 1 (a0, a1) and k = 2t + 8, 2t + 9 (a2, a3), B's column g at the same k
@@ -184,13 +196,7 @@ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
     }
   }
   done();
-  const int g = lane() / 4, t = lane() % 4;
-  for (int r = 0; r < 4; ++r) {
-    const int row = g + 8 * (r / 2), column = 2 * t + r % 2;
-    double sum = c[r];
-    for (int k = 0; k < 16; ++k) sum += static_cast<double>(A[row][k]) * B[k][column];
-    c[r] = static_cast<float>(sum);
-  }
+  accumulate_tile(c, A, B);
 }
 
 inline float e4m3_to_float(uint8_t bits) {
@@ -225,13 +231,7 @@ inline void mma_m16n8k32_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0
     }
   }
   done();
-  const int g = lane() / 4, t = lane() % 4;
-  for (int r = 0; r < 4; ++r) {
-    const int row = g + 8 * (r / 2), column = 2 * t + r % 2;
-    double sum = c[r];
-    for (int k = 0; k < 32; ++k) sum += static_cast<double>(A[row][k]) * B[k][column];
-    c[r] = static_cast<float>(sum);
-  }
+  accumulate_tile(c, A, B);
 }
 
 }  // namespace emulation
