@@ -20,8 +20,8 @@ caches and bandwidth stay the H200's.
 `--compare-decode` only times the CUDA decode against the Triton one (the baseline), side by
 side on the same inputs, beside what one device copy of the same bytes gets of the copy
 bandwidth (the ceiling for any single kernel at that size). The main table has a row for each.
-`--prefill` only times the sparse prefill (and its tiling choices unless `--quick`),
-`--indexer` only the indexer's logits; both are compute-bound and printed in TFLOP/s beside
+`--prefill` only times the sparse prefill, Triton and CUDA side by side (and their
+tilings unless `--quick`), `--indexer` only the indexer's logits; both are compute-bound and printed in TFLOP/s beside
 a cuBLAS bf16 matmul of the same flops in the same run (the decode logits beside the copy
 bandwidth too). `--einsum` only times the output projection's fp8 einsum: decode steps
 against the copy bandwidth, a prefill chunk against cuBLAS's bf16 bmm. The full run ends
@@ -36,6 +36,7 @@ per sequence, the indexer's C4A ratio; each token's top-k rows are distinct), 16
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -112,8 +113,6 @@ def filled_cache(num_rows: int) -> torch.Tensor:
 def decode_function(backend: str, cuda_arch: str | None) -> Callable[..., object]:
     """The Triton decode (sparse_mla_decode.py) for "triton", the CUDA one built for
     `cuda_arch` (None: the card's own) for "cuda"."""
-    import functools
-
     from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode
     from services.engine.backport.kernels.sparse_mla_decode_cuda import sparse_mla_decode_cuda
 
@@ -585,18 +584,30 @@ PREFILL_SHAPES = (  # (query tokens, heads, list width): C4A's 512 + window, top
 PREFILL_KV_ROWS = 32768  # a chunk's gathered rows (bf16, 32 MiB)
 
 
-def prefill_cases(quick: bool) -> list[dict[str, object]]:
-    """The sparse prefill on a chunk's gathered rows, beside a dense bf16 matmul of the
-    same flops by cuBLAS in the same run (Hopper's wgmma on the H200: a ceiling that sm80
-    code, limited to mma.sync, cannot reach; an A100's bf16 peak is 312 TFLOP/s)."""
+def prefill_cases(quick: bool, cuda_arch: str | None) -> list[dict[str, object]]:
+    """The sparse prefill on a chunk's gathered rows, Triton's and the CUDA build
+    (`cuda_arch`'s; None: the card's), beside a dense bf16 matmul of the same flops by
+    cuBLAS in the same run (Hopper's wgmma on the H200: a ceiling that sm80 code, limited
+    to mma.sync, cannot reach; an A100's bf16 peak is 312 TFLOP/s)."""
     from services.engine.backport.kernels import ds_mla_cache as layout
     from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
+    from services.engine.backport.kernels.sparse_mla_prefill_cuda import (
+        sparse_mla_prefill_cuda,
+    )
 
     kv = torch.randn(PREFILL_KV_ROWS, 1, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     rows = []
-    configs = [{}] if quick else [
-        {}, {"num_stages": 1}, {"num_stages": 3}, {"block_n": 64},
-        {"heads_per_program": 32, "num_warps": 8}, {"heads_per_program": 64, "num_warps": 8}]
+    cuda = functools.partial(sparse_mla_prefill_cuda, arch=cuda_arch)
+    # (label, function, its tiling arguments)
+    configs: list[tuple[str, Callable[..., object], dict[str, int]]] = [
+        ("triton", sparse_mla_prefill, {}), ("cuda", cuda, {})]
+    if not quick:
+        configs += [("triton", sparse_mla_prefill, config) for config in (
+            {"num_stages": 1}, {"num_stages": 3}, {"block_n": 64},
+            {"heads_per_program": 32, "num_warps": 8},
+            {"heads_per_program": 64, "num_warps": 8})]
+        configs += [("cuda", cuda, config) for config in (
+            {"stages": 3}, {"stages": 4}, {"min_blocks": 3})]
     for tokens, heads, width in PREFILL_SHAPES[:2] if quick else PREFILL_SHAPES:
         q = torch.randn(tokens, heads, layout.HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         picks = torch.stack([torch.randperm(PREFILL_KV_ROWS, device="cuda")[:width]
@@ -609,18 +620,20 @@ def prefill_cases(quick: bool) -> list[dict[str, object]]:
         keys = torch.randn(layout.HEAD_DIM, width, device="cuda", dtype=torch.bfloat16)
         dense_ms = bench_graph_ms(lambda: torch.matmul(scores, keys))
         dense_rate = 2 * tokens * heads * width * layout.HEAD_DIM / dense_ms * 1e-9
-        for config in configs:
-            def run(config: dict[str, int] = config) -> object:
-                return sparse_mla_prefill(q, kv, indices, layout.HEAD_DIM**-0.5,
-                                          attn_sink=sink, out=out, **config)
+        for label, prefill, config in configs:
+            def run(prefill: Callable[..., object] = prefill,
+                    config: dict[str, int] = config) -> object:
+                return prefill(q, kv, indices, layout.HEAD_DIM**-0.5, attn_sink=sink, out=out,
+                               **config)
             try:
                 graph_ms = bench_graph_ms(run)
             except Exception as error:  # noqa: BLE001 - a config over the limits is a result
-                print(f"prefill {config} failed: {type(error).__name__}: {error}", flush=True)
+                print(f"prefill {label} {config} failed: {type(error).__name__}: {error}",
+                      flush=True)
                 continue
             rows.append({
                 "shape": f"S_q={tokens} H={heads} K={width}",
-                "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
+                "config": label + "".join(f",{k}={v}" for k, v in config.items()),
                 "graph ms": graph_ms,
                 "TFLOP/s": flops / graph_ms * 1e-9,
                 "dense bf16 TFLOP/s": dense_rate,
@@ -940,7 +953,7 @@ def main() -> None:
         print(markdown(quantizer_cases(bandwidth, args.quick)))
         return
     if args.prefill:
-        print(prefill_markdown(prefill_cases(args.quick)))
+        print(prefill_markdown(prefill_cases(args.quick, cuda_arch)))
         return
     if args.indexer:
         print(indexer_markdown(indexer_cases(bandwidth, cuda_arch)))
@@ -971,7 +984,7 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - a config over the card's limits is a result too
             print(f"config {config} failed: {type(error).__name__}: {error}", flush=True)
     rows.extend(quantizer_cases(bandwidth, args.quick))
-    prefill_rows = prefill_cases(quick=True)
+    prefill_rows = prefill_cases(True, cuda_arch)
     indexer_rows = indexer_cases(bandwidth, cuda_arch)
     einsum_rows = einsum_cases(bandwidth, quick=True)
 

@@ -28,7 +28,7 @@ from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     KERNEL_NAME,
     SOURCE,
     THREADS,
-    LoadedDecode,
+    LoadedSparseMla,
     choose_num_splits,
     decode_launch,
     decode_ptx,
@@ -82,7 +82,7 @@ def emulated_decode(tmp_path_factory: pytest.TempPathFactory):
     def build(min_blocks: int) -> EmulatedKernel:
         if min_blocks not in builds:
             builds[min_blocks] = EmulatedKernel(
-                SOURCE, KERNEL_NAME, "DecodeParams",
+                SOURCE, KERNEL_NAME, "SparseMlaParams",
                 {"SPARSE_MLA_DECODE_MIN_BLOCKS": min_blocks},
                 tmp_path_factory.mktemp("emulated"))
         return builds[min_blocks]
@@ -215,9 +215,9 @@ def test_sm_count_is_the_current_contexts_share(held_sm_count: int | None) -> No
     assert context_sm_count(device) == current
 
 
-def _loaded_on(sm_count: int) -> LoadedDecode:
+def _loaded_on(sm_count: int) -> LoadedSparseMla:
     """The 2-block build's launch figures on a card (or green context) of `sm_count` SMs."""
-    return LoadedDecode(kernel=None, shared_bytes=27008, launch_shared_bytes=27008,
+    return LoadedSparseMla(kernel=None, shared_bytes=27008, launch_shared_bytes=27008,
                         blocks_per_sm=2, sm_count=sm_count)
 
 

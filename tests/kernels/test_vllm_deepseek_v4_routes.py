@@ -50,6 +50,11 @@ from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     paged_mqa_logits_cuda,
 )
 from services.engine.backport.kernels.sparse_mla_decode import sparse_mla_decode_reference
+from services.engine.backport.kernels.sparse_mla_prefill import (
+    sparse_mla_prefill,
+    sparse_mla_prefill_reference,
+)
+from services.engine.backport.kernels.sparse_mla_prefill_cuda import sparse_mla_prefill_cuda
 from tests.kernels.test_fp8_einsum import assert_einsum_matches
 from tests.kernels.test_mqa_logits import (
     GPU_PAGED,
@@ -68,6 +73,11 @@ from tests.kernels.test_kv_compress_insert import (
 )
 from tests.kernels.test_quantizers import MAX_POSITION, _cos_sin_cache
 from tests.kernels.test_sparse_mla_decode import SOFTMAX_SCALE, _slot_lists, filled_cache
+from tests.kernels.test_sparse_mla_prefill import INTERPRETER_CASES as PREFILL_CASES
+from tests.kernels.test_sparse_mla_prefill import case_inputs as prefill_inputs
+from tests.kernels.test_sparse_mla_prefill import (
+    check_against_reference as check_prefill,
+)
 
 
 # Where vLLM calls a routed name, when not in the module that holds it.
@@ -273,6 +283,44 @@ def test_paged_logits_adapter_runs_the_cuda_kernel_in_a_cuda_graph(
     want = paged_mqa_logits_cuda(**inputs, arch=arch, min_blocks=default_min_blocks(arch))
     written = torch.isfinite(paged_mqa_logits_reference(**inputs))
     assert torch.equal(got[written], want[written])
+
+
+def prefill_call(device: str, seed: int) -> dict[str, object]:
+    """The prefill's arguments as vLLM's `_forward_prefill` passes them: kv viewed as
+    [rows, 1, 512], the row lists as [S_q, 1, K], a slice of its output buffer as `out`."""
+    inputs = prefill_inputs(PREFILL_CASES[0], device, seed)
+    q = inputs["q"]
+    output = torch.full((q.shape[0] + 2, *q.shape[1:]), 7.0, dtype=q.dtype, device=device)
+    return {**inputs, "kv": inputs["kv"].view(-1, 1, layout.HEAD_DIM),
+            "out": output[1:-1]}
+
+
+def test_prefill_adapter_gives_flashmla_results_for_vllm_shapes(kernel_device: str) -> None:
+    """Without the CUDA prefill loaded on the GPU, the Triton one serves."""
+    call = prefill_call(kernel_device, seed=24)
+    got = op_adapters.flash_mla_sparse_fwd(**call)
+    assert got[0].data_ptr() == call["out"].data_ptr()
+    reference_inputs = {k: v for k, v in call.items() if k != "out"}
+    check_prefill(got, sparse_mla_prefill_reference(**reference_inputs))
+    if kernel_device != "cuda" or torch.cuda.current_device() not in (
+            op_adapters._cuda_attention_archs):
+        triton_out, _, _ = sparse_mla_prefill(**reference_inputs)
+        assert torch.equal(got[0], triton_out)
+
+
+def test_prefill_adapter_runs_the_cuda_prefill_where_loaded(
+        kernel_device: str, gpu_arch: str | None) -> None:
+    if kernel_device != "cuda":
+        pytest.skip("the CUDA prefill needs a CUDA card")
+    arch = gpu_arch or device_arch(torch.device("cuda"))
+    assert op_adapters.prepare_cuda_kernels(torch.device("cuda"), arch)
+    call = prefill_call(kernel_device, seed=25)
+    got = op_adapters.flash_mla_sparse_fwd(**call)
+    reference_inputs = {k: v for k, v in call.items() if k != "out"}
+    want = sparse_mla_prefill_cuda(**reference_inputs, arch=arch)
+    for got_part, want_part in zip(got, want, strict=True):
+        assert torch.equal(got_part, want_part)
+    check_prefill(got, sparse_mla_prefill_reference(**reference_inputs))
 
 
 def test_decode_adapter_refuses_what_is_not_backported() -> None:

@@ -70,12 +70,11 @@ def routes() -> dict[str, dict[str, Callable[..., object]]]:
     from services.engine.backport.kernels.indexer_q_quant import fused_indexer_q_rope_quant
     from services.engine.backport.kernels.inv_rope_fp8_quant import fused_inv_rope_fp8_quant
     from services.engine.backport.kernels.k_cache_gather import dequantize_and_gather_k_cache
-    from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
 
     return {
         FLASHMLA_LAYER_MODULE: {
             "flash_mla_with_kvcache": op_adapters.flash_mla_with_kvcache,
-            "flash_mla_sparse_fwd": sparse_mla_prefill,
+            "flash_mla_sparse_fwd": op_adapters.flash_mla_sparse_fwd,
             "dequantize_and_gather_k_cache": dequantize_and_gather_k_cache,
         },
         ATTENTION_MODULE: {

@@ -10,9 +10,9 @@ projection (`deep_gemm_fp8_o_proj`) calls the inverse-RoPE fp8 quant and DeepGEM
 speculative decoding the indexer pads its fp8 queries with vLLM's `pack_seq_triton`,
 which writes fp8 through sm89's conversion. FlashMLA,
 DeepGEMM and those CuTe-DSL kernels run on sm90/sm100 only, and the upstream Triton ops
-use fp8 instructions that sm80/86 lack. The prefill, the K gather and the two quants
-need no adapter (`sparse_mla_prefill`, `k_cache_gather`, `indexer_q_quant`,
-`inv_rope_fp8_quant` take the same arguments); the others are below.
+use fp8 instructions that sm80/86 lack. The K gather and the two quants need no adapter
+(`k_cache_gather`, `indexer_q_quant`, `inv_rope_fp8_quant` take the same arguments); the
+others are below.
 """
 
 from __future__ import annotations
@@ -42,13 +42,20 @@ from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     load_decode,
     sparse_mla_decode_cuda,
 )
+from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill
+from services.engine.backport.kernels.sparse_mla_prefill_cuda import (
+    load_prefill,
+    sparse_mla_prefill_cuda,
+)
+from services.engine.backport.kernels.sparse_mla_prefill_cuda import takes as cuda_prefill_takes
 
 logger = logging.getLogger(__name__)
 
-# GPU index -> the arch its CUDA decode was built for: the decode adapter runs it there,
-# the Triton one elsewhere (the CUDA one took 0.044 ms where the Triton one took 0.079,
-# B=64 H=16 top-k 2048 on the H200 in sm80 mode).
-_cuda_decode_archs: dict[int, str] = {}
+# GPU index -> the arch its CUDA decode and prefill were built for: the adapters run them
+# there, the Triton ones elsewhere (the CUDA decode took 0.044 ms where the Triton one took
+# 0.079, B=64 H=16 top-k 2048; the CUDA prefill 1.16-1.19x the Triton one's speed on a
+# 4k-token chunk; H200 in sm80 mode).
+_cuda_attention_archs: dict[int, str] = {}
 # (GPU index, page size) -> the arch the CUDA paged logits for those pages were built for
 # (1.33-1.64x the Triton kernel's speed at 64 rows, 0.90-1.19x at 8: docs/kernels.md).
 _cuda_logits_archs: dict[tuple[int, int], str] = {}
@@ -57,20 +64,22 @@ INDEXER_BLOCK_SIZE = 64
 
 
 def prepare_cuda_kernels(device: torch.device, arch: str | None = None) -> bool:
-    """Builds the CUDA decode and, for sm80/86/89, the CUDA paged logits for `arch` (default:
-    the card's own) and loads them on `device`, so the adapters use them there from now on.
-    Must run before CUDA-graph capture: loading reads a constant back from the GPU. Returns
-    whether the decode loaded (without a CUDA compiler the Triton kernels serve)."""
+    """Builds the CUDA decode and prefill and, for sm80/86/89, the CUDA paged logits for
+    `arch` (default: the card's own) and loads them on `device`, so the adapters use them
+    there from now on. Must run before CUDA-graph capture: loading reads a constant back
+    from the GPU. Returns whether they loaded (without a CUDA compiler the Triton kernels
+    serve)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = arch or device_arch(torch.device("cuda", index))
     try:
         load_decode(arch, index)
+        load_prefill(arch, index)
         if arch in CUDA_LOGITS_ARCHS:
             load_logits(arch, index, INDEXER_BLOCK_SIZE, min_blocks=default_min_blocks(arch))
     except Exception:  # the Triton kernels still serve; say why once
         logger.exception("backport: CUDA kernels unavailable on cuda:%d", index)
         return False
-    _cuda_decode_archs[index] = arch
+    _cuda_attention_archs[index] = arch
     if arch in CUDA_LOGITS_ARCHS:
         _cuda_logits_archs[index, INDEXER_BLOCK_SIZE] = arch
     return True
@@ -84,7 +93,7 @@ def runs_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor,
                      extra_k_cache: torch.Tensor | None) -> bool:
     """Whether the CUDA decode is loaded for q's GPU and takes these operands (bf16 q,
     power-of-two pages)."""
-    return (q.is_cuda and q.device.index in _cuda_decode_archs and q.dtype == torch.bfloat16
+    return (q.is_cuda and q.device.index in _cuda_attention_archs and q.dtype == torch.bfloat16
             and _is_power_of_two_page(k_cache) and _is_power_of_two_page(extra_k_cache))
 
 
@@ -127,10 +136,30 @@ def flash_mla_with_kvcache(
                 extra_indices_in_kvcache, extra_topk_length)
     if runs_cuda_decode(q, k_cache, extra_k_cache):
         decoded, lse = sparse_mla_decode_cuda(*operands, out=out,
-                                              arch=_cuda_decode_archs[q.device.index])
+                                              arch=_cuda_attention_archs[q.device.index])
     else:
         decoded, lse = sparse_mla_decode(*operands, out=out)
     return (out if out is not None else decoded.view(q.shape)), lse.unsqueeze(-1)
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = layout.HEAD_DIM,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse prefill over the gathered bf16 rows: (out, max_logits, lse). The
+    CUDA prefill runs where `prepare_cuda_kernels` loaded it and it takes the operands
+    (bf16, 16-byte aligned rows), the Triton one elsewhere."""
+    arguments = dict(d_v=d_v, attn_sink=attn_sink, topk_length=topk_length, out=out)
+    arch = _cuda_attention_archs.get(q.device.index) if q.is_cuda else None
+    if arch is not None and cuda_prefill_takes(q, kv):
+        return sparse_mla_prefill_cuda(q, kv, indices, sm_scale, **arguments, arch=arch)
+    return sparse_mla_prefill(q, kv, indices, sm_scale, **arguments)
 
 
 def _fp8_q(q: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Launcher of the CUDA sparse MLA decode (`sparse_mla_decode_sm80.cu`).
+"""Launcher of the CUDA sparse MLA decode (`sparse_mla_sm80.cu`'s decode build).
 
 Same interface and semantics as `sparse_mla_decode.sparse_mla_decode` (the Triton
 kernel, which also runs under the interpreter and stays the portable path): FlashMLA's
@@ -35,7 +35,7 @@ from services.engine.backport.kernels.sparse_mla_decode import (
     int32_rows,
 )
 
-SOURCE = Path(__file__).with_name("sparse_mla_decode_sm80.cu")
+SOURCE = Path(__file__).with_name("sparse_mla_sm80.cu")
 KERNEL_NAME = "sparse_mla_decode_sm80"
 THREADS = 128
 HEADS_PER_BLOCK = 16
@@ -72,8 +72,8 @@ DEFAULT_MIN_BLOCKS = 2
 DEFAULT_PARTIAL_DTYPE = torch.bfloat16
 
 
-class DecodeParams(ctypes.Structure):
-    """The kernel's `DecodeParams`, field for field."""
+class SparseMlaParams(ctypes.Structure):
+    """The kernel's `SparseMlaParams`, field for field (the last three are the prefill's)."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -101,11 +101,14 @@ class DecodeParams(ctypes.Structure):
         ("num_splits", ctypes.c_int32),
         ("bf16_partials", ctypes.c_int32),
         ("qk_scale_log2", ctypes.c_float),
+        ("sink", ctypes.c_void_p),
+        ("max_logits", ctypes.c_void_p),
+        ("row_limit", ctypes.c_int32),
     ]
 
 
 @dataclass(frozen=True)
-class LoadedDecode:
+class LoadedSparseMla:
     """The kernel on one GPU, with what its launches need."""
 
     kernel: CudaKernel
@@ -128,7 +131,7 @@ def decode_ptx(arch: str, stages: int = DEFAULT_STAGES,
 def load_decode(
     arch: str, device_index: int, stages: int = DEFAULT_STAGES,
     min_blocks: int = DEFAULT_MIN_BLOCKS,
-) -> LoadedDecode:
+) -> LoadedSparseMla:
     """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
     launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
     holds more. Load before capturing a CUDA graph: loading reads a constant back from the
@@ -137,19 +140,25 @@ def load_decode(
 
 
 @functools.cache  # keyed by position only, so a defaulted argument finds the same build
-def _load_decode(arch: str, device_index: int, stages: int, min_blocks: int) -> LoadedDecode:
+def _load_decode(arch: str, device_index: int, stages: int, min_blocks: int) -> LoadedSparseMla:
+    return load_build(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, arch, device_index)
+
+
+def load_build(ptx: bytes, name: str, arch: str, device_index: int) -> LoadedSparseMla:
+    """A build of `sparse_mla_sm80.cu` (decode or prefill) loaded on GPU `device_index`,
+    its launches held to the blocks an SM of `arch`."""
     device = torch.device("cuda", device_index)
-    kernel = CudaKernel(decode_ptx(arch, stages, min_blocks), KERNEL_NAME, device)
-    shared = kernel.read_int_global("kSparseMlaDecodeSharedBytes")
+    kernel = CudaKernel(ptx, name, device)
+    shared = kernel.read_int_global("kSparseMlaSharedBytes")
     launch_shared = kernel.target_shared_bytes(arch, THREADS, shared)
     blocks = kernel.blocks_per_sm(THREADS, launch_shared)
     with torch.cuda.device(device):
         sm_count = context_sm_count(device_index)
-    return LoadedDecode(kernel, shared, launch_shared, blocks, sm_count)
+    return LoadedSparseMla(kernel, shared, launch_shared, blocks, sm_count)
 
 
 def choose_num_splits(programs: int, list_width: int, extra_list_width: int,
-                      loaded: LoadedDecode) -> int:
+                      loaded: LoadedSparseMla) -> int:
     """Splits of each token's two slot lists for `programs` (token, head block) pairs: the
     cheapest under `SPLIT_COST` on the SMs and blocks an SM the kernel was loaded for."""
     return SPLIT_COST.cheapest_splits(programs, list_width, extra_list_width, loaded.sm_count,
@@ -167,7 +176,7 @@ class DecodeLaunch:
     """One launch of the kernel: its grid and argument, and the tensors it fills."""
 
     grid: tuple[int, int, int]
-    params: DecodeParams
+    params: SparseMlaParams
     q: torch.Tensor  # as the kernel reads it
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
@@ -228,7 +237,7 @@ def decode_launch(
         device=q.device)
     partial_lse = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32,
                               device=q.device)
-    params = DecodeParams(
+    params = SparseMlaParams(
         q=q.data_ptr(),
         cache=k_cache.data_ptr(),
         extra_cache=(extra_k_cache if has_extra else k_cache).data_ptr(),
@@ -287,7 +296,7 @@ def sparse_mla_decode_cuda(
     `partial_dtype` what the splits' partial outputs are stored in (bfloat16 or float32;
     default `DEFAULT_PARTIAL_DTYPE`).
     """
-    def loaded() -> LoadedDecode:  # after the operands' checks, which need no GPU
+    def loaded() -> LoadedSparseMla:  # after the operands' checks, which need no GPU
         device_index = q.device.index
         if device_index is None:
             device_index = torch.cuda.current_device()

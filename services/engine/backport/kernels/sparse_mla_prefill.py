@@ -129,7 +129,7 @@ def _sparse_mla_prefill_kernel(
     tl.store(lse_ptr + stats, natural_lse(lse2, has_keys), mask=head_mask)
 
 
-def _kv_rows(kv: torch.Tensor) -> torch.Tensor:
+def kv_rows(kv: torch.Tensor) -> torch.Tensor:
     """kv as [S_kv, 512] with contiguous rows: FlashMLA's [S_kv, 1, 512] or [S_kv, 512]."""
     if kv.dim() == 3:
         if kv.shape[1] != 1:
@@ -163,7 +163,7 @@ def sparse_mla_prefill(
         raise ValueError(f"d_v must be {layout.HEAD_DIM}, got {d_v}")
     if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
         raise ValueError(f"q must be [S_q, H, 512] with contiguous rows, got {tuple(q.shape)}")
-    kv = _kv_rows(kv)
+    kv = kv_rows(kv)
     indices = int32_rows(as_token_major(indices, "indices"))
     num_tokens, num_heads, _ = q.shape
     if indices.dim() != 2 or indices.shape[0] != num_tokens:
@@ -215,7 +215,7 @@ def sparse_mla_prefill_reference(
     topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch reference in fp32: (out, max_logits, lse) as `sparse_mla_prefill`."""
-    kv = _kv_rows(kv).float()
+    kv = kv_rows(kv).float()
     rows = as_token_major(indices, "indices").to(torch.int64)
     positions = torch.arange(rows.shape[1], device=rows.device)
     valid = (rows >= 0) & (rows < kv.shape[0])

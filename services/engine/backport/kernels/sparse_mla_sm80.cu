@@ -1,5 +1,10 @@
-// Sparse MLA decode over the fp8_ds_mla paged cache with Ampere's mma.sync: the CUDA
-// counterpart of sparse_mla_decode.py's Triton kernel, for sm80/86/89.
+// Sparse MLA attention with Ampere's mma.sync, for sm80/86/89, in two builds of one kernel:
+// - the decode (sparse_mla_decode_sm80) over the fp8_ds_mla paged cache, the CUDA
+//   counterpart of sparse_mla_decode.py's Triton kernel;
+// - the prefill (sparse_mla_prefill_sm80, SPARSE_MLA_BF16_ROWS=1) over the bf16 rows the
+//   K gather dequantized (FlashMLA's flash_mla_sparse_fwd; sparse_mla_prefill.py's Triton
+//   kernel): a row's 512 dims are loaded as they are, there are no splits, and the block
+//   writes the final output with the sink applied, max_logits and the natural lse.
 //
 // Why CUDA: the Triton kernel spends a 32-key step in 12 barrier-separated phases with 8
 // warps an SM (docs/kernels-history.md), and dequantizes every K value twice (once for
@@ -38,11 +43,19 @@
 
 namespace {
 
+#ifndef SPARSE_MLA_BF16_ROWS
+#define SPARSE_MLA_BF16_ROWS 0
+#endif
+// The prefill's build: a slot is a row number into [rows, 512] bf16, its padding -1 or a
+// row past the buffer; otherwise a slot of the paged fp8_ds_mla cache, padding -1.
+constexpr bool kBf16Rows = SPARSE_MLA_BF16_ROWS != 0;
+
 constexpr int kHeadDim = 512;
 constexpr int kNopeDim = 448;
 constexpr int kNopeTiles = kNopeDim / 64;  // 64-dim tiles with one UE8M0 scale each
-constexpr int kDataBytes = 576;   // 448 fp8 + 64 bf16 RoPE values
-constexpr int kScaleBytes = 8;    // 7 UE8M0 exponents + a pad byte
+// A row's bytes: 448 fp8 + 64 bf16 RoPE values, or 512 bf16 values.
+constexpr int kDataBytes = kBf16Rows ? 2 * kHeadDim : 576;
+constexpr int kScaleBytes = kBf16Rows ? 0 : 8;  // 7 UE8M0 exponents + a pad byte
 constexpr int kHeads = 16;        // mma.m16n8k16's M
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -56,14 +69,17 @@ constexpr int kTilesPerWarp = kDimsPerWarp / 64;
 // must land within kStages - 1 steps (2 measured best: docs/kernels-history.md).
 constexpr int kStages = SPARSE_MLA_DECODE_STAGES;
 // 576 = 4.5 x 128 bytes: keys k and k + 1 start 16 banks apart, so a quarter-warp's
-// 16-byte loads (two keys x 64 bytes) are conflict-free.
-constexpr int kRowStride = kDataBytes;
+// 16-byte loads (two keys x 64 bytes) are conflict-free. A bf16 row (1,024 bytes, a
+// quarter-warp's loads two keys x 128 bytes) is padded by 16 bytes for the same reason.
+constexpr int kRowStride = kBf16Rows ? kDataBytes + 16 : kDataBytes;
 constexpr int kQStride = 520;     // bf16 per staged q row: +8 spreads ldmatrix rows over banks
 constexpr int kCopyThreadsPerKey = kThreads / kKeys;  // 8 threads copy a row
 constexpr int kChunksPerRow = kDataBytes / 16;
 // How far (log2) a score may pass the softmax reference before the reference moves:
 // p = 2^(score - reference) <= 256 stays exact in bf16's exponent range.
 constexpr float kMaxSlackLog2 = 8.f;
+constexpr float kLog2E = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // Blocks an SM the build must fit: 2 caps a thread at 255 registers (the launcher's
 // choice, sparse_mla_decode_cuda.DEFAULT_MIN_BLOCKS), 3 at 168, 4 at 128.
@@ -91,8 +107,10 @@ constexpr int kSharedBytes = kQBytes + kRowsBytes + kScalesBytes + kBiasBytes + 
 
 }  // namespace
 
-// Must match sparse_mla_decode_cuda.DecodeParams field for field.
-struct DecodeParams {
+// Must match sparse_mla_decode_cuda.SparseMlaParams field for field. The prefill build
+// reads a bf16 row `slot` at cache + slot * block_stride (block_size_log2 = 0), no extra
+// list, one split, and writes bf16 `partial_out` as its output [T, H, 512].
+struct SparseMlaParams {
   const uint16_t* q;  // bf16 [T, H, 512]
   const uint8_t* cache;
   const uint8_t* extra_cache;
@@ -118,10 +136,13 @@ struct DecodeParams {
   int32_t num_splits;
   int32_t bf16_partials;  // 0: fp32 partial outputs, else bf16
   float qk_scale_log2;
+  const float* sink;   // prefill: [H] fp32 or null
+  float* max_logits;   // prefill: [T, H], natural log units
+  int32_t row_limit;   // prefill: rows in the buffer; slots from here on are padding
 };
-static_assert(sizeof(DecodeParams) == 160, "DecodeParams changed: update the Python struct");
+static_assert(sizeof(SparseMlaParams) == 184, "SparseMlaParams changed: update the Python struct");
 
-extern "C" __constant__ int kSparseMlaDecodeSharedBytes = kSharedBytes;
+extern "C" __constant__ int kSparseMlaSharedBytes = kSharedBytes;
 
 namespace {
 
@@ -168,8 +189,14 @@ struct SlotRun {
 
 }  // namespace
 
+#if SPARSE_MLA_BF16_ROWS
+#define SPARSE_MLA_KERNEL sparse_mla_prefill_sm80
+#else
+#define SPARSE_MLA_KERNEL sparse_mla_decode_sm80
+#endif
+
 extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLOCKS)
-    sparse_mla_decode_sm80(const DecodeParams p) {
+    SPARSE_MLA_KERNEL(const SparseMlaParams p) {
   extern __shared__ __align__(16) uint8_t shared[];
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(shared);
   uint8_t* rows = shared + kQBytes;
@@ -253,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   const int copy_part = thread % kCopyThreadsPerKey;
   auto stage_rows = [&](int step, int slot, bool is_extra) {
     const int stage = step % kStages;
-    const bool valid = slot >= 0;
+    const bool valid = slot >= 0 && (!kBf16Rows || slot < p.row_limit);
     // A padding slot still needs a readable address (slot 0); zero bytes are copied from it.
     const int readable_slot = valid ? slot : 0;
     const int shift = is_extra ? p.extra_block_size_log2 : p.block_size_log2;
@@ -271,7 +298,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       }
     }
     if (copy_part == 0) {
-      copy_async<8>(scales + (stage * kKeys + copy_key) * kScaleBytes, scale, valid);
+      if constexpr (!kBf16Rows) {
+        copy_async<8>(scales + (stage * kKeys + copy_key) * kScaleBytes, scale, valid);
+      }
       key_biases[stage * kKeys + copy_key] = valid ? 0.f : negative_infinity();
     }
   };
@@ -304,6 +333,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   // Softmax reference per row (group, group + 8; base 2): within kMaxSlackLog2 of the max.
   float row_max[2] = {negative_infinity(), negative_infinity()};
   float row_sum[2] = {0.f, 0.f};   // this thread's key columns only, until the end
+  // The largest score (base 2), which the prefill returns as max_logits: the reference
+  // lags it by up to kMaxSlackLog2.
+  float score_max[2] = {negative_infinity(), negative_infinity()};
   // PV accumulators: tile j (64 dims), chunk t, half h hold at column 2c + e output dim
   // 128w + 64j + 16c + 4t + 2h + e (c = quad): 16 consecutive dims a thread and row.
   float acc[kTilesPerWarp][4][2][4];
@@ -323,9 +355,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   auto load_q = [&](uint32_t (&a)[4], int j, int t) {
     load_matrix_x4(a, q_address + (4 * (kTilesPerWarp * warp + j) + t) * 32);
   };
-  // K of this warp's dims for one step's 16 keys, as QK^T's B fragments:
+  // bf16 dims 16c + 4t + {0..3} of a 64-dim tile (c = quad; 32 bytes at `dims`) as the
+  // B fragments of its four k16 chunks for n8 tile n.
+  auto bf16_fragments = [&](const uint8_t* dims, uint32_t (&k)[kTilesPerWarp][4][2][2],
+                            int j, int n) {
+    const uint4 low = *reinterpret_cast<const uint4*>(dims);
+    const uint4 high = *reinterpret_cast<const uint4*>(dims + 16);
+    k[j][0][n][0] = low.x;
+    k[j][0][n][1] = low.y;
+    k[j][1][n][0] = low.z;
+    k[j][1][n][1] = low.w;
+    k[j][2][n][0] = high.x;
+    k[j][2][n][1] = high.y;
+    k[j][3][n][0] = high.z;
+    k[j][3][n][1] = high.w;
+  };
+  // K of this warp's dims for one step's 16 keys, as QK^T's B fragments (fp8 dims
+  // dequantized, bf16 ones as they are):
   // k[j][t][n] = {b0, b1} of tile j, k16 chunk t, n8 tile n (keys 8n..8n+7).
-  auto dequantize_step = [&](int step, uint32_t (&k)[kTilesPerWarp][4][2][2]) {
+  auto load_k_step = [&](int step, uint32_t (&k)[kTilesPerWarp][4][2][2]) {
     const int stage = step % kStages;
     const uint8_t* stage_rows_base = rows + stage * kKeys * kRowStride;
     const uint8_t* stage_scales = scales + stage * kKeys * kScaleBytes;
@@ -336,7 +384,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       for (int n = 0; n < 2; ++n) {
         const int key = 8 * n + group;
         const uint8_t* row = stage_rows_base + key * kRowStride;
-        if (tile < kNopeTiles) {
+        if constexpr (kBf16Rows) {
+          bf16_fragments(row + 2 * (64 * tile + 16 * quad), k, j, n);
+        } else if (tile < kNopeTiles) {
           const uint4 bytes = *reinterpret_cast<const uint4*>(row + 64 * tile + 16 * quad);
           const uint32_t multiplier =
               scale_bits(stage_scales[key * kScaleBytes + tile]) * 0x10001u;
@@ -347,17 +397,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
             k[j][t][n][1] = dequantize_pair(words[t], 0, 0xB3A2, multiplier);
           }
         } else {
-          // RoPE dims 448..511 are bf16 already: dims 448 + 16c + 4t + {0..3} = 8 bytes.
-          const uint4 low = *reinterpret_cast<const uint4*>(row + kNopeDim + 32 * quad);
-          const uint4 high = *reinterpret_cast<const uint4*>(row + kNopeDim + 32 * quad + 16);
-          k[j][0][n][0] = low.x;
-          k[j][0][n][1] = low.y;
-          k[j][1][n][0] = low.z;
-          k[j][1][n][1] = low.w;
-          k[j][2][n][0] = high.x;
-          k[j][2][n][1] = high.y;
-          k[j][3][n][0] = high.z;
-          k[j][3][n][1] = high.w;
+          // RoPE dims 448..511 are bf16 already, after the 448 fp8 bytes.
+          bf16_fragments(row + kNopeDim + 32 * quad, k, j, n);
         }
       }
     }
@@ -443,6 +484,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       const float reference = new_max == negative_infinity() ? 0.f : new_max;
       alpha[r] = moves ? fast_exp2(row_max[r] - reference) : 1.f;
       row_max[r] = new_max;
+      if constexpr (kBf16Rows) score_max[r] = fmaxf(score_max[r], step_max);
       float sum = 0.f;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
@@ -520,14 +562,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       float alpha[2];
       uint32_t probabilities[4];
       softmax_step(step, bias, alpha, probabilities);
-      dequantize_step(step + 1, next_k);
+      load_k_step(step + 1, next_k);
       partial_scores(step + 1, next_k, bias);
       transpose_for_pv(next_k);
       accumulate(alpha, probabilities, k);
     };
     uint32_t k_even[kTilesPerWarp][4][2][2];
     uint32_t k_odd[kTilesPerWarp][4][2][2];
-    dequantize_step(0, k_even);
+    load_k_step(0, k_even);
     partial_scores(0, k_even, bias);
     transpose_for_pv(k_even);
     for (int step = 0; step < num_steps; step += 2) {
@@ -537,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   } else {
     uint32_t k_frag[kTilesPerWarp][4][2][2];
     for (int step = 0; step < num_steps; ++step) {
-      dequantize_step(step, k_frag);
+      load_k_step(step, k_frag);
       partial_scores(step, k_frag, bias);
       end_of_step_barrier(step);
       float alpha[2];
@@ -552,12 +594,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
   for (int r = 0; r < 2; ++r) row_sum[r] = quad_sum(row_sum[r]);
 
   // Normalized partial output and base-2 lse: row group + 8r, dims 128w + 64j + 16c + {0..15}.
+  // The prefill's one split is its output, with the sink applied.
   const int64_t partial_row = (token * p.num_splits + split) * p.num_heads;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = head0 + group + 8 * r;
     if (head >= p.num_heads) continue;
-    const float inverse = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    const bool has_keys = row_sum[r] > 0.f;
+    const float lse2 = has_keys ? row_max[r] + log2f(row_sum[r]) : negative_infinity();
+    float inverse = has_keys ? 1.f / row_sum[r] : 0.f;
+    if constexpr (kBf16Rows) {
+      // out *= e^lse / (e^lse + e^sink): a sink of -inf keeps it, +inf zeroes it.
+      if (p.sink != nullptr && has_keys) {
+        inverse /= 1.f + exp2f(p.sink[head] * kLog2E - lse2);
+      }
+    }
     const int64_t out_row = (partial_row + head) * kHeadDim + warp * kDimsPerWarp;
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
@@ -588,8 +639,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, SPARSE_MLA_DECODE_MIN_BLO
       }
     }
     if (warp == 0 && quad == 0) {
-      p.partial_lse[partial_row + head] =
-          row_sum[r] > 0.f ? row_max[r] + log2f(row_sum[r]) : negative_infinity();
+      if constexpr (kBf16Rows) {
+        // FlashMLA's prefill: natural log units, +inf lse for a token with no key.
+        p.partial_lse[partial_row + head] = has_keys ? lse2 * kLn2 : -negative_infinity();
+        p.max_logits[partial_row + head] = score_max[r] * kLn2;
+      } else {
+        p.partial_lse[partial_row + head] = lse2;
+      }
     }
   }
 }
