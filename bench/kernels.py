@@ -21,9 +21,9 @@ caches and bandwidth stay the H200's.
 side on the same inputs, beside what one device copy of the same bytes gets of the copy
 bandwidth (the ceiling for any single kernel at that size). The main table has a row for each.
 `--prefill` only times the sparse prefill, Triton and CUDA side by side (and their
-tilings unless `--quick`), `--indexer` only the indexer's logits; both are compute-bound and printed in TFLOP/s beside
-a cuBLAS bf16 matmul of the same flops in the same run (the decode logits beside the copy
-bandwidth too). `--einsum` only times the output projection's fp8 einsum: decode steps
+tilings unless `--quick`), `--indexer` only the indexer's logits; both are compute-bound
+and printed in TFLOP/s beside a cuBLAS bf16 matmul of the same flops in the same run (the
+decode logits beside the copy bandwidth too). `--einsum` only times the output projection's fp8 einsum: decode steps
 against the copy bandwidth, a prefill chunk against cuBLAS's bf16 bmm. The full run ends
 with the prefill, indexer and einsum tables.
 
@@ -886,7 +886,7 @@ def main() -> None:
         choices=["triton", "cuda"],
         default="triton",
         help="the decode --profile-decode, --sweep-decode and --sweep-splits run "
-        "(cuda: sparse_mla_decode_sm80.cu)",
+        "(cuda: sparse_mla_sm80.cu)",
     )
     parser.add_argument(
         "--quantizers", action="store_true", help="only time the quantizers and gathers"

@@ -140,6 +140,19 @@ def kv_rows(kv: torch.Tensor) -> torch.Tensor:
     return kv
 
 
+def prefill_operands(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Checks q and brings (kv, indices, topk_length) to the kernels' forms: [S_kv, 512]
+    rows, [S_q, K] int32 lists, [S_q] int32 lengths."""
+    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
+        raise ValueError(f"q must be [S_q, H, 512] with contiguous rows, got {tuple(q.shape)}")
+    indices = int32_rows(as_token_major(indices, "indices"))
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must be [S_q, 1, K], got {tuple(indices.shape)}")
+    return kv_rows(kv), indices, int32_rows(topk_length)
+
+
 def sparse_mla_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -161,14 +174,8 @@ def sparse_mla_prefill(
     """
     if d_v != layout.HEAD_DIM:
         raise ValueError(f"d_v must be {layout.HEAD_DIM}, got {d_v}")
-    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
-        raise ValueError(f"q must be [S_q, H, 512] with contiguous rows, got {tuple(q.shape)}")
-    kv = kv_rows(kv)
-    indices = int32_rows(as_token_major(indices, "indices"))
+    kv, indices, topk_length = prefill_operands(q, kv, indices, topk_length)
     num_tokens, num_heads, _ = q.shape
-    if indices.dim() != 2 or indices.shape[0] != num_tokens:
-        raise ValueError(f"indices must be [S_q, 1, K], got {tuple(indices.shape)}")
-    topk_length = int32_rows(topk_length)
     if out is None:
         out = torch.empty_like(q)
     max_logits = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)

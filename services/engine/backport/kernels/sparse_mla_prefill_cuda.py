@@ -19,7 +19,6 @@ import triton
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.cuda_module import compile_ptx, device_arch
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E
-from services.engine.backport.kernels.sparse_mla_decode import as_token_major, int32_rows
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     DEFAULT_MIN_BLOCKS,
     HEADS_PER_BLOCK,
@@ -29,7 +28,7 @@ from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     SparseMlaParams,
     load_build,
 )
-from services.engine.backport.kernels.sparse_mla_prefill import kv_rows
+from services.engine.backport.kernels.sparse_mla_prefill import prefill_operands
 
 KERNEL_NAME = "sparse_mla_prefill_sm80"
 # Steps of rows in shared memory, 16,640 B each (41,600 B a block at 2). 3 and 4 ran
@@ -90,9 +89,7 @@ def prefill_launch(
 ) -> PrefillLaunch:
     """Checks the operands (as `sparse_mla_prefill` does, plus what the CUDA kernel needs)
     and lays out the launch."""
-    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.stride(-1) != 1:
-        raise ValueError(f"q must be [S_q, H, 512] with contiguous rows, got {tuple(q.shape)}")
-    kv = kv_rows(kv)
+    kv, indices, lengths = prefill_operands(q, kv, indices, topk_length)
     for name, tensor in (("q", q), ("kv", kv)):
         if tensor.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bfloat16, got {tensor.dtype}")
@@ -100,11 +97,7 @@ def prefill_launch(
         raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
     if kv.stride(0) % 8 or kv.data_ptr() % 16:
         raise ValueError("kv rows must start on 16-byte boundaries (16-byte copies)")
-    indices = int32_rows(as_token_major(indices, "indices"))
     num_tokens, num_heads, _ = q.shape
-    if indices.dim() != 2 or indices.shape[0] != num_tokens:
-        raise ValueError(f"indices must be [S_q, 1, K], got {tuple(indices.shape)}")
-    lengths = int32_rows(topk_length)
     if attn_sink is not None:
         attn_sink = attn_sink.float().contiguous()
     if out is None:

@@ -34,10 +34,10 @@
 // bf16x2 fma by 2^(120 + exponent) applies the power-of-two scale; exact (as
 // fp8_e4m3.e4m3_dequantize_bf16).
 //
-// Output: normalized partials [T, splits, H, 512] (fp32, or bf16 when the launch asks:
-// half the bytes a block writes at its end and the combine reads) and base-2 lse
-// [T, splits, H] fp32 (-inf for no key); sparse_mla_combine merges them and applies the
-// attention sink.
+// Output of the decode: normalized partials [T, splits, H, 512] (fp32, or bf16 when the
+// launch asks: half the bytes a block writes at its end and the combine reads) and base-2
+// lse [T, splits, H] fp32 (-inf for no key); sparse_mla_combine merges them and applies the
+// attention sink. The prefill's one split is its output [T, H, 512] bf16, sink applied.
 
 #include "ampere_shared.cuh"
 
