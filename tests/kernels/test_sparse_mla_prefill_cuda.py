@@ -22,6 +22,7 @@ from services.engine.backport.kernels.sparse_mla_prefill_cuda import (
     prefill_launch,
     prefill_ptx,
     sparse_mla_prefill_cuda,
+    takes,
 )
 from tests.kernels.cuda_host_emulation import EmulatedKernel
 from tests.kernels.offline_build import assemble_ptx
@@ -97,6 +98,10 @@ def test_cuda_prefill_refuses_what_it_cannot_run() -> None:
         prefill_launch(**inputs, out=torch.empty_like(inputs["q"]).float())
     with pytest.raises(ValueError, match="d_v must be 512"):
         sparse_mla_prefill_cuda(**inputs, d_v=448)
+    assert takes(inputs["q"], inputs["kv"])
+    assert not takes(inputs["q"], inputs["kv"].float())
+    assert not takes(inputs["q"], shifted.view(100, 1, 512))
+    assert not takes(inputs["q"], inputs["kv"].expand(-1, 2, -1))
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +157,14 @@ def test_cuda_prefill_fits_the_arch(cuda_arch: str, min_blocks: int, record_cuda
         if min_blocks == DEFAULT_MIN_BLOCKS:  # the launcher's build: two blocks on every target
             assert target >= DEFAULT_MIN_BLOCKS
     assert resources.local_bytes == 0
+
+
+@needs_cuda
+def test_cuda_prefill_of_no_tokens_launches_nothing(cuda_arch: str) -> None:
+    inputs = case_inputs(INTERPRETER_CASES[0], "cuda", seed=7)
+    empty = {**inputs, "q": inputs["q"][:0], "indices": inputs["indices"][:0],
+             "topk_length": inputs["topk_length"][:0]}
+    out, max_logits, lse = sparse_mla_prefill_cuda(**empty, arch=cuda_arch)
+    assert out.shape == (0, *inputs["q"].shape[1:]) and max_logits.shape == lse.shape
+    assert max_logits.shape == (0, inputs["q"].shape[1])
+    torch.cuda.synchronize()

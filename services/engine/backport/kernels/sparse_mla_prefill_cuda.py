@@ -28,7 +28,7 @@ from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     SparseMlaParams,
     load_build,
 )
-from services.engine.backport.kernels.sparse_mla_prefill import prefill_operands
+from services.engine.backport.kernels.sparse_mla_prefill import kv_rows, prefill_operands
 
 KERNEL_NAME = "sparse_mla_prefill_sm80"
 # Steps of rows in shared memory, 16,640 B each (41,600 B a block at 2). 3 and 4 ran
@@ -70,12 +70,25 @@ class PrefillLaunch:
     operands: tuple[torch.Tensor | None, ...]
 
 
+def _refusal(q: torch.Tensor, rows: torch.Tensor) -> Exception | None:
+    """Why the CUDA kernel cannot read q and the [S_kv, 512] rows, or None."""
+    for name, tensor in (("q", q), ("kv", rows)):
+        if tensor.dtype != torch.bfloat16:
+            return TypeError(f"{name} must be bfloat16, got {tensor.dtype}")
+    if q.stride(0) % 4 or q.stride(1) % 4:
+        return ValueError("q strides must be multiples of 4 elements (8-byte loads)")
+    if rows.stride(0) % 8 or rows.data_ptr() % 16:
+        return ValueError("kv rows must start on 16-byte boundaries (16-byte copies)")
+    return None
+
+
 def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether the CUDA prefill takes these operands (else `prefill_launch` refuses them)."""
-    rows = kv[:, 0] if kv.dim() == 3 else kv
-    return (q.dtype == kv.dtype == torch.bfloat16 and q.dim() == 3 and q.stride(-1) == 1
-            and q.stride(0) % 4 == 0 and q.stride(1) % 4 == 0 and rows.dim() == 2
-            and rows.stride(-1) == 1 and rows.stride(0) % 8 == 0 and rows.data_ptr() % 16 == 0)
+    try:
+        rows = kv_rows(kv)
+    except ValueError:
+        return False
+    return q.dim() == 3 and q.stride(-1) == 1 and _refusal(q, rows) is None
 
 
 def prefill_launch(
@@ -90,13 +103,9 @@ def prefill_launch(
     """Checks the operands (as `sparse_mla_prefill` does, plus what the CUDA kernel needs)
     and lays out the launch."""
     kv, indices, lengths = prefill_operands(q, kv, indices, topk_length)
-    for name, tensor in (("q", q), ("kv", kv)):
-        if tensor.dtype != torch.bfloat16:
-            raise TypeError(f"{name} must be bfloat16, got {tensor.dtype}")
-    if q.stride(0) % 4 or q.stride(1) % 4:
-        raise ValueError("q strides must be multiples of 4 elements (8-byte loads)")
-    if kv.stride(0) % 8 or kv.data_ptr() % 16:
-        raise ValueError("kv rows must start on 16-byte boundaries (16-byte copies)")
+    refusal = _refusal(q, kv)
+    if refusal is not None:
+        raise refusal
     num_tokens, num_heads, _ = q.shape
     if attn_sink is not None:
         attn_sink = attn_sink.float().contiguous()
@@ -166,7 +175,8 @@ def sparse_mla_prefill_cuda(
     if device_index is None:
         device_index = torch.cuda.current_device()
     prefill = load_prefill(arch or device_arch(q.device), device_index, stages, min_blocks)
-    prefill.kernel.launch(launch.grid, THREADS, prefill.launch_shared_bytes, launch.params)
+    if q.shape[0] and q.shape[1]:  # a grid of no blocks is an invalid launch
+        prefill.kernel.launch(launch.grid, THREADS, prefill.launch_shared_bytes, launch.params)
     if target is not None and target.data_ptr() != launch.out.data_ptr():
         target.copy_(launch.out)
         return target, launch.max_logits, launch.lse
