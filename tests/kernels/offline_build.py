@@ -11,15 +11,21 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
 from services.engine.backport.kernels.arch_fidelity import target_build
 from services.engine.backport.kernels.card_limits import resident_blocks
-from services.engine.backport.kernels.cuda_module import ptxas_path
+from services.engine.backport.kernels.cuda_module import (
+    CudaBuildError,
+    device_arch,
+    ptxas_path,
+)
 
 
 def build_for_target(kernel: Any, capability: int, signature: dict[str, str],
@@ -75,3 +81,24 @@ def assemble_ptx(ptx: bytes, arch: str) -> tuple[int, int]:
         pytest.skip("no ptxas (CUDA toolkit) to assemble with")
     build = target_build(ptx.decode(), arch, ptxas)
     return build.registers, build.spill_bytes
+
+
+def ptx_or_skip(build: Callable[..., bytes], *args: Any, **kwargs: Any) -> bytes:
+    """A CUDA kernel's PTX from its launcher's `build`; skips the test where no CUDA
+    compiler is installed (NVRTC or nvcc)."""
+    try:
+        return build(*args, **kwargs)
+    except CudaBuildError as exc:
+        if "needs NVRTC" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+def cuda_arch_or_skip(gpu_arch: str | None, build: Callable[[str], bytes]) -> str:
+    """The arch a CUDA kernel's GPU tests build for (`--gpu-arch`, else the card's own);
+    skips them without a CUDA card or a compiler for `build`."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA card")
+    arch = gpu_arch or device_arch(torch.device("cuda"))
+    ptx_or_skip(build, arch)
+    return arch

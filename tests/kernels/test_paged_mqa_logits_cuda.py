@@ -22,7 +22,6 @@ from services.engine.backport.kernels.card_limits import (
     fp8_instructions,
     resident_blocks,
 )
-from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch
 from services.engine.backport.kernels import paged_mqa_logits as triton_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits_reference
 from services.engine.backport.kernels.paged_mqa_logits_cuda import (
@@ -42,7 +41,7 @@ from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     takes,
 )
 from tests.kernels.cuda_host_emulation import EmulatedKernel
-from tests.kernels.offline_build import assemble_ptx
+from tests.kernels.offline_build import assemble_ptx, cuda_arch_or_skip, ptx_or_skip
 from tests.kernels.test_mqa_logits import GPU_PAGED, PagedCase, assert_logits_match, paged_inputs
 
 REGISTERS_PER_SM = 65536  # sm80, sm86 and sm89 alike
@@ -50,12 +49,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _ptx_or_skip(arch: str, block_size: int = 64, min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
-    try:
-        return logits_ptx(arch, block_size, min_blocks=min_blocks)
-    except CudaBuildError as exc:
-        if "needs NVRTC" in str(exc):
-            pytest.skip(str(exc))
-        raise
+    return ptx_or_skip(logits_ptx, arch, block_size, min_blocks=min_blocks)
 
 
 @pytest.mark.parametrize("min_blocks", [2, 3])
@@ -217,11 +211,7 @@ def test_cuda_keys_per_program_pay_over_the_triton_rule() -> None:
 
 @pytest.fixture(scope="module")
 def cuda_arch(gpu_arch: str | None) -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA card")
-    arch = gpu_arch or device_arch(torch.device("cuda"))
-    _ptx_or_skip(arch)
-    return arch
+    return cuda_arch_or_skip(gpu_arch, _ptx_or_skip)
 
 
 GPU_CASES = [

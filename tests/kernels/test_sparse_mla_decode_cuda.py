@@ -17,11 +17,7 @@ import torch
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
 from services.engine.backport.kernels.card_limits import CARD_LIMITS, resident_blocks
-from services.engine.backport.kernels.cuda_module import (
-    CudaBuildError,
-    context_sm_count,
-    device_arch,
-)
+from services.engine.backport.kernels.cuda_module import context_sm_count
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     DEFAULT_MIN_BLOCKS,
     DEFAULT_PARTIAL_DTYPE,
@@ -36,7 +32,7 @@ from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     sparse_mla_decode_cuda,
 )
 from tests.kernels.cuda_host_emulation import EmulatedKernel
-from tests.kernels.offline_build import assemble_ptx
+from tests.kernels.offline_build import assemble_ptx, cuda_arch_or_skip, ptx_or_skip
 from tests.kernels.test_sparse_mla_decode import (
     GPU_CASES,
     INTERPRETER_CASES,
@@ -54,12 +50,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _ptx_or_skip(arch: str, min_blocks: int = 4) -> bytes:
     """The PTX the launcher loads for `arch`; skips without a CUDA compiler."""
-    try:
-        return decode_ptx(arch, min_blocks=min_blocks)
-    except CudaBuildError as exc:
-        if "needs NVRTC" in str(exc):
-            pytest.skip(str(exc))
-        raise
+    return ptx_or_skip(decode_ptx, arch, min_blocks=min_blocks)
 
 
 @pytest.mark.parametrize("min_blocks", [2, 3, 4])
@@ -123,11 +114,7 @@ def test_cuda_decode_matches_reference_in_a_cpu_emulation_of_the_gpu(
 
 @pytest.fixture(scope="module")
 def cuda_arch(gpu_arch: str | None) -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA card")
-    arch = gpu_arch or device_arch(torch.device("cuda"))
-    _ptx_or_skip(arch)
-    return arch
+    return cuda_arch_or_skip(gpu_arch, _ptx_or_skip)
 
 
 # The launcher's build (2 blocks an SM, steps overlapped, bf16 partials) runs every case.

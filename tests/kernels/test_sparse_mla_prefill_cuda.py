@@ -12,7 +12,6 @@ import torch
 
 from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
 from services.engine.backport.kernels.card_limits import resident_blocks
-from services.engine.backport.kernels.cuda_module import CudaBuildError, device_arch
 from services.engine.backport.kernels.sparse_mla_decode_cuda import SOURCE, THREADS
 from services.engine.backport.kernels.sparse_mla_prefill import sparse_mla_prefill_reference
 from services.engine.backport.kernels.sparse_mla_prefill_cuda import (
@@ -25,7 +24,7 @@ from services.engine.backport.kernels.sparse_mla_prefill_cuda import (
     takes,
 )
 from tests.kernels.cuda_host_emulation import EmulatedKernel
-from tests.kernels.offline_build import assemble_ptx
+from tests.kernels.offline_build import assemble_ptx, cuda_arch_or_skip, ptx_or_skip
 from tests.kernels.test_sparse_mla_prefill import (
     GPU_CASES,
     INTERPRETER_CASES,
@@ -38,12 +37,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _ptx_or_skip(arch: str, min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
-    try:
-        return prefill_ptx(arch, min_blocks=min_blocks)
-    except CudaBuildError as exc:
-        if "needs NVRTC" in str(exc):
-            pytest.skip(str(exc))
-        raise
+    return ptx_or_skip(prefill_ptx, arch, min_blocks=min_blocks)
 
 
 @pytest.mark.parametrize("min_blocks", [2, 3])
@@ -106,11 +100,7 @@ def test_cuda_prefill_refuses_what_it_cannot_run() -> None:
 
 @pytest.fixture(scope="module")
 def cuda_arch(gpu_arch: str | None) -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA card")
-    arch = gpu_arch or device_arch(torch.device("cuda"))
-    _ptx_or_skip(arch)
-    return arch
+    return cuda_arch_or_skip(gpu_arch, _ptx_or_skip)
 
 
 @needs_cuda
