@@ -24,7 +24,7 @@ import torch
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels import fp8_einsum as einsum_kernel
-from services.engine.backport.kernels.cuda_module import device_arch
+from services.engine.backport.kernels.cuda_module import cuda_device_index, device_arch
 from services.engine.backport.kernels.fp8_e4m3 import E4M3_MAX
 from services.engine.backport.kernels.indexer_k_compress import indexer_k_compress_insert
 from services.engine.backport.kernels.kv_compress_insert import kv_compress_insert
@@ -69,7 +69,7 @@ def prepare_cuda_kernels(device: torch.device, arch: str | None = None) -> bool:
     there from now on. Must run before CUDA-graph capture: loading reads a constant back
     from the GPU. Returns whether they loaded (without a CUDA compiler the Triton kernels
     serve)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_device_index(device)
     arch = arch or device_arch(torch.device("cuda", index))
     try:
         load_decode(arch, index)

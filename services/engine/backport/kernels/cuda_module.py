@@ -69,6 +69,11 @@ def device_arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
+def cuda_device_index(device: torch.device) -> int:
+    """A CUDA device's index; "cuda" without one is the current device."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def ptxas_path() -> str | None:
     """The CUDA toolkit's assembler, for checking PTX against a real target; None without
     a toolkit."""
@@ -309,8 +314,8 @@ class CudaKernel:
         if arch not in CARD_LIMITS:
             return shared_bytes
         registers = self.resources.registers
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return holding_shared_bytes(device_limits(index), threads, shared_bytes,
+        card = device_limits(cuda_device_index(self.device))
+        return holding_shared_bytes(card, threads, shared_bytes,
                                     resident_blocks(arch, threads, shared_bytes, registers),
                                     registers)
 

@@ -25,6 +25,7 @@ from services.engine.backport.kernels.cuda_module import (
     CudaKernel,
     compile_ptx,
     context_sm_count,
+    cuda_device_index,
     device_arch,
 )
 from services.engine.backport.kernels.paged_mqa_logits import KEYS_PER_PROGRAM, paged_operands
@@ -263,11 +264,8 @@ def paged_mqa_logits_cuda(
     many 128-key steps shared memory holds, `min_blocks` the blocks an SM the build must
     fit, `blocks_per_row` the grid's blocks a row (default: `LoadedLogits.blocks_per_row`)."""
     def loaded() -> LoadedLogits:  # after the operands' checks, which need no GPU
-        device_index = q.device.index
-        if device_index is None:
-            device_index = torch.cuda.current_device()
-        return load_logits(arch or device_arch(q.device), device_index, kv_cache.shape[1],
-                           stages, min_blocks)
+        return load_logits(arch or device_arch(q.device), cuda_device_index(q.device),
+                           kv_cache.shape[1], stages, min_blocks)
 
     launch = logits_launch(q, kv_cache, weights, context_lens, block_tables, max_model_len,
                            clean_logits, keys_per_program,

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.cuda_module import context_sm_count
+from services.engine.backport.kernels.cuda_module import context_sm_count, cuda_device_index
 from services.engine.backport.kernels.decode_splits import SplitCostModel
 from services.engine.backport.kernels.fp8_e4m3 import e4m3_dequantize_bf16
 from services.engine.backport.kernels.online_softmax import (
@@ -363,7 +363,7 @@ def device_sm_count(device: torch.device) -> int:
     share), the first time it is asked on a device."""
     if device.type != "cuda":
         return SM_COUNT_WITHOUT_CUDA
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_device_index(device)
     with torch.cuda.device(index):
         return context_sm_count(index)
 

@@ -24,6 +24,7 @@ from services.engine.backport.kernels.cuda_module import (
     CudaKernel,
     compile_ptx,
     context_sm_count,
+    cuda_device_index,
     device_arch,
 )
 from services.engine.backport.kernels.decode_splits import SplitCostModel
@@ -297,10 +298,8 @@ def sparse_mla_decode_cuda(
     default `DEFAULT_PARTIAL_DTYPE`).
     """
     def loaded() -> LoadedSparseMla:  # after the operands' checks, which need no GPU
-        device_index = q.device.index
-        if device_index is None:
-            device_index = torch.cuda.current_device()
-        return load_decode(arch or device_arch(q.device), device_index, stages, min_blocks)
+        return load_decode(arch or device_arch(q.device), cuda_device_index(q.device), stages,
+                           min_blocks)
 
     launch = decode_launch(
         q, k_cache, indices, softmax_scale, topk_length, extra_k_cache, extra_indices,

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from services.engine.backport.kernels import ds_mla_cache as layout
-from services.engine.backport.kernels.cuda_module import compile_ptx, device_arch
+from services.engine.backport.kernels.cuda_module import compile_ptx, cuda_device_index, device_arch
 from services.engine.backport.kernels.sparse_mla_combine import LOG2E
 from services.engine.backport.kernels.sparse_mla_decode_cuda import (
     DEFAULT_MIN_BLOCKS,
@@ -171,10 +171,8 @@ def sparse_mla_prefill_cuda(
     if out is not None and not out.is_contiguous():
         out = None
     launch = prefill_launch(q, kv, indices, sm_scale, attn_sink, topk_length, out)
-    device_index = q.device.index
-    if device_index is None:
-        device_index = torch.cuda.current_device()
-    prefill = load_prefill(arch or device_arch(q.device), device_index, stages, min_blocks)
+    prefill = load_prefill(arch or device_arch(q.device), cuda_device_index(q.device), stages,
+                           min_blocks)
     if q.shape[0] and q.shape[1]:  # a grid of no blocks is an invalid launch
         prefill.kernel.launch(launch.grid, THREADS, prefill.launch_shared_bytes, launch.params)
     if target is not None and target.data_ptr() != launch.out.data_ptr():
