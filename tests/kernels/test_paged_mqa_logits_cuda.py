@@ -72,8 +72,8 @@ class CudaCase(NamedTuple):
     blocks_per_row: int | None = None  # None: the launcher's (on a GPU), a block a chunk
 
 
-# Small shapes the emulation runs in seconds: 16-, 64- and 128-token pages, 2 and 3
-# stages, rows ending mid-step and mid-page, speculative rows with their own lengths,
+# Small shapes the emulation runs in seconds: 16-, 64-, 128- and 256-token pages (whose
+# steps start inside a page), 2 and 3 stages, rows ending mid-step and mid-page, speculative rows with their own lengths,
 # requests of no key, clean and plain logits, fewer heads than the 64 staged, and blocks
 # that take one, two and every chunk of their row.
 EMULATED = [
@@ -85,6 +85,8 @@ EMULATED = [
                        empty_requests=1), 128, blocks_per_row=2),
     CudaCase(PagedCase(2, 1, 16, 128, 32, 600, per_draft_lengths=False, clean=False), 128,
              blocks_per_row=2),
+    CudaCase(PagedCase(2, 1, 24, 128, 256, 900, per_draft_lengths=False, clean=True), 128,
+             blocks_per_row=3),
 ]
 
 
