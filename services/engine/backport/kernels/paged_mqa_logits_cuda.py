@@ -66,9 +66,11 @@ def keys_per_program_for_rows(num_rows: int) -> int:
     rows is as slow as its longest chain of them unless rows are cut finer, and the grid
     cap lets long rows take short chunks at little cost. Timed at 1 to 64 rows of 4k and 32k
     keys in sm80, sm86 and sm89 mode (H200 on 112, 88 and 128 SMs; tests/kernels/data/
-    paged_logits_cuda_keys_per_program_h200.json): 0.88x the time of the Triton kernel's
-    rule (geometric mean), down to 0.65x (2 to 32 rows of 4k keys), at worst 10% more (4
-    rows of 32k keys, sm89). More rows were not timed: 1,024, as for Triton."""
+    paged_logits_cuda_keys_per_program_h200.json, the thirtieth session's kernel): 0.92x
+    the time of the Triton kernel's rule (geometric mean), down to 0.69x (2 to 32 rows of
+    4k keys), at worst 14% more (one row of 32k keys, sm86). The best cut of few rows
+    follows their length: 128 keys for 4k-key rows, 256 or 512 for 32k. More rows were
+    not timed: 1,024, as for Triton."""
     if num_rows <= 1:
         return 128
     if num_rows <= 4:

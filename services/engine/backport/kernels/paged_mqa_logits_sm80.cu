@@ -254,22 +254,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     uint8_t* stage_scales = scales + stage * kStageScaleBytes;
     const int first_position = kBlockSize > kKeys ? static_cast<unsigned>(start) % kBlockSize : 0;
     const uint8_t* page_bases[kPagesPerStep];
+    const uint8_t* thread_bases[kPagesPerStep];  // this thread's first row piece a page
+    const int piece = thread % kRowPieces;
+    const int thread_offset = (first_position + thread / kRowPieces) * kHeadDim + piece * 16;
 #pragma unroll
     for (int i = 0; i < kPagesPerStep; ++i) {
       page_bases[i] = p.cache + static_cast<int64_t>(pages[i]) * p.block_stride;
+      thread_bases[i] = page_bases[i] + thread_offset;
     }
     const int keys_with_data = length - start;  // keys from here on are zero-filled
-    const int piece = thread % kRowPieces;
-    const int thread_offset = (first_position + thread / kRowPieces) * kHeadDim + piece * 16;
 #pragma unroll
     for (int i = 0; i < kRowCopiesPerThread; ++i) {
       // Keys i * 16 + 0..15: within one page (pages hold 16 or more), known at build time.
       constexpr int kKeysACopy = kThreads / kRowPieces;
       const int key = thread / kRowPieces + i * kKeysACopy;
       const int slot = i * kKeysACopy / kBlockSize % kPagesPerStep;
-      const int64_t build_offset = i * kKeysACopy % kBlockSize * kHeadDim;
       copy_async<16>(stage_rows + row_offset(key, piece),
-                     page_bases[slot] + thread_offset + build_offset, key < keys_with_data);
+                     thread_bases[slot] + i * kKeysACopy % kBlockSize * kHeadDim,
+                     key < keys_with_data);
     }
     if (thread < kKeys / 4) {  // scales: four keys a 16-byte piece, never across a page
       const int key = 4 * thread;
