@@ -146,7 +146,7 @@ __device__ __forceinline__ void load_pages(int (&pages)[kPagesPerStep], const in
 
 // The key at which each step of a block starts, step after step: chunks of keys_per_program
 // keys, gridDim.y chunks apart. Counted forward: from the step's number it takes an integer
-// division, about 25 instructions, where a step's copies now take about 60.
+// division, about 25 instructions, where issuing a step's copies takes about 75.
 struct StepCursor {
   int chunk_start;  // the current chunk's first key
   int offset;       // the step's first key within it
@@ -247,8 +247,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   // Copies into stage `stage` of the rows and scales of the step whose keys start at `start`
   // and lie in `pages`. A source is a page's base plus offsets fixed for the thread: a step
   // starts at a multiple of 128 keys, so where its keys lie in their pages is known but for
-  // pages of more than 128 tokens, where the step starts within its page. (Per copy, the
-  // offset and the key's check against the length cost 280 -> 90 instructions a step.)
+  // pages of more than 128 tokens, where the step starts within its page. (Sources from
+  // each key's number took about 280 instructions a step; these, about 75.)
   auto issue = [&](int start, int stage, const int(&pages)[kPagesPerStep]) {
     uint8_t* stage_rows = rows + stage * kStageRowBytes;
     uint8_t* stage_scales = scales + stage * kStageScaleBytes;
