@@ -73,9 +73,10 @@ class CudaCase(NamedTuple):
 
 
 # Small shapes the emulation runs in seconds: 16-, 64-, 128- and 256-token pages (whose
-# steps start inside a page), 2 and 3 stages, rows ending mid-step and mid-page, speculative rows with their own lengths,
-# requests of no key, clean and plain logits, fewer heads than the 64 staged, and blocks
-# that take one, two and every chunk of their row.
+# steps start inside a page), 2 and 3 stages, rows ending mid-step and mid-page,
+# speculative rows with their own lengths, requests of no key, clean and plain logits,
+# fewer heads than the 64 staged, and blocks that take one, two and every chunk of their
+# row.
 EMULATED = [
     CudaCase(PagedCase(3, 1, 64, 128, 64, 700, per_draft_lengths=False, clean=True), 384,
              blocks_per_row=1),
