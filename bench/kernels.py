@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import tempfile
@@ -651,6 +652,9 @@ SERVED_LOGITS_WIDTH = (1 << 20) // 4
 # Decode steps of the indexer logits: rows (requests of one token) x keys a row.
 INDEXER_DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 INDEXER_DECODE_KEYS = (4096, 32768)
+# Uneven decode steps: one long row among short ones, and its keys spread evenly.
+INDEXER_UNEVEN_ROWS = ((131072,) + (4096,) * 63, (6080,) * 64,
+                       (131072,) + (4096,) * 7, (19968,) * 8)
 
 
 def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, object]]:
@@ -658,9 +662,9 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
     (32k compressed keys), beside a dense bf16 matmul of the same flops by cuBLAS; decode
     steps of 1 to 64 rows of 4k and 32k keys, logits as wide as vLLM asks for a 1M-token
     model, as bytes against the copy bandwidth, by the Triton kernel and by the CUDA one
-    as the route runs it (`op_adapters.fp8_fp4_paged_mqa_logits`: the arch's build, each
-    kernel's own keys a program), whose ratio is its speedup over the Triton kernel in the
-    same run."""
+    as the route runs it (`op_adapters.fp8_fp4_paged_mqa_logits`: the arch's build and
+    grid), whose ratio is its speedup over the Triton kernel in the same run; then uneven
+    steps (one long row among short ones) beside the same keys spread evenly."""
     from services.engine.backport.kernels.cuda_module import device_arch
     from services.engine.backport.kernels.mqa_logits import mqa_logits
     from services.engine.backport.kernels.paged_mqa_logits import SCALE_BYTES, paged_mqa_logits
@@ -691,36 +695,40 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
                  "ratio": flops / graph_ms * 1e-9 / dense_rate})
     block_size, width = 64, SERVED_LOGITS_WIDTH
     arch = cuda_arch or device_arch(torch.device("cuda"))
-    for context in INDEXER_DECODE_KEYS:
-        for batch in INDEXER_DECODE_ROWS:
-            blocks = batch * context // block_size
-            cache = torch.randint(0, 255, (blocks, block_size * (INDEXER_DIM + SCALE_BYTES)),
-                                  dtype=torch.uint8, device="cuda")
-            view = cache.view(blocks, block_size, 1, INDEXER_DIM + SCALE_BYTES)
-            cache[:, block_size * INDEXER_DIM:].view(torch.float32).copy_(
-                torch.rand(blocks, block_size, device="cuda"))
-            tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
-            qd = fp8(batch, 1, INDEXER_HEADS, INDEXER_DIM)
-            wd = torch.randn(batch, INDEXER_HEADS, device="cuda")
-            lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            moved = batch * context * (INDEXER_DIM + SCALE_BYTES + 4)
-            flops = 2 * batch * context * INDEXER_HEADS * INDEXER_DIM
-            shape = f"decode B={batch} keys={context} of {width} columns H={INDEXER_HEADS}"
-            triton_ms = bench_graph_ms(
-                lambda: paged_mqa_logits(qd, view, wd, lens, tables, width))
-            rate = moved / (triton_ms * 1e-3)
-            rows.append({"shape": shape, "graph ms": triton_ms,
-                         "TFLOP/s": flops / triton_ms * 1e-9,
-                         "baseline": f"{rate / 1e9:.0f} GB/s of {bandwidth / 1e9:.0f} GB/s copy",
-                         "ratio": rate / bandwidth})
-            graph_ms = bench_graph_ms(lambda: paged_mqa_logits_cuda(
-                qd, view, wd, lens, tables, width, arch=arch,
-                min_blocks=default_min_blocks(arch)))
-            rows.append({"shape": f"{shape} CUDA", "graph ms": graph_ms,
-                         "TFLOP/s": flops / graph_ms * 1e-9,
-                         "baseline": f"Triton {triton_ms:.4f} ms", "ratio": triton_ms / graph_ms})
-            print(indexer_markdown(rows[-2:]).split("\n", 2)[2], flush=True)
-            del cache
+    steps = [(f"B={batch} keys={context}", (context,) * batch)
+             for context in INDEXER_DECODE_KEYS for batch in INDEXER_DECODE_ROWS]
+    steps += [(f"B={len(lengths)} keys={lengths[0]}" if len(set(lengths)) == 1 else
+               f"B={len(lengths)} keys={lengths[0]} + {len(lengths) - 1}x{lengths[1]}", lengths)
+              for lengths in INDEXER_UNEVEN_ROWS]
+    for label, lengths in steps:
+        batch, pages = len(lengths), [-(-length // block_size) for length in lengths]
+        cache = torch.randint(0, 255, (sum(pages), block_size * (INDEXER_DIM + SCALE_BYTES)),
+                              dtype=torch.uint8, device="cuda")
+        view = cache.view(sum(pages), block_size, 1, INDEXER_DIM + SCALE_BYTES)
+        cache[:, block_size * INDEXER_DIM:].view(torch.float32).copy_(
+            torch.rand(sum(pages), block_size, device="cuda"))
+        order = torch.randperm(sum(pages), device="cuda").to(torch.int32)
+        tables = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
+        for row, (first, count) in enumerate(zip(itertools.accumulate([0] + pages), pages)):
+            tables[row, :count] = order[first:first + count]
+        qd = fp8(batch, 1, INDEXER_HEADS, INDEXER_DIM)
+        wd = torch.randn(batch, INDEXER_HEADS, device="cuda")
+        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        moved = sum(lengths) * (INDEXER_DIM + SCALE_BYTES + 4)
+        flops = 2 * sum(lengths) * INDEXER_HEADS * INDEXER_DIM
+        shape = f"decode {label} of {width} columns H={INDEXER_HEADS}"
+        triton_ms = bench_graph_ms(lambda: paged_mqa_logits(qd, view, wd, lens, tables, width))
+        rate = moved / (triton_ms * 1e-3)
+        rows.append({"shape": shape, "graph ms": triton_ms, "TFLOP/s": flops / triton_ms * 1e-9,
+                     "baseline": f"{rate / 1e9:.0f} GB/s of {bandwidth / 1e9:.0f} GB/s copy",
+                     "ratio": rate / bandwidth})
+        graph_ms = bench_graph_ms(lambda: paged_mqa_logits_cuda(
+            qd, view, wd, lens, tables, width, arch=arch, min_blocks=default_min_blocks(arch)))
+        rows.append({"shape": f"{shape} CUDA", "graph ms": graph_ms,
+                     "TFLOP/s": flops / graph_ms * 1e-9,
+                     "baseline": f"Triton {triton_ms:.4f} ms", "ratio": triton_ms / graph_ms})
+        print(indexer_markdown(rows[-2:]).split("\n", 2)[2], flush=True)
+        del cache
     return rows
 
 
