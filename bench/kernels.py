@@ -702,12 +702,13 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
               for lengths in INDEXER_UNEVEN_ROWS]
     for label, lengths in steps:
         batch, pages = len(lengths), [-(-length // block_size) for length in lengths]
-        cache = torch.randint(0, 255, (sum(pages), block_size * (INDEXER_DIM + SCALE_BYTES)),
+        blocks = sum(pages)
+        cache = torch.randint(0, 255, (blocks, block_size * (INDEXER_DIM + SCALE_BYTES)),
                               dtype=torch.uint8, device="cuda")
-        view = cache.view(sum(pages), block_size, 1, INDEXER_DIM + SCALE_BYTES)
+        view = cache.view(blocks, block_size, 1, INDEXER_DIM + SCALE_BYTES)
         cache[:, block_size * INDEXER_DIM:].view(torch.float32).copy_(
-            torch.rand(sum(pages), block_size, device="cuda"))
-        order = torch.randperm(sum(pages), device="cuda").to(torch.int32)
+            torch.rand(blocks, block_size, device="cuda"))
+        order = torch.randperm(blocks, device="cuda").to(torch.int32)
         tables = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
         for row, (first, count) in enumerate(zip(itertools.accumulate([0] + pages), pages)):
             tables[row, :count] = order[first:first + count]
