@@ -163,13 +163,13 @@ struct StepCursor {
   }
 };
 
-// pages[slot] for a slot known only at run time, by selects: an indexed register array would
-// go to local memory.
-template <typename Page>
-__device__ __forceinline__ Page page_at(const Page (&pages)[kPagesPerStep], int slot) {
-  Page page = pages[0];
+// page_bases[slot] for a slot known only at run time, by selects: an indexed register array
+// would go to local memory.
+__device__ __forceinline__ const uint8_t* page_at(const uint8_t* const (&page_bases)[kPagesPerStep],
+                                                  int slot) {
+  const uint8_t* page = page_bases[0];
 #pragma unroll
-  for (int i = 1; i < kPagesPerStep; ++i) page = slot == i ? pages[i] : page;
+  for (int i = 1; i < kPagesPerStep; ++i) page = slot == i ? page_bases[i] : page;
   return page;
 }
 
