@@ -662,13 +662,16 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
     (32k compressed keys), beside a dense bf16 matmul of the same flops by cuBLAS; decode
     steps of 1 to 64 rows of 4k and 32k keys, logits as wide as vLLM asks for a 1M-token
     model, as bytes against the copy bandwidth, by the Triton kernel and by the CUDA one
-    as the route runs it (`op_adapters.fp8_fp4_paged_mqa_logits`: the arch's build and
-    grid), whose ratio is its speedup over the Triton kernel in the same run; then uneven
-    steps (one long row among short ones) beside the same keys spread evenly."""
+    (the arch's build, as `op_adapters.fp8_fp4_paged_mqa_logits` runs it) with its row
+    grid, whose ratio is its speedup over the Triton kernel, and with its balanced grid,
+    whose ratio is its speedup over the row grid, all in the same run, the route's grid
+    marked; then uneven steps (one long row among short ones) beside the same keys spread
+    evenly."""
     from services.engine.backport.kernels.cuda_module import device_arch
     from services.engine.backport.kernels.mqa_logits import mqa_logits
     from services.engine.backport.kernels.paged_mqa_logits import SCALE_BYTES, paged_mqa_logits
     from services.engine.backport.kernels.paged_mqa_logits_cuda import (
+        balanced_for_rows,
         default_min_blocks,
         paged_mqa_logits_cuda,
     )
@@ -723,12 +726,21 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
         rows.append({"shape": shape, "graph ms": triton_ms, "TFLOP/s": flops / triton_ms * 1e-9,
                      "baseline": f"{rate / 1e9:.0f} GB/s of {bandwidth / 1e9:.0f} GB/s copy",
                      "ratio": rate / bandwidth})
-        graph_ms = bench_graph_ms(lambda: paged_mqa_logits_cuda(
-            qd, view, wd, lens, tables, width, arch=arch, min_blocks=default_min_blocks(arch)))
-        rows.append({"shape": f"{shape} CUDA", "graph ms": graph_ms,
-                     "TFLOP/s": flops / graph_ms * 1e-9,
-                     "baseline": f"Triton {triton_ms:.4f} ms", "ratio": triton_ms / graph_ms})
-        print(indexer_markdown(rows[-2:]).split("\n", 2)[2], flush=True)
+        grid_ms = {}
+        for balanced in (False, True):
+            grid_ms[balanced] = bench_graph_ms(lambda: paged_mqa_logits_cuda(
+                qd, view, wd, lens, tables, width, arch=arch,
+                min_blocks=default_min_blocks(arch), balanced=balanced))
+        route = " (route)" if balanced_for_rows(batch) else ""
+        rows.append({"shape": f"{shape} CUDA row grid{'' if route else ' (route)'}",
+                     "graph ms": grid_ms[False], "TFLOP/s": flops / grid_ms[False] * 1e-9,
+                     "baseline": f"Triton {triton_ms:.4f} ms",
+                     "ratio": triton_ms / grid_ms[False]})
+        rows.append({"shape": f"{shape} CUDA balanced{route}", "graph ms": grid_ms[True],
+                     "TFLOP/s": flops / grid_ms[True] * 1e-9,
+                     "baseline": f"row grid {grid_ms[False]:.4f} ms",
+                     "ratio": grid_ms[False] / grid_ms[True]})
+        print(indexer_markdown(rows[-3:]).split("\n", 2)[2], flush=True)
         del cache
     return rows
 

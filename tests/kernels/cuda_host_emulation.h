@@ -256,6 +256,34 @@ inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
   return __int_as_float(partner);
 }
 
+inline int __shfl_xor_sync(unsigned, int value, int lane_mask) {
+  const uint32_t bits = static_cast<uint32_t>(value);
+  emulation::publish(&bits, 1);
+  const uint32_t partner = emulation::warp().slots[emulation::lane() ^ lane_mask][0];
+  emulation::done();
+  return static_cast<int>(partner);
+}
+
+// The value of lane `source_lane` (0..31).
+inline int __shfl_sync(unsigned, int value, int source_lane) {
+  const uint32_t bits = static_cast<uint32_t>(value);
+  emulation::publish(&bits, 1);
+  const uint32_t source = emulation::warp().slots[source_lane % emulation::kWarpSize][0];
+  emulation::done();
+  return static_cast<int>(source);
+}
+
+// The value of the lane `delta` below; lanes below `delta` keep their own.
+inline int __shfl_up_sync(unsigned, int value, unsigned delta) {
+  const uint32_t bits = static_cast<uint32_t>(value);
+  emulation::publish(&bits, 1);
+  const int lane = emulation::lane();
+  const uint32_t source =
+      lane >= static_cast<int>(delta) ? emulation::warp().slots[lane - delta][0] : bits;
+  emulation::done();
+  return static_cast<int>(source);
+}
+
 inline bool __any_sync(unsigned, bool predicate) {
   const uint32_t word = predicate;
   emulation::publish(&word, 1);
@@ -273,6 +301,8 @@ inline size_t __cvta_generic_to_shared(const void* pointer) {
 namespace ampere {
 
 inline float negative_infinity() { return __int_as_float(0xff800000u); }
+
+inline int thread_index_here() { return static_cast<int>(threadIdx.x); }
 
 inline uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));

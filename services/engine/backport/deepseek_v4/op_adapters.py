@@ -75,7 +75,9 @@ def prepare_cuda_kernels(device: torch.device, arch: str | None = None) -> bool:
         load_decode(arch, index)
         load_prefill(arch, index)
         if arch in CUDA_LOGITS_ARCHS:
-            load_logits(arch, index, INDEXER_BLOCK_SIZE, min_blocks=default_min_blocks(arch))
+            for balanced in (False, True):
+                load_logits(arch, index, INDEXER_BLOCK_SIZE, min_blocks=default_min_blocks(arch),
+                            balanced=balanced)
     except Exception:  # the Triton kernels still serve; say why once
         logger.exception("backport: CUDA kernels unavailable on cuda:%d", index)
         return False

@@ -128,5 +128,13 @@ __device__ __forceinline__ uint32_t byte_permute(uint32_t x, uint32_t y, uint32_
   return bits;
 }
 
+// threadIdx.x, read again where this is called: offsets computed from it for code that runs
+// rarely inside a loop are then not kept live (or spilled) across the loop.
+__device__ __forceinline__ int thread_index_here() {
+  int index;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(index));
+  return index;
+}
+
 }  // namespace ampere
 #endif

@@ -164,7 +164,9 @@ def target_build(ptx: str, arch: str, ptxas: str | None = None) -> TargetBuild:
     if built.returncode != 0 or not registers:
         raise RuntimeError(f"ptxas for {arch} gave no register count:\n{built.stderr}")
     spills = _PTXAS_SPILLS.findall(built.stderr)
-    return TargetBuild(registers=int(registers[-1]), spill_bytes=int(spills[-1]) if spills else 0)
+    # A module of several kernels: its most demanding kernel's figures.
+    return TargetBuild(registers=max(map(int, registers)),
+                       spill_bytes=max(map(int, spills), default=0))
 
 
 def cubin_registers(cubin: bytes) -> int:

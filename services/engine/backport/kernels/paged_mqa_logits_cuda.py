@@ -3,7 +3,9 @@
 Same interface and semantics as `paged_mqa_logits.paged_mqa_logits` (the Triton kernel,
 which runs everywhere else, the interpreter included), with keys a program of its own
 (`keys_per_program_for_rows`): DeepGEMM's fp8 paged MQA logits as DeepSeek-V4's indexer
-calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. The CUDA
+calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. Two
+kernels of one source: the row grid (blocks a row) for a step of one row, the balanced grid
+(one round of resident blocks sharing the batch's steps evenly) for more. The CUDA
 kernel takes 128-dim heads, at most 64 of them, pages of a power of two of at least 16
 tokens at 16-byte-aligned strides (`takes`); it needs a CUDA card and a CUDA compiler
 (NVRTC from torch's wheels, or nvcc).
@@ -32,6 +34,8 @@ from services.engine.backport.kernels.paged_mqa_logits import KEYS_PER_PROGRAM, 
 
 SOURCE = Path(__file__).with_name("paged_mqa_logits_sm80.cu")
 KERNEL_NAME = "paged_mqa_logits_sm80"
+# The same logits from one round of resident blocks sharing the batch's steps evenly.
+BALANCED_KERNEL_NAME = "paged_mqa_logits_balanced_sm80"
 THREADS = 128
 KEYS_PER_STEP = 128  # the kernel's kKeys
 HEAD_DIM = 128
@@ -58,6 +62,8 @@ MIN_BLOCKS_BY_ARCH = {"sm80": 3}
 # resident, however wide the rows (see the kernel's comment on chunks). Against a block a
 # chunk, in the runs above: 64 rows 1.09-2.01x, 8 rows 1.04-1.67x, one row 1.00-1.03x.
 WAVES = 4
+# Rows a launch takes: the kernels find a row's request by a multiply exact below 2^16.
+MAX_ROWS = 1 << 16
 
 
 def keys_per_program_for_rows(num_rows: int) -> int:
@@ -78,6 +84,12 @@ def keys_per_program_for_rows(num_rows: int) -> int:
     if num_rows <= 64:
         return 512
     return KEYS_PER_PROGRAM
+
+
+def balanced_for_rows(num_rows: int) -> bool:
+    """Whether a step of `num_rows` rows takes the balanced kernel: rows of uneven lengths
+    run on every SM there, where the row kernel gives each row the same blocks."""
+    return num_rows > 1
 
 
 def default_min_blocks(arch: str) -> int:
@@ -104,12 +116,14 @@ class LogitsParams(ctypes.Structure):
         ("lengths_draft_stride", ctypes.c_int64),
         ("block_table_stride", ctypes.c_int64),
         ("logits_stride", ctypes.c_int64),
+        ("next_n_reciprocal", ctypes.c_uint64),
         ("num_heads", ctypes.c_int32),
         ("next_n", ctypes.c_int32),
         ("logits_width", ctypes.c_int32),
         ("keys_per_program", ctypes.c_int32),
         ("length_per_row", ctypes.c_int32),
         ("clean", ctypes.c_int32),
+        ("num_rows", ctypes.c_int32),
     ]
 
 
@@ -146,24 +160,30 @@ class LoadedLogits:
     def blocks_per_row(self, num_rows: int, chunks: int) -> int:
         """Blocks a row for `num_rows` rows of `chunks` chunks: each takes every so many of
         its row's chunks, so that the grid is at most `WAVES` rounds of resident blocks."""
-        resident = self.blocks_per_sm * self.sm_count
-        return max(1, min(chunks, triton.cdiv(WAVES * resident, max(1, num_rows))))
+        return max(1, min(chunks, triton.cdiv(WAVES * self.resident_blocks, max(1, num_rows))))
+
+    @property
+    def resident_blocks(self) -> int:
+        """Blocks the card (held to the target) runs at once: the balanced kernel's grid."""
+        return self.blocks_per_sm * self.sm_count
 
 
 def load_logits(arch: str, device_index: int, block_size: int, stages: int = DEFAULT_STAGES,
-                min_blocks: int = DEFAULT_MIN_BLOCKS) -> LoadedLogits:
-    """The kernel built for `arch`'s instruction set, loaded on GPU `device_index`, its
-    launches held to the blocks an SM of `arch` holds (`card_limits`) when the card present
-    holds more. Load before capturing a CUDA graph: loading reads a constant back. Loaded
-    once per build and GPU, however the arguments are spelled."""
-    return _load_logits(arch, device_index, block_size, stages, min_blocks)
+                min_blocks: int = DEFAULT_MIN_BLOCKS, balanced: bool = False) -> LoadedLogits:
+    """The kernel built for `arch`'s instruction set (the balanced one with `balanced`),
+    loaded on GPU `device_index`, its launches held to the blocks an SM of `arch` holds
+    (`card_limits`) when the card present holds more. Load before capturing a CUDA graph:
+    loading reads a constant back. Loaded once per build and GPU, however the arguments
+    are spelled."""
+    return _load_logits(arch, device_index, block_size, stages, min_blocks, balanced)
 
 
 @functools.cache  # keyed by position only, so a defaulted argument finds the same build
 def _load_logits(arch: str, device_index: int, block_size: int, stages: int,
-                 min_blocks: int) -> LoadedLogits:
+                 min_blocks: int, balanced: bool) -> LoadedLogits:
     device = torch.device("cuda", device_index)
-    kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks), KERNEL_NAME, device)
+    kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks),
+                        BALANCED_KERNEL_NAME if balanced else KERNEL_NAME, device)
     shared = kernel.read_int_global("kPagedMqaLogitsSharedBytes")
     launch_shared = kernel.target_shared_bytes(arch, THREADS, shared)
     with torch.cuda.device(device):
@@ -193,12 +213,17 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
 def logits_launch(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, max_model_len: int,
                   clean_logits: bool, keys_per_program: int | None,
-                  blocks_per_row: Callable[[int, int], int] | int | None = None
-                  ) -> LogitsLaunch:
-    """Checks the operands and lays out the launch: a grid of rows x blocks a row, which is
-    a count or, given the rows and each row's chunks of `keys_per_program` keys, picks one
-    (default: a block a chunk)."""
+                  blocks_per_row: Callable[[int, int], int] | int | None = None,
+                  balanced_blocks: Callable[[], int] | int | None = None) -> LogitsLaunch:
+    """Checks the operands and lays out the launch. For the row kernel: a grid of rows x
+    blocks a row, which is a count or, given the rows and each row's chunks of
+    `keys_per_program` keys, picks one (default: a block a chunk). Given
+    `balanced_blocks` (a count, or what gives one), for the balanced kernel: that many
+    blocks, but no more than the rows have 128-key steps at their widest."""
     operands = paged_operands(q, kv_cache, weights, context_lens, block_tables)
+    if operands.num_rows >= MAX_ROWS:
+        raise ValueError(f"the CUDA paged logits take fewer than {MAX_ROWS} rows "
+                         f"(B * next_n), got {operands.num_rows}")
     q = _aligned(operands.q)
     if not takes(q, kv_cache):
         raise ValueError(
@@ -232,13 +257,22 @@ def logits_launch(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
         lengths_draft_stride=context_lens.stride(1) if context_lens.dim() == 2 else 0,
         block_table_stride=block_tables.stride(0),
         logits_stride=logits.stride(0),
+        next_n_reciprocal=-(-(1 << 32) // q.shape[1]),
         num_heads=q.shape[2],
         next_n=q.shape[1],
         logits_width=max_model_len,
         keys_per_program=keys_per_program,
         length_per_row=int(operands.length_per_row),
         clean=int(clean_logits),
+        num_rows=operands.num_rows,
     )
+    if balanced_blocks is not None:
+        if callable(balanced_blocks):
+            balanced_blocks = balanced_blocks()
+        most_steps = operands.num_rows * triton.cdiv(max_model_len, KEYS_PER_STEP)
+        grid = (max(1, min(balanced_blocks, most_steps)), 1, 1)
+        return LogitsLaunch(grid, params, operands.block_size, logits,
+                            (q, kv_cache, weights, context_lens, block_tables))
     chunks = triton.cdiv(max_model_len, keys_per_program)
     if callable(blocks_per_row):
         blocks_per_row = blocks_per_row(operands.num_rows, chunks)
@@ -260,19 +294,26 @@ def paged_mqa_logits_cuda(
     stages: int = DEFAULT_STAGES,
     min_blocks: int = DEFAULT_MIN_BLOCKS,
     blocks_per_row: int | None = None,
+    balanced: bool | None = None,
 ) -> torch.Tensor:
     """Indexer logits [B * next_n, max_model_len] fp32, as `paged_mqa_logits`. `arch` picks
     the instruction set the kernel is built for (default: the card's own), `stages` how
     many 128-key steps shared memory holds, `min_blocks` the blocks an SM the build must
-    fit, `blocks_per_row` the grid's blocks a row (default: `LoadedLogits.blocks_per_row`)."""
+    fit, `balanced` the kernel (default: `balanced_for_rows`), `blocks_per_row` the row
+    kernel's blocks a row (default: `LoadedLogits.blocks_per_row`)."""
+    rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
+    if balanced is None:
+        balanced = balanced_for_rows(rows)
+
     def loaded() -> LoadedLogits:  # after the operands' checks, which need no GPU
         return load_logits(arch or device_arch(q.device), cuda_device_index(q.device),
-                           kv_cache.shape[1], stages, min_blocks)
+                           kv_cache.shape[1], stages, min_blocks, balanced)
 
     launch = logits_launch(q, kv_cache, weights, context_lens, block_tables, max_model_len,
                            clean_logits, keys_per_program,
                            blocks_per_row if blocks_per_row is not None
-                           else lambda *shape: loaded().blocks_per_row(*shape))
+                           else lambda *shape: loaded().blocks_per_row(*shape),
+                           (lambda: loaded().resident_blocks) if balanced else None)
     if launch.logits.numel() == 0:
         return launch.logits
     built = loaded()

@@ -8,9 +8,11 @@
 // decoded through shared memory instead (docs/kernels-history.md, twenty-sixth session).
 // Here K goes from its 16-byte loads to mma fragments in registers and q comes by ldmatrix.
 //
-// One block = one row (a request's token) and some chunks of keys_per_program of its keys,
-// 128 a step; four warps, warp w scores keys 32w..32w+31 of a step against all 64 heads:
-//   1. Once a block, q (64 heads x 128 dims) is staged into shared memory, its dims
+// Two grids of the same steps. paged_mqa_logits_sm80: one block = one row (a request's token)
+// and some chunks of keys_per_program of its keys. paged_mqa_logits_balanced_sm80: one round
+// of resident blocks, each an even share of the batch's steps across rows (see there). A step
+// is 128 keys of a row; four warps, warp w scores keys 32w..32w+31 against all 64 heads:
+//   1. Once a row, q (64 heads x 128 dims) is staged into shared memory, its dims
 //      permuted: a head's dot with a key may sum its dims in any order, so each mma chunk
 //      of thread (group, quad) takes a word of the 32 consecutive bytes the thread loads of
 //      a key (dims 32 quad .. +31): k16 chunk c word c, k32 chunk c words 2c and 2c + 1.
@@ -100,14 +102,16 @@ struct LogitsParams {
   int64_t lengths_draft_stride;
   int64_t block_table_stride;
   int64_t logits_stride;
+  uint64_t next_n_reciprocal;  // ceil(2^32 / next_n): a row's request by a multiply
   int32_t num_heads;
   int32_t next_n;
   int32_t logits_width;
   int32_t keys_per_program;  // a chunk's keys, a multiple of 128
   int32_t length_per_row;
-  int32_t clean;  // -inf from the row's length to the program's end
+  int32_t clean;     // -inf from the row's length to the program's end
+  int32_t num_rows;  // B * next_n
 };
-static_assert(sizeof(LogitsParams) == 144, "LogitsParams changed: update the Python struct");
+static_assert(sizeof(LogitsParams) == 160, "LogitsParams changed: update the Python struct");
 
 extern "C" __constant__ int kPagedMqaLogitsSharedBytes = kSharedBytes;
 
@@ -188,6 +192,282 @@ __device__ __forceinline__ void reduce_scatter_step(float (&kept)[kCount / 2],
   }
 }
 
+// The request of row `row` (B * next_n rows of fewer than 2^16): row / next_n, exact for
+// dividends and divisors below 2^16 with the divisor's reciprocal rounded up.
+__device__ __forceinline__ int row_request(const LogitsParams& p, int row) {
+  return static_cast<int>(static_cast<uint64_t>(row) * p.next_n_reciprocal >> 32);
+}
+
+// The row's keys: its own length, or its request's less the drafts after it; at most the
+// row's width.
+__device__ __forceinline__ int row_length(const LogitsParams& p, int row) {
+  const int request = row_request(p, row);
+  const int draft = row - request * p.next_n;
+  const int length =
+      p.length_per_row
+          ? p.lengths[request * p.lengths_request_stride + draft * p.lengths_draft_stride]
+          : p.lengths[request * p.lengths_request_stride] - p.next_n + 1 + draft;
+  return max(min(length, p.logits_width), 0);
+}
+
+// Copies into one stage (`stage_rows`, `stage_scales`) the rows and scales of the step whose
+// keys start at `start` of a row of `length` keys and lie in `pages`. A source is a page's
+// base plus offsets fixed for the thread: a step starts at a multiple of 128 keys, so where
+// its keys lie in their pages is known but for pages of more than 128 tokens, where the
+// step starts within its page. (Sources from each key's number took about 280 instructions
+// a step; these, about 75.)
+__device__ __forceinline__ void issue_step(uint8_t* stage_rows, uint8_t* stage_scales,
+                                           const LogitsParams& p, int thread, int start,
+                                           int length, const int (&pages)[kPagesPerStep]) {
+  const int first_position = kBlockSize > kKeys ? static_cast<unsigned>(start) % kBlockSize : 0;
+  const uint8_t* page_bases[kPagesPerStep];
+  const uint8_t* thread_bases[kPagesPerStep];  // this thread's first row piece a page
+  const int piece = thread % kRowPieces;
+  const int thread_offset = (first_position + thread / kRowPieces) * kHeadDim + piece * 16;
+#pragma unroll
+  for (int i = 0; i < kPagesPerStep; ++i) {
+    page_bases[i] = p.cache + static_cast<int64_t>(pages[i]) * p.block_stride;
+    thread_bases[i] = page_bases[i] + thread_offset;
+  }
+  const int keys_with_data = length - start;  // keys from here on are zero-filled
+#pragma unroll
+  for (int i = 0; i < kRowCopiesPerThread; ++i) {
+    // Keys i * 16 + 0..15: within one page (pages hold 16 or more), known at build time.
+    constexpr int kKeysACopy = kThreads / kRowPieces;
+    const int key = thread / kRowPieces + i * kKeysACopy;
+    const int slot = i * kKeysACopy / kBlockSize % kPagesPerStep;
+    copy_async<16>(stage_rows + row_offset(key, piece),
+                   thread_bases[slot] + i * kKeysACopy % kBlockSize * kHeadDim,
+                   key < keys_with_data);
+  }
+  if (thread < kKeys / 4) {  // scales: four keys a 16-byte piece, never across a page
+    const int key = 4 * thread;
+    const int position = first_position + key % kBlockSize;
+    copy_async<16>(stage_scales + key * kScaleBytes,
+                   page_at(page_bases, key / kBlockSize % kPagesPerStep) +
+                       kBlockSize * kHeadDim + position * kScaleBytes,
+                   key < keys_with_data);
+  }
+}
+
+// Stages the row's q (64 heads x 128 dims, heads past num_heads zero) into `q_tile`, its
+// dims permuted and its rows swizzled (see the top of the file).
+__device__ __forceinline__ void stage_q(uint8_t* q_tile, const LogitsParams& p, int row,
+                                        int thread) {
+  const int request = row_request(p, row);
+  const int draft = row - request * p.next_n;
+  const uint8_t* q_row = p.q + request * p.q_request_stride + draft * p.q_draft_stride;
+  for (int i = thread; i < kHeads * kRowPieces; i += kThreads) {
+    const int head = i / kRowPieces;
+    const int piece = i % kRowPieces;  // dims 16 piece .. +15
+    uint4 bytes = make_uint4(0, 0, 0, 0);
+    if (head < p.num_heads) {
+      bytes = *reinterpret_cast<const uint4*>(q_row + head * p.q_head_stride + piece * 16);
+    }
+    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+    // Word w holds dims 32 d + 4 j .. +3 (d = piece / 2, j = 4 (piece % 2) + w), quad d's
+    // word j. fp16: k16 chunk j's k = 2d, 2d + 1 (its first 8-column half) and 8 + 2d,
+    // 9 + 2d (its second). fp8: k32 chunk j / 2's k = 4d .. 4d + 3 of half j % 2.
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int j = 4 * (piece % 2) + w;
+      const int column_bytes = 4 * (piece / 2);
+      if constexpr (kFp8Mma) {
+        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, j) + column_bytes) = words[w];
+      } else {
+        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * j) + column_bytes) =
+            fp16_pair(words[w], kLowBytes);
+        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * j + 1) + column_bytes) =
+            fp16_pair(words[w], kHighBytes);
+      }
+    }
+  }
+}
+
+// The row's weights of this thread's heads: tile m's rows group and group + 8.
+__device__ __forceinline__ void load_weights(float (&weights)[kMTiles][2], const LogitsParams& p,
+                                             int row, int group) {
+  const float* weight_row = p.weights + row * p.weights_stride;
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * m + group + 8 * r;
+      weights[m][r] = head < p.num_heads ? weight_row[head] : 0.f;
+    }
+  }
+}
+
+// Scores one stage's 128 keys (`start` on of a row of `length` keys) against the staged q
+// and stores the logit of this thread's key into `logit_row`; with p.clean, -inf on the
+// step's keys past the row's length within its width.
+__device__ __forceinline__ void score_step(const uint8_t* stage_rows, const float* stage_scales,
+                                           uint32_t q_base, const float (&weights)[kMTiles][2],
+                                           int warp, int lane, float* logit_row, int start,
+                                           int length, const LogitsParams& p) {
+  const int group = lane / 4;
+  const int quad = lane % 4;
+  // ldmatrix: lanes 8i..8i+7 give the rows of matrix i, which is rows +8 (i odd) and the
+  // chunk's second 8 columns (i >= 2) of the A fragment.
+  const int a_row = (lane % 8) + 8 * ((lane / 8) % 2);
+  const int a_half = lane / 16;
+  uint32_t words[kNTiles][8];  // word j: dims 32 quad + 4j .. +3 of key 8t + group
+#pragma unroll
+  for (int t = 0; t < kNTiles; ++t) {
+    const int key = warp * kKeysPerWarp + 8 * t + group;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4 bytes =
+          *reinterpret_cast<const uint4*>(stage_rows + row_offset(key, 2 * quad + half));
+      words[t][4 * half] = bytes.x;
+      words[t][4 * half + 1] = bytes.y;
+      words[t][4 * half + 2] = bytes.z;
+      words[t][4 * half + 3] = bytes.w;
+    }
+  }
+  float scores[kMTiles][kNTiles][4] = {};
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    uint32_t b[kNTiles][2];
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) {
+      if constexpr (kFp8Mma) {
+        b[t][0] = words[t][2 * c];
+        b[t][1] = words[t][2 * c + 1];
+      } else {
+        b[t][0] = fp16_pair(words[t][c], kLowBytes);
+        b[t][1] = fp16_pair(words[t][c], kHighBytes);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+      uint32_t a[4];
+      load_matrix_x4(a, q_base + q_offset(16 * m + a_row, 2 * c + a_half));
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) {
+        if constexpr (kFp8Mma) {
+          mma_e4m3(scores[m][t], a, b[t][0], b[t][1]);
+        } else {
+          mma_f16(scores[m][t], a, b[t][0], b[t][1]);
+        }
+      }
+    }
+  }
+  float sums[kNTiles * 2] = {};  // key 8t + 2 quad + e at 2t + e
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sums[2 * t + e] += weights[m][0] * fmaxf(scores[m][t][e], 0.f);
+        sums[2 * t + e] += weights[m][1] * fmaxf(scores[m][t][2 + e], 0.f);
+      }
+    }
+  }
+
+  // Over the 8 lanes of this quad (lane bits 4, 3, 2): lane (group, quad) keeps sum
+  // `group`, the logit of key 8 (group / 2) + 2 quad + group % 2.
+  float half[4], quarter[2], logit[1];
+  reduce_scatter_step<8>(half, sums, 16, lane);
+  reduce_scatter_step<4>(quarter, half, 8, lane);
+  reduce_scatter_step<2>(logit, quarter, 4, lane);
+  const int key = warp * kKeysPerWarp + 8 * (group / 2) + 2 * quad + group % 2;
+  const int n = start + key;
+  if (n < length) {
+    logit_row[n] = logit[0] * (stage_scales[key] * kUnscale);
+  } else if (p.clean && n < p.logits_width) {
+    logit_row[n] = negative_infinity();
+  }
+}
+
+// A row's steps: its 128-key runs, the last one partly past its length.
+__device__ __forceinline__ int row_steps(const LogitsParams& p, int row) {
+  return (row_length(p, row) + kKeys - 1) / kKeys;
+}
+
+// A row of the batch and the first key of one of its steps, moved a step at a time in row
+// order past rows of no key.
+struct RowCursor {
+  int row;
+  int start;
+  int length;
+
+  // Only while a step follows: past the batch's last row there is no length to read.
+  __device__ __forceinline__ void advance(const LogitsParams& p) {
+    start += kKeys;
+    while (start >= length) {
+      ++row;
+      start = 0;
+      length = row_length(p, row);
+    }
+  }
+};
+
+// The block's sum of each thread's `value`. `scratch`: kWarps ints no thread reads.
+__device__ __forceinline__ int block_sum(int value, int* scratch, int warp, int lane) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) value += __shfl_xor_sync(0xffffffffu, value, mask);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  int sum = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += scratch[w];
+  return sum;
+}
+
+// Where the batch's step `step` (counted over its rows in row order) lies: a scan of the
+// rows' steps, kThreads rows at a time. `scratch`: kWarps + 2 ints no thread reads.
+__device__ RowCursor locate_step(const LogitsParams& p, int step, int* scratch, int warp,
+                                 int lane) {
+  int before_rows = 0;  // steps of the rows before this pass's
+  for (int first = 0; first < p.num_rows; first += kThreads) {
+    const int row = first + warp * 32 + lane;
+    const int steps = row < p.num_rows ? row_steps(p, row) : 0;
+    int through = steps;  // the warp's steps up to this row's, inclusive
+#pragma unroll
+    for (int delta = 1; delta < 32; delta *= 2) {
+      const int below = __shfl_up_sync(0xffffffffu, through, delta);
+      if (lane >= delta) through += below;
+    }
+    if (lane == 31) scratch[warp] = through;
+    __syncthreads();
+    int before = before_rows + through - steps;
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) before += scratch[w];
+      before_rows += scratch[w];
+    }
+    if (before <= step && step < before + steps) {
+      scratch[kWarps] = row;
+      scratch[kWarps + 1] = step - before;
+    }
+    __syncthreads();
+    if (step < before_rows) break;
+  }
+  const int row = scratch[kWarps];
+  const int start = scratch[kWarps + 1] * kKeys;
+  __syncthreads();  // scratch is q's room
+  return {row, start, row_length(p, row)};
+}
+
+// -inf on every row's columns past its last step (that step writes its own past the row's
+// length), 32 columns at a time from block to block; a warp takes 32 rows at a time, a lane
+// reading one row's length.
+__device__ __forceinline__ void clean_past_steps(const LogitsParams& p, int warp, int lane) {
+  for (int first = warp * 32; first < p.num_rows; first += kThreads) {
+    const int row = first + lane;
+    const int written = row < p.num_rows ? row_steps(p, row) * kKeys : 0;
+    const int rows = min(32, p.num_rows - first);
+    for (int i = 0; i < rows; ++i) {
+      float* logit_row = p.logits + (first + i) * p.logits_stride;
+      const int from = __shfl_sync(0xffffffffu, written, i);
+      for (int n = from + blockIdx.x * 32 + lane; n < p.logits_width; n += gridDim.x * 32) {
+        logit_row[n] = negative_infinity();
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOCKS)
@@ -201,15 +481,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   const int thread = threadIdx.x;
   const int warp = thread / 32;
   const int lane = thread % 32;
-  const int group = lane / 4;  // mma "groupID": A/C row, B column
-  const int quad = lane % 4;   // mma "threadID_in_group"
-  const int request = row / p.next_n;
-  const int draft = row % p.next_n;
-
-  int length = p.length_per_row
-                   ? p.lengths[request * p.lengths_request_stride + draft * p.lengths_draft_stride]
-                   : p.lengths[request * p.lengths_request_stride] - p.next_n + 1 + draft;
-  length = max(min(length, p.logits_width), 0);
+  const int length = row_length(p, row);
   float* logit_row = p.logits + row * p.logits_stride;
 
   // The row's columns are cut into chunks of keys_per_program; this block takes chunks
@@ -242,107 +514,29 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     }
   }
   if (steps == 0) return;
-  const int32_t* table = p.block_table + request * p.block_table_stride;
-
-  // Copies into stage `stage` of the rows and scales of the step whose keys start at `start`
-  // and lie in `pages`. A source is a page's base plus offsets fixed for the thread: a step
-  // starts at a multiple of 128 keys, so where its keys lie in their pages is known but for
-  // pages of more than 128 tokens, where the step starts within its page. (Sources from
-  // each key's number took about 280 instructions a step; these, about 75.)
-  auto issue = [&](int start, int stage, const int(&pages)[kPagesPerStep]) {
-    uint8_t* stage_rows = rows + stage * kStageRowBytes;
-    uint8_t* stage_scales = scales + stage * kStageScaleBytes;
-    const int first_position = kBlockSize > kKeys ? static_cast<unsigned>(start) % kBlockSize : 0;
-    const uint8_t* page_bases[kPagesPerStep];
-    const uint8_t* thread_bases[kPagesPerStep];  // this thread's first row piece a page
-    const int piece = thread % kRowPieces;
-    const int thread_offset = (first_position + thread / kRowPieces) * kHeadDim + piece * 16;
-#pragma unroll
-    for (int i = 0; i < kPagesPerStep; ++i) {
-      page_bases[i] = p.cache + static_cast<int64_t>(pages[i]) * p.block_stride;
-      thread_bases[i] = page_bases[i] + thread_offset;
-    }
-    const int keys_with_data = length - start;  // keys from here on are zero-filled
-#pragma unroll
-    for (int i = 0; i < kRowCopiesPerThread; ++i) {
-      // Keys i * 16 + 0..15: within one page (pages hold 16 or more), known at build time.
-      constexpr int kKeysACopy = kThreads / kRowPieces;
-      const int key = thread / kRowPieces + i * kKeysACopy;
-      const int slot = i * kKeysACopy / kBlockSize % kPagesPerStep;
-      copy_async<16>(stage_rows + row_offset(key, piece),
-                     thread_bases[slot] + i * kKeysACopy % kBlockSize * kHeadDim,
-                     key < keys_with_data);
-    }
-    if (thread < kKeys / 4) {  // scales: four keys a 16-byte piece, never across a page
-      const int key = 4 * thread;
-      const int position = first_position + key % kBlockSize;
-      copy_async<16>(stage_scales + key * kScaleBytes,
-                     page_at(page_bases, key / kBlockSize % kPagesPerStep) +
-                         kBlockSize * kHeadDim + position * kScaleBytes,
-                     key < keys_with_data);
-    }
-  };
+  const int32_t* table = p.block_table + row_request(p, row) * p.block_table_stride;
 
   // `fetched`: the next step whose copies are issued (its pages read ahead of it); `stored`:
   // the step being scored.
   StepCursor fetched{first_chunk * p.keys_per_program, 0, p.keys_per_program,
                      chunk_stride * p.keys_per_program};
   StepCursor stored = fetched;
-  // Start the first steps' copies before decoding q, so that they land meanwhile.
+  // Start the first steps' copies before staging q, so that they land meanwhile.
   int pages[kPagesPerStep];
 #pragma unroll
   for (int step = 0; step < kStages - 1; ++step) {
     if (step < steps) {
       load_pages(pages, table, fetched.start(), length);
-      issue(fetched.start(), step, pages);
+      issue_step(rows + step * kStageRowBytes, scales + step * kStageScaleBytes, p, thread,
+                 fetched.start(), length, pages);
       fetched.advance();
     }
     commit_copies();
   }
   if (kStages - 1 < steps) load_pages(pages, table, fetched.start(), length);
-
-  const uint8_t* q_row = p.q + request * p.q_request_stride + draft * p.q_draft_stride;
-  for (int i = thread; i < kHeads * kRowPieces; i += kThreads) {
-    const int head = i / kRowPieces;
-    const int piece = i % kRowPieces;  // dims 16 piece .. +15
-    uint4 bytes = make_uint4(0, 0, 0, 0);
-    if (head < p.num_heads) {
-      bytes = *reinterpret_cast<const uint4*>(q_row + head * p.q_head_stride + piece * 16);
-    }
-    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-    // Word w holds dims 32 d + 4 j .. +3 (d = piece / 2, j = 4 (piece % 2) + w), quad d's
-    // word j. fp16: k16 chunk j's k = 2d, 2d + 1 (its first 8-column half) and 8 + 2d,
-    // 9 + 2d (its second). fp8: k32 chunk j / 2's k = 4d .. 4d + 3 of half j % 2.
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const int j = 4 * (piece % 2) + w;
-      const int column_bytes = 4 * (piece / 2);
-      if constexpr (kFp8Mma) {
-        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, j) + column_bytes) = words[w];
-      } else {
-        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * j) + column_bytes) =
-            fp16_pair(words[w], kLowBytes);
-        *reinterpret_cast<uint32_t*>(q_tile + q_offset(head, 2 * j + 1) + column_bytes) =
-            fp16_pair(words[w], kHighBytes);
-      }
-    }
-  }
-
-  // This thread's heads: tile m's rows group and group + 8.
+  stage_q(q_tile, p, row, thread);
   float weights[kMTiles][2];
-  const float* weight_row = p.weights + row * p.weights_stride;
-#pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int head = 16 * m + group + 8 * r;
-      weights[m][r] = head < p.num_heads ? weight_row[head] : 0.f;
-    }
-  }
-  // ldmatrix: lanes 8i..8i+7 give the rows of matrix i, which is rows +8 (i odd) and the
-  // chunk's second 8 columns (i >= 2) of the A fragment.
-  const int a_row = (lane % 8) + 8 * ((lane / 8) % 2);
-  const int a_half = lane / 16;
+  load_weights(weights, p, row, lane / 4);
   const uint32_t q_base = shared_address(q_tile);
 
   for (int step = 0; step < steps; ++step) {
@@ -350,83 +544,98 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     __syncthreads();  // this step's rows have landed; the buffer refilled below is free
     const int ahead = step + kStages - 1;
     if (ahead < steps) {
-      issue(fetched.start(), ahead % kStages, pages);
+      issue_step(rows + ahead % kStages * kStageRowBytes,
+                 scales + ahead % kStages * kStageScaleBytes, p, thread, fetched.start(), length,
+                 pages);
       fetched.advance();
       if (ahead + 1 < steps) load_pages(pages, table, fetched.start(), length);
     }
     commit_copies();
-
-    const uint8_t* stage_rows = rows + (step % kStages) * kStageRowBytes;
-    const float* stage_scales =
-        reinterpret_cast<const float*>(scales + (step % kStages) * kStageScaleBytes);
-    uint32_t words[kNTiles][8];  // word j: dims 32 quad + 4j .. +3 of key 8t + group
-#pragma unroll
-    for (int t = 0; t < kNTiles; ++t) {
-      const int key = warp * kKeysPerWarp + 8 * t + group;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint4 bytes =
-            *reinterpret_cast<const uint4*>(stage_rows + row_offset(key, 2 * quad + half));
-        words[t][4 * half] = bytes.x;
-        words[t][4 * half + 1] = bytes.y;
-        words[t][4 * half + 2] = bytes.z;
-        words[t][4 * half + 3] = bytes.w;
-      }
-    }
-    float scores[kMTiles][kNTiles][4] = {};
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      uint32_t b[kNTiles][2];
-#pragma unroll
-      for (int t = 0; t < kNTiles; ++t) {
-        if constexpr (kFp8Mma) {
-          b[t][0] = words[t][2 * c];
-          b[t][1] = words[t][2 * c + 1];
-        } else {
-          b[t][0] = fp16_pair(words[t][c], kLowBytes);
-          b[t][1] = fp16_pair(words[t][c], kHighBytes);
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < kMTiles; ++m) {
-        uint32_t a[4];
-        load_matrix_x4(a, q_base + q_offset(16 * m + a_row, 2 * c + a_half));
-#pragma unroll
-        for (int t = 0; t < kNTiles; ++t) {
-          if constexpr (kFp8Mma) {
-            mma_e4m3(scores[m][t], a, b[t][0], b[t][1]);
-          } else {
-            mma_f16(scores[m][t], a, b[t][0], b[t][1]);
-          }
-        }
-      }
-    }
-    float sums[kNTiles * 2] = {};  // key 8t + 2 quad + e at 2t + e
-#pragma unroll
-    for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-      for (int t = 0; t < kNTiles; ++t) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          sums[2 * t + e] += weights[m][0] * fmaxf(scores[m][t][e], 0.f);
-          sums[2 * t + e] += weights[m][1] * fmaxf(scores[m][t][2 + e], 0.f);
-        }
-      }
-    }
-
-    // Over the 8 lanes of this quad (lane bits 4, 3, 2): lane (group, quad) keeps sum
-    // `group`, the logit of key 8 (group / 2) + 2 quad + group % 2.
-    float half[4], quarter[2], logit[1];
-    reduce_scatter_step<8>(half, sums, 16, lane);
-    reduce_scatter_step<4>(quarter, half, 8, lane);
-    reduce_scatter_step<2>(logit, quarter, 4, lane);
-    const int key = warp * kKeysPerWarp + 8 * (group / 2) + 2 * quad + group % 2;
-    const int n = stored.start() + key;
-    if (n < length) {
-      logit_row[n] = logit[0] * (stage_scales[key] * kUnscale);
-    } else if (p.clean && n < p.logits_width) {
-      logit_row[n] = negative_infinity();
-    }
+    score_step(rows + step % kStages * kStageRowBytes,
+               reinterpret_cast<const float*>(scales + step % kStages * kStageScaleBytes), q_base,
+               weights, warp, lane, logit_row, stored.start(), length, p);
     stored.advance();
+  }
+}
+
+// The same logits from a grid of one round of resident blocks that share the batch's 128-key
+// steps evenly, in row order: block b takes `total / blocks` steps (one more for the first
+// `total % blocks`) from where the blocks before it stop, across rows, each block reading
+// the rows' lengths itself. The row grid above gives each row the same blocks, so one long
+// row among short ones runs on few SMs (3x slower than the same keys spread evenly: docs/
+// kernels.md); here every SM takes a share of it. Where a block's share moves on to the
+// next row, it stages that row's q and weights.
+extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOCKS)
+    paged_mqa_logits_balanced_sm80(const LogitsParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  uint8_t* q_tile = shared;
+  uint8_t* rows = shared + kQBytes;
+  uint8_t* scales = rows + kRowsBytes;
+  int* scratch = reinterpret_cast<int*>(q_tile);  // until q is staged
+
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  if (p.clean) clean_past_steps(p, warp, lane);
+
+  int own_steps = 0;
+  for (int row = thread; row < p.num_rows; row += kThreads) own_steps += row_steps(p, row);
+  const int total = block_sum(own_steps, scratch, warp, lane);
+  const int blocks = gridDim.x;
+  const int block = blockIdx.x;
+  const int steps = total / blocks + (block < total % blocks ? 1 : 0);
+  if (steps == 0) return;
+  const int first_step = block * (total / blocks) + min(block, total % blocks);
+
+  // `fetched`: the next step whose copies are issued (its pages read ahead of it); `stored`:
+  // the step being scored.
+  RowCursor fetched = locate_step(p, first_step, scratch + kWarps, warp, lane);
+  RowCursor stored = fetched;
+  auto table = [&](const RowCursor& at) {
+    return p.block_table + row_request(p, at.row) * p.block_table_stride;
+  };
+  int pages[kPagesPerStep];
+#pragma unroll
+  for (int step = 0; step < kStages - 1; ++step) {
+    if (step < steps) {
+      load_pages(pages, table(fetched), fetched.start, fetched.length);
+      issue_step(rows + step * kStageRowBytes, scales + step * kStageScaleBytes, p, thread,
+                 fetched.start, fetched.length, pages);
+      if (step + 1 < steps) fetched.advance(p);
+    }
+    commit_copies();
+  }
+  if (kStages - 1 < steps) load_pages(pages, table(fetched), fetched.start, fetched.length);
+  stage_q(q_tile, p, stored.row, thread);
+  float weights[kMTiles][2];
+  load_weights(weights, p, stored.row, lane / 4);
+  const uint32_t q_base = shared_address(q_tile);
+
+  for (int step = 0; step < steps; ++step) {
+    wait_copies<kStages - 2>();
+    __syncthreads();  // this step's rows have landed; the buffer refilled below is free
+    const int ahead = step + kStages - 1;
+    if (ahead < steps) {
+      issue_step(rows + ahead % kStages * kStageRowBytes,
+                 scales + ahead % kStages * kStageScaleBytes, p, thread, fetched.start,
+                 fetched.length, pages);
+      if (ahead + 1 < steps) {
+        fetched.advance(p);
+        load_pages(pages, table(fetched), fetched.start, fetched.length);
+      }
+    }
+    commit_copies();
+    // A row's first step after the block's first: the share has moved on to this row. Every
+    // warp is past the last step's reads of q.
+    if (step > 0 && stored.start == 0) {
+      stage_q(q_tile, p, stored.row, thread_index_here());
+      load_weights(weights, p, stored.row, thread_index_here() % 32 / 4);
+      __syncthreads();
+    }
+    score_step(rows + step % kStages * kStageRowBytes,
+               reinterpret_cast<const float*>(scales + step % kStages * kStageScaleBytes), q_base,
+               weights, warp, lane, p.logits + stored.row * p.logits_stride, stored.start,
+               stored.length, p);
+    if (step + 1 < steps) stored.advance(p);
   }
 }
