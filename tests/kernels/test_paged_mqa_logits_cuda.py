@@ -349,19 +349,24 @@ GPU_CASES = [
 
 
 @needs_cuda
+@pytest.mark.parametrize("balanced", [False, True], ids=["row-grid", "balanced"])
 @pytest.mark.parametrize("case_index", range(len(GPU_CASES)))
-def test_cuda_logits_match_reference(case_index: int, cuda_arch: str, record_max_error) -> None:
+def test_cuda_logits_match_reference(case_index: int, balanced: bool, cuda_arch: str,
+                                     record_max_error) -> None:
+    """Each case on both kernels; the row grid with the case's keys a chunk and blocks a
+    row."""
     case, keys_per_program, stages, min_blocks, blocks_per_row = GPU_CASES[case_index]
     inputs = paged_inputs(case, "cuda", seed=case_index)
     got = paged_mqa_logits_cuda(**inputs, clean_logits=case.clean,
                                 keys_per_program=keys_per_program, arch=cuda_arch,
                                 stages=stages, min_blocks=min_blocks,
-                                blocks_per_row=blocks_per_row,
-                                balanced=False if blocks_per_row else None)
+                                blocks_per_row=None if balanced else blocks_per_row,
+                                balanced=balanced)
     want = paged_mqa_logits_reference(**inputs)
     if not case.clean:
         got[~torch.isfinite(want)] = float("-inf")
-    record_max_error(KERNEL_NAME, assert_logits_match(got, want, case.clean))
+    record_max_error(BALANCED_KERNEL_NAME if balanced else KERNEL_NAME,
+                     assert_logits_match(got, want, case.clean))
 
 
 @needs_cuda
