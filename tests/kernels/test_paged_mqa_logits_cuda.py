@@ -113,6 +113,17 @@ def emulated_logits(tmp_path_factory: pytest.TempPathFactory):
     return build
 
 
+def assert_emulated_logits_match(launch, inputs: dict, clean: bool) -> None:
+    """An emulated launch's logits (NaN before it) against the reference; without clean,
+    the columns past a row's keys must be untouched."""
+    want = paged_mqa_logits_reference(**inputs)
+    if not clean:
+        written = torch.isfinite(want)
+        assert torch.isnan(launch.logits[~written]).all(), "wrote past a row's keys"
+        launch.logits[~written] = float("-inf")
+    assert_logits_match(launch.logits, want, clean)
+
+
 @pytest.mark.parametrize("fp8_mma", [False, True], ids=["fp16-mma", "fp8-mma"])
 @pytest.mark.parametrize("case_index", range(len(EMULATED)))
 def test_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
@@ -127,12 +138,7 @@ def test_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
     launch.logits.fill_(float("nan"))  # a column left unwritten must not pass for written
     emulated_logits(case.block_size, stages, fp8_mma).launch(launch.grid, THREADS,
                                                               launch.params)
-    want = paged_mqa_logits_reference(**inputs)
-    if not case.clean:
-        written = torch.isfinite(want)
-        assert torch.isnan(launch.logits[~written]).all(), "wrote past a row's keys"
-        launch.logits[~written] = float("-inf")
-    assert_logits_match(launch.logits, want, case.clean)
+    assert_emulated_logits_match(launch, inputs, case.clean)
 
 
 def test_each_cuda_logits_block_walks_only_its_own_keys(emulated_logits) -> None:
@@ -190,12 +196,7 @@ def test_balanced_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
     inputs, launch = balanced_launch(case, blocks, seed=90 + case_index)
     emulated_logits(case.block_size, DEFAULT_STAGES, fp8_mma, BALANCED_KERNEL_NAME).launch(
         launch.grid, THREADS, launch.params)
-    want = paged_mqa_logits_reference(**inputs)
-    if not case.clean:
-        written = torch.isfinite(want)
-        assert torch.isnan(launch.logits[~written]).all(), "wrote past a row's keys"
-        launch.logits[~written] = float("-inf")
-    assert_logits_match(launch.logits, want, case.clean)
+    assert_emulated_logits_match(launch, inputs, case.clean)
 
 
 def balanced_barriers(row_steps: list[int], blocks: int) -> list[int]:

@@ -148,17 +148,25 @@ __device__ __forceinline__ void load_pages(int (&pages)[kPagesPerStep], const in
   }
 }
 
-// The key at which each step of a block starts, step after step: chunks of keys_per_program
-// keys, gridDim.y chunks apart. Counted forward: from the step's number it takes an integer
-// division, about 25 instructions, where issuing a step's copies takes about 75.
-struct StepCursor {
+// The row grid's steps of a block: in its one row, the key at which each step starts, step
+// after step: chunks of keys_per_program keys, gridDim.y chunks apart. Counted forward: from
+// the step's number it takes an integer division, about 25 instructions, where issuing a
+// step's copies takes about 75.
+struct ChunkCursor {
+  static constexpr bool kCrossesRows = false;
+  int row;
+  int length;  // the row's keys
+  const int32_t* table;  // the row's pages
+  float* logits;         // the row's logits
   int chunk_start;  // the current chunk's first key
   int offset;       // the step's first key within it
   int chunk_keys;   // keys_per_program
   int chunk_gap;    // keys from one of the block's chunks to the next
 
   __device__ __forceinline__ int start() const { return chunk_start + offset; }
-  __device__ __forceinline__ void advance() {
+  __device__ __forceinline__ const int32_t* pages(const LogitsParams&) const { return table; }
+  __device__ __forceinline__ float* logit_row(const LogitsParams&) const { return logits; }
+  __device__ __forceinline__ void advance(const LogitsParams&) {
     offset += kKeys;
     if (offset == chunk_keys) {
       offset = 0;
@@ -389,16 +397,24 @@ __device__ __forceinline__ int row_steps(const LogitsParams& p, int row) {
 // A row of the batch and the first key of one of its steps, moved a step at a time in row
 // order past rows of no key.
 struct RowCursor {
+  static constexpr bool kCrossesRows = true;
   int row;
-  int start;
-  int length;
+  int length;  // the row's keys
+  int first_key;
 
+  __device__ __forceinline__ int start() const { return first_key; }
+  __device__ __forceinline__ const int32_t* pages(const LogitsParams& p) const {
+    return p.block_table + row_request(p, row) * p.block_table_stride;
+  }
+  __device__ __forceinline__ float* logit_row(const LogitsParams& p) const {
+    return p.logits + row * p.logits_stride;
+  }
   // Only while a step follows: past the batch's last row there is no length to read.
   __device__ __forceinline__ void advance(const LogitsParams& p) {
-    start += kKeys;
-    while (start >= length) {
+    first_key += kKeys;
+    while (first_key >= length) {
       ++row;
-      start = 0;
+      first_key = 0;
       length = row_length(p, row);
     }
   }
@@ -447,7 +463,7 @@ __device__ RowCursor locate_step(const LogitsParams& p, int step, int* scratch, 
   const int row = scratch[kWarps];
   const int start = scratch[kWarps + 1] * kKeys;
   __syncthreads();  // scratch is q's room
-  return {row, start, row_length(p, row)};
+  return {row, row_length(p, row), start};
 }
 
 // -inf on every row's columns past its last step (that step writes its own past the row's
@@ -468,19 +484,82 @@ __device__ __forceinline__ void clean_past_steps(const LogitsParams& p, int warp
   }
 }
 
+// A block's `steps` steps from `first` on (a ChunkCursor or a RowCursor): each step's copies
+// issued kStages - 1 steps ahead of its scoring, the next step's pages read a step ahead of
+// its copies; q and the weights staged for the first step's row, and again where a step
+// enters a new row (a RowCursor's step at key 0 that is not the block's first). Shared
+// memory: q_tile, then kStages stages of rows and of scales.
+template <typename Cursor>
+__device__ __forceinline__ void walk_steps(const LogitsParams& p, const Cursor first, int steps,
+                                           uint8_t* shared) {
+  uint8_t* q_tile = shared;
+  uint8_t* rows = shared + kQBytes;
+  uint8_t* scales = rows + kRowsBytes;
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  // `fetched`: the next step whose copies are issued (its pages read ahead of it); `stored`:
+  // the step being scored.
+  Cursor fetched = first;
+  Cursor stored = first;
+  // Start the first steps' copies before staging q, so that they land meanwhile.
+  int pages[kPagesPerStep];
+#pragma unroll
+  for (int step = 0; step < kStages - 1; ++step) {
+    if (step < steps) {
+      load_pages(pages, fetched.pages(p), fetched.start(), fetched.length);
+      issue_step(rows + step * kStageRowBytes, scales + step * kStageScaleBytes, p, thread,
+                 fetched.start(), fetched.length, pages);
+      if (step + 1 < steps) fetched.advance(p);
+    }
+    commit_copies();
+  }
+  if (kStages - 1 < steps) load_pages(pages, fetched.pages(p), fetched.start(), fetched.length);
+  stage_q(q_tile, p, stored.row, thread);
+  float weights[kMTiles][2];
+  load_weights(weights, p, stored.row, lane / 4);
+  const uint32_t q_base = shared_address(q_tile);
+
+  for (int step = 0; step < steps; ++step) {
+    wait_copies<kStages - 2>();
+    __syncthreads();  // this step's rows have landed; the buffer refilled below is free
+    const int ahead = step + kStages - 1;
+    if (ahead < steps) {
+      issue_step(rows + ahead % kStages * kStageRowBytes,
+                 scales + ahead % kStages * kStageScaleBytes, p, thread, fetched.start(),
+                 fetched.length, pages);
+      // A RowCursor moves only while a step follows: past a share's last step it would read
+      // a row past the batch. A ChunkCursor's unguarded advance is 9 instructions shorter.
+      if (!Cursor::kCrossesRows) fetched.advance(p);
+      if (ahead + 1 < steps) {
+        if (Cursor::kCrossesRows) fetched.advance(p);
+        load_pages(pages, fetched.pages(p), fetched.start(), fetched.length);
+      }
+    }
+    commit_copies();
+    if constexpr (Cursor::kCrossesRows) {
+      // Every warp is past the last step's reads of q. A fresh thread index keeps ptxas from
+      // holding the staging's offsets across the loop for this rare branch.
+      if (step > 0 && stored.start() == 0) {
+        stage_q(q_tile, p, stored.row, thread_index_here());
+        load_weights(weights, p, stored.row, thread_index_here() % 32 / 4);
+        __syncthreads();
+      }
+    }
+    score_step(rows + step % kStages * kStageRowBytes,
+               reinterpret_cast<const float*>(scales + step % kStages * kStageScaleBytes), q_base,
+               weights, warp, lane, stored.logit_row(p), stored.start(), stored.length, p);
+    if (!Cursor::kCrossesRows || step + 1 < steps) stored.advance(p);
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOCKS)
     paged_mqa_logits_sm80(const LogitsParams p) {
   extern __shared__ __align__(16) uint8_t shared[];
-  uint8_t* q_tile = shared;
-  uint8_t* rows = shared + kQBytes;
-  uint8_t* scales = rows + kRowsBytes;
-
   const int row = blockIdx.x;
   const int thread = threadIdx.x;
-  const int warp = thread / 32;
-  const int lane = thread % 32;
   const int length = row_length(p, row);
   float* logit_row = p.logits + row * p.logits_stride;
 
@@ -514,48 +593,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
     }
   }
   if (steps == 0) return;
-  const int32_t* table = p.block_table + row_request(p, row) * p.block_table_stride;
-
-  // `fetched`: the next step whose copies are issued (its pages read ahead of it); `stored`:
-  // the step being scored.
-  StepCursor fetched{first_chunk * p.keys_per_program, 0, p.keys_per_program,
-                     chunk_stride * p.keys_per_program};
-  StepCursor stored = fetched;
-  // Start the first steps' copies before staging q, so that they land meanwhile.
-  int pages[kPagesPerStep];
-#pragma unroll
-  for (int step = 0; step < kStages - 1; ++step) {
-    if (step < steps) {
-      load_pages(pages, table, fetched.start(), length);
-      issue_step(rows + step * kStageRowBytes, scales + step * kStageScaleBytes, p, thread,
-                 fetched.start(), length, pages);
-      fetched.advance();
-    }
-    commit_copies();
-  }
-  if (kStages - 1 < steps) load_pages(pages, table, fetched.start(), length);
-  stage_q(q_tile, p, row, thread);
-  float weights[kMTiles][2];
-  load_weights(weights, p, row, lane / 4);
-  const uint32_t q_base = shared_address(q_tile);
-
-  for (int step = 0; step < steps; ++step) {
-    wait_copies<kStages - 2>();
-    __syncthreads();  // this step's rows have landed; the buffer refilled below is free
-    const int ahead = step + kStages - 1;
-    if (ahead < steps) {
-      issue_step(rows + ahead % kStages * kStageRowBytes,
-                 scales + ahead % kStages * kStageScaleBytes, p, thread, fetched.start(), length,
-                 pages);
-      fetched.advance();
-      if (ahead + 1 < steps) load_pages(pages, table, fetched.start(), length);
-    }
-    commit_copies();
-    score_step(rows + step % kStages * kStageRowBytes,
-               reinterpret_cast<const float*>(scales + step % kStages * kStageScaleBytes), q_base,
-               weights, warp, lane, logit_row, stored.start(), length, p);
-    stored.advance();
-  }
+  walk_steps(p,
+             ChunkCursor{row, length, p.block_table + row_request(p, row) * p.block_table_stride,
+                         logit_row, first_chunk * p.keys_per_program, 0, p.keys_per_program,
+                         chunk_stride * p.keys_per_program},
+             steps, shared);
 }
 
 // The same logits from a grid of one round of resident blocks that share the batch's 128-key
@@ -568,10 +610,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
 extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOCKS)
     paged_mqa_logits_balanced_sm80(const LogitsParams p) {
   extern __shared__ __align__(16) uint8_t shared[];
-  uint8_t* q_tile = shared;
-  uint8_t* rows = shared + kQBytes;
-  uint8_t* scales = rows + kRowsBytes;
-  int* scratch = reinterpret_cast<int*>(q_tile);  // until q is staged
+  int* scratch = reinterpret_cast<int*>(shared);  // q's room, until q is staged
 
   const int thread = threadIdx.x;
   const int warp = thread / 32;
@@ -587,55 +626,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   if (steps == 0) return;
   const int first_step = block * (total / blocks) + min(block, total % blocks);
 
-  // `fetched`: the next step whose copies are issued (its pages read ahead of it); `stored`:
-  // the step being scored.
-  RowCursor fetched = locate_step(p, first_step, scratch + kWarps, warp, lane);
-  RowCursor stored = fetched;
-  auto table = [&](const RowCursor& at) {
-    return p.block_table + row_request(p, at.row) * p.block_table_stride;
-  };
-  int pages[kPagesPerStep];
-#pragma unroll
-  for (int step = 0; step < kStages - 1; ++step) {
-    if (step < steps) {
-      load_pages(pages, table(fetched), fetched.start, fetched.length);
-      issue_step(rows + step * kStageRowBytes, scales + step * kStageScaleBytes, p, thread,
-                 fetched.start, fetched.length, pages);
-      if (step + 1 < steps) fetched.advance(p);
-    }
-    commit_copies();
-  }
-  if (kStages - 1 < steps) load_pages(pages, table(fetched), fetched.start, fetched.length);
-  stage_q(q_tile, p, stored.row, thread);
-  float weights[kMTiles][2];
-  load_weights(weights, p, stored.row, lane / 4);
-  const uint32_t q_base = shared_address(q_tile);
-
-  for (int step = 0; step < steps; ++step) {
-    wait_copies<kStages - 2>();
-    __syncthreads();  // this step's rows have landed; the buffer refilled below is free
-    const int ahead = step + kStages - 1;
-    if (ahead < steps) {
-      issue_step(rows + ahead % kStages * kStageRowBytes,
-                 scales + ahead % kStages * kStageScaleBytes, p, thread, fetched.start,
-                 fetched.length, pages);
-      if (ahead + 1 < steps) {
-        fetched.advance(p);
-        load_pages(pages, table(fetched), fetched.start, fetched.length);
-      }
-    }
-    commit_copies();
-    // A row's first step after the block's first: the share has moved on to this row. Every
-    // warp is past the last step's reads of q.
-    if (step > 0 && stored.start == 0) {
-      stage_q(q_tile, p, stored.row, thread_index_here());
-      load_weights(weights, p, stored.row, thread_index_here() % 32 / 4);
-      __syncthreads();
-    }
-    score_step(rows + step % kStages * kStageRowBytes,
-               reinterpret_cast<const float*>(scales + step % kStages * kStageScaleBytes), q_base,
-               weights, warp, lane, p.logits + stored.row * p.logits_stride, stored.start,
-               stored.length, p);
-    if (step + 1 < steps) stored.advance(p);
-  }
+  walk_steps(p, locate_step(p, first_step, scratch + kWarps, warp, lane), steps, shared);
 }
