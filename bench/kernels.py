@@ -731,12 +731,13 @@ def indexer_cases(bandwidth: float, cuda_arch: str | None) -> list[dict[str, obj
             grid_ms[balanced] = bench_graph_ms(lambda: paged_mqa_logits_cuda(
                 qd, view, wd, lens, tables, width, arch=arch,
                 min_blocks=default_min_blocks(arch), balanced=balanced))
-        route = " (route)" if balanced_for_rows(batch) else ""
-        rows.append({"shape": f"{shape} CUDA row grid{'' if route else ' (route)'}",
+        route = {balanced: " (route)" if balanced == balanced_for_rows(batch) else ""
+                 for balanced in (False, True)}
+        rows.append({"shape": f"{shape} CUDA row grid{route[False]}",
                      "graph ms": grid_ms[False], "TFLOP/s": flops / grid_ms[False] * 1e-9,
                      "baseline": f"Triton {triton_ms:.4f} ms",
                      "ratio": triton_ms / grid_ms[False]})
-        rows.append({"shape": f"{shape} CUDA balanced{route}", "graph ms": grid_ms[True],
+        rows.append({"shape": f"{shape} CUDA balanced{route[True]}", "graph ms": grid_ms[True],
                      "TFLOP/s": flops / grid_ms[True] * 1e-9,
                      "baseline": f"row grid {grid_ms[False]:.4f} ms",
                      "ratio": grid_ms[False] / grid_ms[True]})

@@ -313,8 +313,8 @@ __device__ __forceinline__ void score_step(const uint8_t* stage_rows, const floa
                                            uint32_t q_base, const float (&weights)[kMTiles][2],
                                            int warp, int lane, float* logit_row, int start,
                                            int length, const LogitsParams& p) {
-  const int group = lane / 4;
-  const int quad = lane % 4;
+  const int group = lane / 4;  // mma "groupID": A/C row, B column
+  const int quad = lane % 4;   // mma "threadID_in_group"
   // ldmatrix: lanes 8i..8i+7 give the rows of matrix i, which is rows +8 (i odd) and the
   // chunk's second 8 columns (i >= 2) of the A fragment.
   const int a_row = (lane % 8) + 8 * ((lane / 8) % 2);
