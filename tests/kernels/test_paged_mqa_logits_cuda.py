@@ -26,6 +26,7 @@ from services.engine.backport.kernels import paged_mqa_logits as triton_logits
 from services.engine.backport.kernels.paged_mqa_logits import paged_mqa_logits_reference
 from services.engine.backport.kernels.paged_mqa_logits_cuda import (
     BALANCED_KERNEL_NAME,
+    BALANCED_MAX_ROWS,
     DEFAULT_MIN_BLOCKS,
     DEFAULT_STAGES,
     KERNEL_NAME,
@@ -167,7 +168,7 @@ def test_each_cuda_logits_block_walks_only_its_own_keys(emulated_logits) -> None
 
 # The balanced kernel on the same kinds of shapes, with grids of one block, of a few, and
 # of more blocks than steps (blocks of no share); rows whose requests have no key; 140
-# rows, so that finding a block's first row takes two passes of 128; speculative rows.
+# rows, so that counting the rows' steps takes two passes of 128; speculative rows.
 EMULATED_BALANCED = [
     (EMULATED[0].case, 4),
     (EMULATED[1].case, 1),
@@ -200,20 +201,17 @@ def test_balanced_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
 
 
 def balanced_barriers(row_steps: list[int], blocks: int) -> list[int]:
-    """Barriers each block of the balanced kernel passes: one for the steps' total; where
-    its share is not empty, two a 128-row pass to find its first row and one after, one a
+    """Barriers each block of the balanced kernel passes: one a 128-row pass counting the
+    rows' steps and one after; where its share is not empty, one before its steps, one a
     step and one a row its share moves on to."""
     rows_of_steps = [row for row, steps in enumerate(row_steps) for _ in range(steps)]
     total = len(rows_of_steps)
+    counting = -(-len(row_steps) // THREADS) + 1
     barriers = []
     for block in range(blocks):
         first = block * (total // blocks) + min(block, total % blocks)
         share = rows_of_steps[first:first + total // blocks + (block < total % blocks)]
-        if not share:
-            barriers.append(1)
-            continue
-        passes = share[0] // THREADS + 1
-        barriers.append(1 + 2 * passes + 1 + len(share) + len(set(share)) - 1)
+        barriers.append(counting + (1 + len(share) + len(set(share)) - 1 if share else 0))
     return barriers
 
 
@@ -237,8 +235,8 @@ def test_each_balanced_block_takes_its_even_share(case_index: int, blocks: int,
     grid_blocks = launch.grid[0]  # at most the rows' widest steps
     assert grid_blocks == min(blocks, len(row_steps) * -(-case.max_model_len // KEYS_PER_STEP))
     assert kernel.block_barriers() == balanced_barriers(row_steps, grid_blocks)
-    assert balanced_barriers(row_steps, grid_blocks).count(1) == max(0, grid_blocks
-                                                                       - sum(row_steps))
+    idle = balanced_barriers(row_steps, grid_blocks).count(-(-len(row_steps) // THREADS) + 1)
+    assert idle == max(0, grid_blocks - sum(row_steps))
 
 
 def test_balanced_grid_is_one_round_and_its_rule() -> None:
@@ -254,6 +252,7 @@ def test_balanced_grid_is_one_round_and_its_rule() -> None:
                           blocks_per_sm=3, sm_count=108)
     assert loaded.resident_blocks == 324
     assert not balanced_for_rows(1) and balanced_for_rows(2) and balanced_for_rows(64)
+    assert balanced_for_rows(BALANCED_MAX_ROWS) and not balanced_for_rows(BALANCED_MAX_ROWS + 1)
 
 
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4, 7])
@@ -277,6 +276,11 @@ def test_cuda_logits_refuse_what_they_do_not_take() -> None:
     assert takes(inputs["q"], inputs["kv_cache"])
     with pytest.raises(ValueError, match="keys_per_program"):
         paged_mqa_logits_cuda(**inputs, keys_per_program=200)
+    case = PagedCase(BALANCED_MAX_ROWS + 1, 1, 1, 128, 16, 16, per_draft_lengths=False,
+                     clean=False)
+    inputs = paged_inputs(case, "cpu", seed=1)
+    with pytest.raises(ValueError, match=f"at most {BALANCED_MAX_ROWS} rows"):
+        logits_launch(**inputs, clean_logits=False, keys_per_program=None, balanced_blocks=4)
 
 
 @pytest.mark.parametrize(("rows", "chunks"), [(1, 1024), (8, 512), (64, 256), (64, 8),

@@ -64,6 +64,9 @@ MIN_BLOCKS_BY_ARCH = {"sm80": 3}
 WAVES = 4
 # Rows a launch takes: the kernels find a row's request by a multiply exact below 2^16.
 MAX_ROWS = 1 << 16
+# Rows the balanced kernel takes: it counts every row's steps into shared memory (the
+# kernel's kBalancedMaxRows). More rows take the row kernel.
+BALANCED_MAX_ROWS = 8192
 
 
 def keys_per_program_for_rows(num_rows: int) -> int:
@@ -89,7 +92,7 @@ def keys_per_program_for_rows(num_rows: int) -> int:
 def balanced_for_rows(num_rows: int) -> bool:
     """Whether a step of `num_rows` rows takes the balanced kernel: rows of uneven lengths
     run on every SM there, where the row kernel gives each row the same blocks."""
-    return num_rows > 1
+    return 1 < num_rows <= BALANCED_MAX_ROWS
 
 
 def default_min_blocks(arch: str) -> int:
@@ -267,6 +270,9 @@ def logits_launch(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
         num_rows=operands.num_rows,
     )
     if balanced_blocks is not None:
+        if operands.num_rows > BALANCED_MAX_ROWS:
+            raise ValueError(f"the balanced CUDA paged logits take at most {BALANCED_MAX_ROWS} "
+                             f"rows (B * next_n), got {operands.num_rows}")
         if callable(balanced_blocks):
             balanced_blocks = balanced_blocks()
         most_steps = operands.num_rows * triton.cdiv(max_model_len, KEYS_PER_STEP)
