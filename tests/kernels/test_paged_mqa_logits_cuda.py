@@ -241,7 +241,8 @@ def test_each_balanced_block_takes_its_even_share(case_index: int, blocks: int,
 
 def test_balanced_grid_is_one_round_and_its_rule() -> None:
     """One round of the blocks the card keeps resident, never more than the rows' widest
-    steps; one row takes the row kernel, more take the balanced one. Needs no GPU."""
+    steps; steps of up to BALANCED_MAX_ROWS rows take it, more the row kernel. Needs no
+    GPU."""
     case = PagedCase(2, 1, 16, 128, 64, 300, per_draft_lengths=False, clean=False)
     inputs = paged_inputs(case, "cpu", seed=3)
     launch = logits_launch(**inputs, clean_logits=False, keys_per_program=None,
@@ -251,7 +252,7 @@ def test_balanced_grid_is_one_round_and_its_rule() -> None:
     loaded = LoadedLogits(kernel=None, shared_bytes=50176, launch_shared_bytes=50176,
                           blocks_per_sm=3, sm_count=108)
     assert loaded.resident_blocks == 324
-    assert not balanced_for_rows(1) and balanced_for_rows(2) and balanced_for_rows(64)
+    assert balanced_for_rows(1) and balanced_for_rows(2) and balanced_for_rows(64)
     assert balanced_for_rows(BALANCED_MAX_ROWS) and not balanced_for_rows(BALANCED_MAX_ROWS + 1)
 
 

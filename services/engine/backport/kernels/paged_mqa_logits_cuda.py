@@ -5,8 +5,8 @@ which runs everywhere else, the interpreter included), with keys a program of it
 (`keys_per_program_for_rows`): DeepGEMM's fp8 paged MQA logits as DeepSeek-V4's indexer
 calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. Two
 kernels of one source: the balanced grid (one round of resident blocks sharing the batch's
-steps evenly) for steps of 2 to `BALANCED_MAX_ROWS` rows, the row grid (blocks a row) for
-the others. The CUDA kernel takes 128-dim heads, at most 64 of them, pages of a power of
+steps evenly) for steps of up to `BALANCED_MAX_ROWS` rows, the row grid (blocks a row) for
+more. The CUDA kernel takes 128-dim heads, at most 64 of them, pages of a power of
 two of at least 16 tokens at 16-byte-aligned strides (`takes`); it needs a CUDA card and a
 CUDA compiler (NVRTC from torch's wheels, or nvcc).
 """
@@ -70,7 +70,8 @@ BALANCED_MAX_ROWS = 8192
 
 
 def keys_per_program_for_rows(num_rows: int) -> int:
-    """Keys a chunk for a step of `num_rows` rows. A block's 128-key steps run one after
+    """The row kernel's keys a chunk for a step of `num_rows` rows (the route takes that
+    kernel only past `BALANCED_MAX_ROWS` rows). A block's 128-key steps run one after
     another (1.5-1.7 us each on the H200 when its SM has no other block), so a step of few
     rows is as slow as its longest chain of them unless rows are cut finer, and the grid
     cap lets long rows take short chunks at little cost. Timed at 1 to 64 rows of 4k and 32k
@@ -91,8 +92,11 @@ def keys_per_program_for_rows(num_rows: int) -> int:
 
 def balanced_for_rows(num_rows: int) -> bool:
     """Whether a step of `num_rows` rows takes the balanced kernel: rows of uneven lengths
-    run on every SM there, where the row kernel gives each row the same blocks."""
-    return 1 < num_rows <= BALANCED_MAX_ROWS
+    run on every SM there, where the row kernel gives each row the same blocks. One row
+    too: on 112/88/128 SMs in sm80/86/89 mode the balanced kernel took 0.93-0.98x the row
+    kernel's speed at 2k to 16k keys (0.1-0.3 us more) and 1.16-1.37x at 32k (sm86/89) or
+    64k (sm80) to 128k keys (up to 4 us less; docs/kernels.md)."""
+    return 1 <= num_rows <= BALANCED_MAX_ROWS
 
 
 def default_min_blocks(arch: str) -> int:
