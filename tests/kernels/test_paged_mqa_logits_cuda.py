@@ -200,13 +200,19 @@ def test_balanced_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
     assert_emulated_logits_match(launch, inputs, case.clean)
 
 
+def counting_barriers(num_rows: int) -> int:
+    """Barriers of the balanced kernel's count of the rows' steps, which every block
+    passes: one a 128-row pass and one after."""
+    return -(-num_rows // THREADS) + 1
+
+
 def balanced_barriers(row_steps: list[int], blocks: int) -> list[int]:
-    """Barriers each block of the balanced kernel passes: one a 128-row pass counting the
-    rows' steps and one after; where its share is not empty, one before its steps, one a
-    step and one a row its share moves on to."""
+    """Barriers each block of the balanced kernel passes: those of the count; where its
+    share is not empty, one before its steps, one a step and one a row its share moves on
+    to."""
     rows_of_steps = [row for row, steps in enumerate(row_steps) for _ in range(steps)]
     total = len(rows_of_steps)
-    counting = -(-len(row_steps) // THREADS) + 1
+    counting = counting_barriers(len(row_steps))
     barriers = []
     for block in range(blocks):
         first = block * (total // blocks) + min(block, total % blocks)
@@ -235,7 +241,7 @@ def test_each_balanced_block_takes_its_even_share(case_index: int, blocks: int,
     grid_blocks = launch.grid[0]  # at most the rows' widest steps
     assert grid_blocks == min(blocks, len(row_steps) * -(-case.max_model_len // KEYS_PER_STEP))
     assert kernel.block_barriers() == balanced_barriers(row_steps, grid_blocks)
-    idle = balanced_barriers(row_steps, grid_blocks).count(-(-len(row_steps) // THREADS) + 1)
+    idle = balanced_barriers(row_steps, grid_blocks).count(counting_barriers(len(row_steps)))
     assert idle == max(0, grid_blocks - sum(row_steps))
 
 

@@ -6,9 +6,9 @@ which runs everywhere else, the interpreter included), with keys a program of it
 calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. Two
 kernels of one source: the balanced grid (one round of resident blocks sharing the batch's
 steps evenly) for steps of up to `BALANCED_MAX_ROWS` rows, the row grid (blocks a row) for
-more. The CUDA kernel takes 128-dim heads, at most 64 of them, pages of a power of
-two of at least 16 tokens at 16-byte-aligned strides (`takes`); it needs a CUDA card and a
-CUDA compiler (NVRTC from torch's wheels, or nvcc).
+more. The CUDA kernel takes 128-dim heads, at most 64 of them, pages of a power of two of
+at least 16 tokens at 16-byte-aligned strides (`takes`); it needs a CUDA card and a CUDA
+compiler (NVRTC from torch's wheels, or nvcc).
 """
 
 from __future__ import annotations
