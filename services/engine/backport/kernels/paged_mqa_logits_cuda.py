@@ -1,10 +1,12 @@
-"""Launcher of the CUDA paged indexer logits (`paged_mqa_logits_sm80.cu`).
+"""Launcher of the CUDA paged indexer logits (`paged_mqa_logits_sm80.cu`, the row grid, and
+`paged_mqa_logits_balanced_sm80.cu`, the balanced grid: one kernel a file, their steps in
+`paged_mqa_logits_steps.cuh`).
 
 Same interface and semantics as `paged_mqa_logits.paged_mqa_logits` (the Triton kernel,
 which runs everywhere else, the interpreter included), with keys a program of its own
 (`keys_per_program_for_rows`): DeepGEMM's fp8 paged MQA logits as DeepSeek-V4's indexer
 calls them on decode steps, built with fp16 mma for sm80/86 and fp8 mma for sm89. Two
-kernels of one source: the balanced grid (one round of resident blocks sharing the batch's
+kernels of the same steps: the balanced grid (one round of resident blocks sharing the batch's
 steps evenly) for steps of up to `BALANCED_MAX_ROWS` rows, the row grid (blocks a row) for
 more. The CUDA kernel takes 128-dim heads, at most 64 of them, pages of a power of two of
 at least 16 tokens at 16-byte-aligned strides (`takes`); it needs a CUDA card and a CUDA
@@ -32,10 +34,13 @@ from services.engine.backport.kernels.cuda_module import (
 )
 from services.engine.backport.kernels.paged_mqa_logits import KEYS_PER_PROGRAM, paged_operands
 
-SOURCE = Path(__file__).with_name("paged_mqa_logits_sm80.cu")
 KERNEL_NAME = "paged_mqa_logits_sm80"
 # The same logits from one round of resident blocks sharing the batch's steps evenly.
 BALANCED_KERNEL_NAME = "paged_mqa_logits_balanced_sm80"
+# Each kernel's source, by whether it is the balanced one; both include their steps'
+# header beside them.
+SOURCES = {balanced: Path(__file__).with_name(f"{name}.cu")
+           for balanced, name in ((False, KERNEL_NAME), (True, BALANCED_KERNEL_NAME))}
 THREADS = 128
 KEYS_PER_STEP = 128  # the kernel's kKeys
 HEAD_DIM = 128
@@ -144,10 +149,11 @@ def takes(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def logits_ptx(arch: str, block_size: int, stages: int = DEFAULT_STAGES,
-               min_blocks: int = DEFAULT_MIN_BLOCKS) -> bytes:
-    """The kernel's PTX for `arch`'s instruction set and `block_size`-token pages (cached
-    on disk by `compile_ptx`): fp8 mma where the arch has it (sm89 on), fp16 before."""
-    return compile_ptx(SOURCE, arch, {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size,
+               min_blocks: int = DEFAULT_MIN_BLOCKS, balanced: bool = False) -> bytes:
+    """The PTX of the row kernel (the balanced one with `balanced`) for `arch`'s instruction
+    set and `block_size`-token pages (cached on disk by `compile_ptx`): fp8 mma where the
+    arch has it (sm89 on), fp16 before."""
+    return compile_ptx(SOURCES[balanced], arch, {"PAGED_MQA_LOGITS_BLOCK_SIZE": block_size,
                                       "PAGED_MQA_LOGITS_STAGES": stages,
                                       "PAGED_MQA_LOGITS_MIN_BLOCKS": min_blocks,
                                       "PAGED_MQA_LOGITS_FP8_MMA": int(arch not in
@@ -189,7 +195,7 @@ def load_logits(arch: str, device_index: int, block_size: int, stages: int = DEF
 def _load_logits(arch: str, device_index: int, block_size: int, stages: int,
                  min_blocks: int, balanced: bool) -> LoadedLogits:
     device = torch.device("cuda", device_index)
-    kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks),
+    kernel = CudaKernel(logits_ptx(arch, block_size, stages, min_blocks, balanced),
                         BALANCED_KERNEL_NAME if balanced else KERNEL_NAME, device)
     shared = kernel.read_int_global("kPagedMqaLogitsSharedBytes")
     launch_shared = kernel.target_shared_bytes(arch, THREADS, shared)
