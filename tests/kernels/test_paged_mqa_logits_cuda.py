@@ -203,6 +203,28 @@ def test_balanced_cuda_logits_match_reference_in_a_cpu_emulation_of_the_gpu(
     assert_emulated_logits_match(launch, inputs, case.clean)
 
 
+def test_balanced_kernel_counts_its_most_rows_in_a_cpu_emulation_of_the_gpu(
+        emulated_logits) -> None:
+    """BALANCED_MAX_ROWS rows, all but the first and the last without a key: the rows'
+    counts fill the room the kernel keeps for them, and the blocks find the last row's
+    steps past all the empty ones."""
+    case = PagedCase(BALANCED_MAX_ROWS, 1, 16, 128, 16, 32, per_draft_lengths=False,
+                     clean=False, empty_requests=BALANCED_MAX_ROWS - 2)
+    inputs, launch = balanced_launch(case, 3, seed=11)
+    emulated_logits(case.block_size, DEFAULT_STAGES, False, BALANCED_KERNEL_NAME).launch(
+        launch.grid, THREADS, launch.params)
+    assert torch.isnan(launch.logits[1:-1]).all(), "wrote a row of no key"
+    ends = [0, BALANCED_MAX_ROWS - 1]  # the reference of 8,192 rows takes half a minute
+    assert (inputs["context_lens"][ends] > 0).all()
+    want = paged_mqa_logits_reference(**{
+        **inputs, **{name: inputs[name][ends]
+                     for name in ("q", "weights", "context_lens", "block_tables")}})
+    got = launch.logits[ends]
+    assert torch.isnan(got[~torch.isfinite(want)]).all(), "wrote past a row's keys"
+    got[~torch.isfinite(want)] = float("-inf")
+    assert_logits_match(got, want, False)
+
+
 def counting_barriers(num_rows: int) -> int:
     """Barriers of the balanced kernel's count of the rows' steps, which every block
     passes: one a 128-row pass and one after."""
