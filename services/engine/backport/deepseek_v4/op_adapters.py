@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 # 4k-token chunk; H200 in sm80 mode).
 _cuda_attention_archs: dict[int, str] = {}
 # (GPU index, page size) -> the arch the CUDA paged logits for those pages were built for
-# (1.33-1.64x the Triton kernel's speed at 64 rows, 0.90-1.19x at 8: docs/kernels.md).
+# (their speed against the Triton kernel's: docs/kernels.md, "The CUDA paged logits").
 _cuda_logits_archs: dict[tuple[int, int], str] = {}
 # The indexer cache's tokens a page, which the CUDA paged logits are built for ahead of use.
 INDEXER_BLOCK_SIZE = 64
