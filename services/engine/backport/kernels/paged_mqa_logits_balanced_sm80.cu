@@ -114,14 +114,13 @@ __device__ __forceinline__ void clean_past_steps(const LogitsParams& p, const in
   }
 }
 
-
 }  // namespace
 
-// The same logits from a grid of one round of resident blocks that share the batch's 128-key
+// The logits from a grid of one round of resident blocks that share the batch's 128-key
 // steps evenly, in row order: block b takes `total / blocks` steps (one more for the first
 // `total % blocks`) from where the blocks before it stop, across rows, each block counting
-// the rows' steps itself (at most kBalancedMaxRows rows). The row grid above gives each row
-// the same blocks, so one long row among short ones runs on few SMs (3x slower than the
+// the rows' steps itself (at most kBalancedMaxRows rows). The row grid gives each row the
+// same blocks, so one long row among short ones runs on few SMs (3x slower than the
 // same keys spread evenly: docs/kernels.md); here every SM takes a share of it. Where a
 // block's share moves on to the next row, it stages that row's q and weights. Shares of
 // one step each beat shares of two on fewer blocks (2 rows of 4k keys: 0.0045 against
