@@ -48,8 +48,8 @@ struct RowCursor {
 
  private:
   __device__ __forceinline__ void enter_row(const LogitsParams& p) {
-    table = p.block_table + row_request(p, row) * p.block_table_stride;
-    logits = p.logits + row * p.logits_stride;
+    table = row_pages(p, row);
+    logits = row_logits(p, row);
   }
 };
 
@@ -107,7 +107,7 @@ __device__ __forceinline__ void clean_past_steps(const LogitsParams& p, const in
                                                  int warp, int lane) {
   for (int row = warp; row < p.num_rows; row += kWarps) {
     const int written = (through[row] - (row > 0 ? through[row - 1] : 0)) * kKeys;
-    float* logit_row = p.logits + row * p.logits_stride;
+    float* logit_row = row_logits(p, row);
     for (int n = written + blockIdx.x * 32 + lane; n < p.logits_width; n += gridDim.x * 32) {
       logit_row[n] = negative_infinity();
     }

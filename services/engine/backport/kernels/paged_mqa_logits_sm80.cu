@@ -42,7 +42,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   const int row = blockIdx.x;
   const int thread = threadIdx.x;
   const int length = row_length(p, row);
-  float* logit_row = p.logits + row * p.logits_stride;
+  float* logit_row = row_logits(p, row);
 
   // The row's columns are cut into chunks of keys_per_program; this block takes chunks
   // blockIdx.y, + gridDim.y, + 2 gridDim.y, ... The launcher caps gridDim.y at a few
@@ -75,8 +75,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, PAGED_MQA_LOGITS_MIN_BLOC
   }
   if (steps == 0) return;
   walk_steps(p,
-             ChunkCursor{row, length, p.block_table + row_request(p, row) * p.block_table_stride,
-                         logit_row, first_chunk * p.keys_per_program, 0, p.keys_per_program,
+             ChunkCursor{row, length, row_pages(p, row), logit_row,
+                         first_chunk * p.keys_per_program, 0, p.keys_per_program,
                          chunk_stride * p.keys_per_program},
              steps, shared);
 }

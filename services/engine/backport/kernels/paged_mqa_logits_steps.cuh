@@ -181,6 +181,16 @@ __device__ __forceinline__ int row_request(const LogitsParams& p, int row) {
   return static_cast<int>(static_cast<uint64_t>(row) * p.next_n_reciprocal >> 32);
 }
 
+// The row's pages: its request's row of the block table.
+__device__ __forceinline__ const int32_t* row_pages(const LogitsParams& p, int row) {
+  return p.block_table + row_request(p, row) * p.block_table_stride;
+}
+
+// The row's logits.
+__device__ __forceinline__ float* row_logits(const LogitsParams& p, int row) {
+  return p.logits + row * p.logits_stride;
+}
+
 // The row's keys: its own length, or its request's less the drafts after it; at most the
 // row's width.
 __device__ __forceinline__ int row_length(const LogitsParams& p, int row) {
