@@ -101,6 +101,77 @@ def e4m3_decode(byte):
     return out_bits.to(tl.float32, bitcast=True)
 
 
+# bf16 values over a power-of-two scale -> e4m3, two values a register (sm80+, no fp8
+# instructions). Per bf16x2 pair X with multiplier pair S = 2**-e:
+# v = X * S is exact (a power of two); a = |v|, saturated at 448 (NaN stays NaN).
+# Rounding a to e4m3's step is an add: m = 2**(E + 4) for a's exponent E, at least 2**-2,
+# has a bf16 ulp of 2**(E - 3), e4m3's step at a (2**-9, the subnormal step, below
+# 2**-6), so s = a + m rounds a to that step, to nearest even, once. s - m counts the
+# steps (8..16 from E's base, 0..8 below 2**-6), and m's exponent field / 16 - 1000
+# supplies the code's exponent: the code is s - m + m / 16 - 1000 in each 16-bit lane,
+# no lane ever below zero, so packed 32-bit integer arithmetic never carries across. A
+# NaN lane comes out above 0x7F and the last min (as bf16 patterns, which order like
+# integers when positive) makes it 0x7F. The sign comes from X, so NaN keeps it too.
+def _bf16_to_e4m3_pair_ptx(x: str, multiplier: str, out: str) -> str:
+    return f"""
+fma.rn.bf16x2 v, {x}, {multiplier}, negative_zero;
+and.b32 a, v, 0x7FFF7FFF;
+min.NaN.bf16x2 a, a, e4m3_max;
+and.b32 m, a, 0x7F807F80;
+add.u32 m, m, 0x02000200;
+max.bf16x2 m, m, subnormal_step_base;
+fma.rn.bf16x2 s, a, one, m;
+sub.u32 s, s, m;
+shr.u32 m, m, 4;
+add.u32 s, s, m;
+sub.u32 s, s, 0x03E803E8;
+min.bf16x2 s, s, nan_code;
+shr.u32 v, {x}, 8;
+and.b32 v, v, 0x00800080;
+or.b32 {out}, s, v;
+"""
+
+
+_BF16_TO_E4M3_PTX = tl.constexpr(f"""
+{{
+.reg .b32 v, a, m, s, low, high, negative_zero, e4m3_max, subnormal_step_base, one, nan_code;
+mov.b32 negative_zero, 0x80008000;
+mov.b32 e4m3_max, 0x43E043E0;
+mov.b32 subnormal_step_base, 0x3E803E80;
+mov.b32 one, 0x3F803F80;
+mov.b32 nan_code, 0x007F007F;
+{_bf16_to_e4m3_pair_ptx("$1", "$3", "low")}
+{_bf16_to_e4m3_pair_ptx("$2", "$4", "high")}
+prmt.b32 $0, low, high, 0x6420;
+}}
+""")
+
+
+@triton.jit
+def e4m3_quantize_bf16(x, scale_exponent, ENCODER: tl.constexpr):
+    """bf16 values x over 2**scale_exponent (int32, broadcast) as e4m3 bytes: the same
+    bytes as `e4m3_encode(x.to(fp32) * 2**-scale_exponent)` (NaN keeps its sign but on
+    "hardware", as there).
+
+    For quantizers whose values are bf16 (or bf16-exact fp32). ENCODER (`fp8_encoder`):
+    "bf16x2" takes four values in about 27 instructions on sm80/86 (the PTX above),
+    where the fp32 encode takes about 14 a value; "hardware" is sm89's conversion from
+    fp32; "software" (Triton's interpreter) the fp32 bit tricks. Scale exponents in
+    [-127, 126] (2**-e a normal float), which every floored amax gives.
+    """
+    if ENCODER == "bf16x2":
+        multiplier = ((127 - scale_exponent) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.inline_asm_elementwise(
+            _BF16_TO_E4M3_PTX,
+            "=r,r,r,r,r",
+            [x.to(tl.bfloat16), multiplier],
+            dtype=tl.uint8,
+            is_pure=True,
+            pack=4,
+        )
+    return e4m3_encode(x.to(tl.float32) * exp2_int(-scale_exponent), ENCODER == "hardware")
+
+
 def hardware_fp8_encode(device: torch.device) -> bool:
     """Whether kernels launched on `device` may encode fp8 in hardware (and multiply fp8 on
     the tensor cores): sm89 and later, by the arch Triton lowers for (the fidelity
@@ -112,6 +183,17 @@ def hardware_fp8_encode(device: torch.device) -> bool:
         return int(arch.removeprefix("sm")) >= 89
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor >= 89
+
+
+def fp8_encoder(device: torch.device) -> str:
+    """How a quantizer launched on `device` encodes fp8 (its FP8_ENCODER constexpr, see
+    `e4m3_quantize_bf16`): "hardware" where `hardware_fp8_encode`, "software" under
+    Triton's interpreter (no PTX), "bf16x2" otherwise."""
+    if hardware_fp8_encode(device):
+        return "hardware"
+    if device.type != "cuda" or triton.knobs.runtime.interpret:
+        return "software"
+    return "bf16x2"
 
 
 # fp8 e4m3 -> bf16 (times a power of two), four bytes per call, for sm80+ (no fp8
@@ -245,6 +327,16 @@ def _encode_kernel(x_ptr, out_ptr, num_elements, BLOCK: tl.constexpr, HARDWARE: 
 
 
 @triton.jit
+def _quantize_bf16_kernel(x_ptr, exponent_ptr, out_ptr, num_elements, BLOCK: tl.constexpr,
+                          ENCODER: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_elements
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    exponent = tl.load(exponent_ptr + offsets, mask=mask, other=0)
+    tl.store(out_ptr + offsets, e4m3_quantize_bf16(x, exponent, ENCODER), mask=mask)
+
+
+@triton.jit
 def _decode_kernel(byte_ptr, out_ptr, num_elements, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < num_elements
@@ -281,6 +373,20 @@ def encode_e4m3(x: torch.Tensor, hardware: bool = False) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
     _encode_kernel[grid](flat, out, flat.numel(), BLOCK=BLOCK_ELEMENTS, HARDWARE=hardware)
+    return out.view(x.shape)
+
+
+def quantize_e4m3_bf16(x: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes of bf16 values over 2**exponents with `e4m3_quantize_bf16` (one launch,
+    `fp8_encoder`'s path for x's device)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"quantize_e4m3_bf16 takes bfloat16, got {x.dtype}")
+    flat = x.contiguous().view(-1)
+    flat_exponents = exponents.to(torch.int32).contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=x.device)
+    grid = (triton.cdiv(flat.numel(), BLOCK_ELEMENTS),)
+    _quantize_bf16_kernel[grid](flat, flat_exponents, out, flat.numel(), BLOCK=BLOCK_ELEMENTS,
+                                ENCODER=fp8_encoder(x.device))
     return out.view(x.shape)
 
 

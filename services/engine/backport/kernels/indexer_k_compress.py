@@ -41,10 +41,10 @@ from services.engine.backport.kernels.compressor_window import (
 )
 from services.engine.backport.kernels.fp8_e4m3 import (
     E4M3_MAX,
-    e4m3_encode,
+    e4m3_quantize_bf16,
     e4m3_scale_exponent,
     exp2_int,
-    hardware_fp8_encode,
+    fp8_encoder,
     round_to_bf16,
 )
 
@@ -80,7 +80,7 @@ def _indexer_k_compress_kernel(
     RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     HALF_ROPE: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     # The token's four scalars in one round trip to memory: most programs (all but one
@@ -106,7 +106,7 @@ def _indexer_k_compress_kernel(
     exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(rotated), axis=0), AMAX_FLOOR))
     page = cache_ptr + (cache_slot // cache_block_size) * cache_block_stride
     in_page = cache_slot % cache_block_size
-    fp8_bytes = e4m3_encode(rotated * exp2_int(-exponent), HARDWARE_FP8)
+    fp8_bytes = e4m3_quantize_bf16(rotated, exponent, FP8_ENCODER)
     tl.store(page + in_page * HEAD_DIM + tl.arange(0, HEAD_DIM), fp8_bytes)
     scale_ptr = (page + cache_block_size * HEAD_DIM + in_page * 4).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr, exp2_int(exponent))
@@ -146,7 +146,7 @@ def indexer_k_compress_insert(
         RATIO=compress_ratio,
         OVERLAP=int(overlap),
         HALF_ROPE=rope_head_dim // 2,
-        HARDWARE_FP8=hardware_fp8_encode(kv_cache.device),
+        FP8_ENCODER=fp8_encoder(kv_cache.device),
         num_warps=1 if (1 + overlap) * compress_ratio <= SMALL_WINDOW_ROWS else 4,
     )
 

@@ -25,10 +25,10 @@ import triton.language as tl
 
 from services.engine.backport.kernels.fp8_e4m3 import (
     E4M3_MAX,
-    e4m3_encode,
+    e4m3_quantize_bf16,
     e4m3_scale_exponent,
     exp2_int,
-    hardware_fp8_encode,
+    fp8_encoder,
     round_to_bf16,
 )
 
@@ -55,7 +55,7 @@ def _indexer_q_kernel(
     HEAD_BLOCK: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     HALF_ROPE: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEAD_BLOCK)
@@ -83,14 +83,15 @@ def _indexer_q_kernel(
         tl.maximum(tl.max(tl.abs(r_even), axis=1), tl.max(tl.abs(r_odd), axis=1)),
     )
     exponent = e4m3_scale_exponent(tl.maximum(amax, AMAX_FLOOR))
-    inverse_scale = exp2_int(-exponent)[:, None]
 
-    # Write-back: fp8 bytes (pairs joined back interleaved) and the folded weights.
+    # Write-back: fp8 bytes (pairs joined back interleaved) and the folded weights. Every
+    # value is bf16 (the RoPE pairs rounded above), which the bf16 quantizer takes.
     out = q_fp8_ptr + token * stride_out_token + heads[:, None] * stride_out_head
-    nope_bytes = e4m3_encode(x_nope * inverse_scale, HARDWARE_FP8)
+    row_exponent = exponent[:, None]
+    nope_bytes = e4m3_quantize_bf16(x_nope, row_exponent, FP8_ENCODER)
     tl.store(out + nope[None, :], nope_bytes, mask=head_mask[:, None])
-    rotated = tl.join(e4m3_encode(r_even * inverse_scale, HARDWARE_FP8),
-                      e4m3_encode(r_odd * inverse_scale, HARDWARE_FP8))
+    rotated = tl.join(e4m3_quantize_bf16(r_even, row_exponent, FP8_ENCODER),
+                      e4m3_quantize_bf16(r_odd, row_exponent, FP8_ENCODER))
     tl.store(
         out + NOPE_DIM + rope[None, :],
         tl.reshape(rotated, (HEAD_BLOCK, 2 * HALF_ROPE)),
@@ -148,7 +149,7 @@ def fused_indexer_q_rope_quant(
             HEAD_BLOCK=triton.next_power_of_2(num_heads),
             NOPE_DIM=head_dim - rope_dim,
             HALF_ROPE=rope_dim // 2,
-            HARDWARE_FP8=hardware_fp8_encode(index_q.device),
+            FP8_ENCODER=fp8_encoder(index_q.device),
             num_warps=4,
             enable_fp_fusion=False,
         )

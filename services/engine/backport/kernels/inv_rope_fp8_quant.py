@@ -18,7 +18,9 @@ undoing the query's rotation gives what wo_a expects. Scale per 128 dims:
 
 Tiling: one program per token and HEADS_PER_PROGRAM heads of one group (each 512-dim
 head row is four 128-dim quant groups); the grid also covers the scale buffer's padding
-rows, which get zeros.
+rows, which get zeros. The NoPE dims are bf16 in and out of the rotation, so they take
+the bf16 quantizer (`e4m3_quantize_bf16`, half the instructions of the fp32 encode on
+sm80/86); the rotated RoPE dims, fp32 values, take the fp32 encode.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import triton.language as tl
 from services.engine.backport.kernels.fp8_e4m3 import (
     E4M3_MAX,
     e4m3_encode,
+    e4m3_quantize_bf16,
     e4m3_scale_exponent,
     exp2_int,
-    hardware_fp8_encode,
+    fp8_encoder,
 )
 
 AMAX_FLOOR = tl.constexpr(1e-10)  # upstream's eps before picking a scale
@@ -66,16 +69,15 @@ def _inv_rope_quant_kernel(
     GROUP_SIZE: tl.constexpr,
     GROUPS_PER_HEAD: tl.constexpr,
     QUANTIZE: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     first_head = tl.program_id(1) * HEADS
     group = first_head // heads_per_group
     heads = tl.arange(0, HEADS)
     # Scale blocks of these heads within the group's row: HEADS x GROUPS_PER_HEAD.
-    blocks = (first_head % heads_per_group + heads)[:, None] * GROUPS_PER_HEAD + tl.arange(
-        0, GROUPS_PER_HEAD
-    )[None, :]
+    quant_groups = tl.arange(0, GROUPS_PER_HEAD)
+    blocks = (first_head % heads_per_group + heads)[:, None] * GROUPS_PER_HEAD + quant_groups[None, :]
     scale_ptrs = scale_ptr + group * stride_scale_group + token + blocks * stride_scale_block
     if token >= num_tokens:
         # Padding rows of the aligned scale buffer.
@@ -83,27 +85,25 @@ def _inv_rope_quant_kernel(
             tl.store(scale_ptrs, tl.zeros((HEADS, GROUPS_PER_HEAD), dtype=tl.float32))
         return
 
-    # Inverse RoPE on the interleaved pairs after the NoPE dims. Each row is read once, as
-    # (even, odd) pairs split in registers; only pairs past the NoPE dims turn.
+    # The NoPE dims stay bf16 (whole rows, the RoPE dims masked off and read apart).
     HEAD_DIM: tl.constexpr = GROUPS_PER_HEAD * GROUP_SIZE
+    ROPE_DIM: tl.constexpr = 2 * HALF_ROPE
     dims = tl.arange(0, HEAD_DIM)[None, :]
+    is_nope = dims < NOPE_DIM
     rows = o_ptr + token * stride_o_token + (first_head + heads)[:, None] * stride_o_head
-    x = tl.load(rows + dims).to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, (HEADS, HEAD_DIM // 2, 2)))
-    pair = tl.arange(0, HEAD_DIM // 2)
-    is_rope = pair >= NOPE_DIM // 2
-    rope_pair = tl.maximum(pair - NOPE_DIM // 2, 0)
+    x = tl.load(rows + dims, mask=is_nope, other=0.0)
+
+    # Inverse RoPE on the interleaved pairs of the last ROPE_DIM dims, in fp32: each
+    # value is read once, as (even, odd) pairs split in registers.
+    rope_dims = tl.arange(0, ROPE_DIM)[None, :]
+    rope = tl.load(rows + NOPE_DIM + rope_dims).to(tl.float32)
+    even, odd = tl.split(tl.reshape(rope, (HEADS, HALF_ROPE, 2)))
     position = tl.load(positions_ptr + token)
-    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + rope_pair, mask=is_rope, other=1.0)
-    sin = tl.load(
-        cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + rope_pair, mask=is_rope, other=0.0
-    )
-    turn = is_rope[None, :]
-    x = tl.reshape(
-        tl.join(tl.where(turn, even * cos[None, :] + odd * sin[None, :], even),
-                tl.where(turn, odd * cos[None, :] - even * sin[None, :], odd)),
-        (HEADS, HEAD_DIM),
-    )
+    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + tl.arange(0, HALF_ROPE))[None, :]
+    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF_ROPE + tl.arange(0, HALF_ROPE))
+    sin = sin[None, :]
+    rotated = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin),
+                         (HEADS, ROPE_DIM))
 
     # The group's heads are consecutive in its output row.
     out = (
@@ -111,17 +111,23 @@ def _inv_rope_quant_kernel(
         + group * stride_out_group
         + token * stride_out_token
         + (first_head % heads_per_group + heads)[:, None] * HEAD_DIM
-        + dims
     )
     if QUANTIZE:
-        # One power-of-two scale per 128 dims.
-        x_blocks = tl.reshape(x, (HEADS, GROUPS_PER_HEAD, GROUP_SIZE))
-        exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(x_blocks), axis=2), AMAX_FLOOR))
-        scaled = x_blocks * exp2_int(-exponent)[:, :, None]
-        tl.store(out, tl.reshape(e4m3_encode(scaled, HARDWARE_FP8), (HEADS, HEAD_DIM)))
+        # One power-of-two scale per 128 dims; the RoPE dims are in the head's last group.
+        x_groups = tl.reshape(x, (HEADS, GROUPS_PER_HEAD, GROUP_SIZE))
+        amax = tl.max(tl.abs(x_groups.to(tl.float32)), axis=2)
+        has_rope = (quant_groups == GROUPS_PER_HEAD - 1)[None, :]
+        amax = tl.where(has_rope, tl.maximum(amax, tl.max(tl.abs(rotated), axis=1)[:, None]), amax)
+        exponent = e4m3_scale_exponent(tl.maximum(amax, AMAX_FLOOR))
+        nope_bytes = e4m3_quantize_bf16(x_groups, exponent[:, :, None], FP8_ENCODER)
+        tl.store(out + dims, tl.reshape(nope_bytes, (HEADS, HEAD_DIM)), mask=is_nope)
+        rope_exponent = tl.max(tl.where(has_rope, exponent, -127), axis=1)[:, None]
+        rope_bytes = e4m3_encode(rotated * exp2_int(-rope_exponent), FP8_ENCODER == "hardware")
+        tl.store(out + NOPE_DIM + rope_dims, rope_bytes)
         tl.store(scale_ptrs, exp2_int(exponent))
     else:
-        tl.store(out, x.to(out_ptr.dtype.element_ty))
+        tl.store(out + dims, x, mask=is_nope)
+        tl.store(out + NOPE_DIM + rope_dims, rotated.to(out_ptr.dtype.element_ty))
 
 
 def fused_inv_rope_fp8_quant(
@@ -144,10 +150,11 @@ def fused_inv_rope_fp8_quant(
     num_tokens, num_heads, head_dim = o.shape
     if num_heads != n_groups * heads_per_group or head_dim != nope_dim + rope_dim:
         raise ValueError("o must be [T, n_groups * heads_per_group, nope_dim + rope_dim]")
-    if head_dim % quant_group_size or rope_dim % 2 or o.stride(-1) != 1:
-        raise ValueError(
-            "head_dim must be a multiple of the quant group; rope_dim even; rows contiguous"
-        )
+    if head_dim % quant_group_size or o.stride(-1) != 1 or o.dtype != torch.bfloat16:
+        raise ValueError("o must be bf16 with contiguous rows, head_dim a multiple of the "
+                         "quant group")
+    if rope_dim < 2 or rope_dim & (rope_dim - 1) or rope_dim > quant_group_size:
+        raise ValueError("rope_dim must be a power of two within one quant group")
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != rope_dim:
         raise ValueError("cos_sin_cache must be fp32 [max_pos, rope_dim]")
     group_dim = heads_per_group * head_dim
@@ -190,7 +197,7 @@ def fused_inv_rope_fp8_quant(
             GROUP_SIZE=quant_group_size,
             GROUPS_PER_HEAD=head_dim // quant_group_size,
             QUANTIZE=quantize,
-            HARDWARE_FP8=hardware_fp8_encode(o.device),
+            FP8_ENCODER=fp8_encoder(o.device),
             num_warps=4,
             enable_fp_fusion=False,
         )

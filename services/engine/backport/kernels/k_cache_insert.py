@@ -7,7 +7,7 @@ slot_mapping [num_tokens'] (-1 = skip; num_tokens' <= num_tokens, upstream's DP 
 
 Per 64-dim tile the scale is 2**e with e = ceil(log2(max(amax, 1e-4) / 448)), found
 from the float's bits (`e4m3_scale_exponent`); the tile is multiplied by 2**-e (exact)
-and encoded with `e4m3_encode`. The reference is `ds_mla_cache.insert_rows_reference`.
+and encoded with `e4m3_quantize_bf16`. The reference is `ds_mla_cache.insert_rows_reference`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import triton.language as tl
 
 from services.engine.backport.kernels import ds_mla_cache as layout
 from services.engine.backport.kernels.fp8_e4m3 import (
-    e4m3_encode,
+    e4m3_quantize_bf16,
     e4m3_scale_exponent,
-    exp2_int,
-    hardware_fp8_encode,
+    fp8_encoder,
 )
 
 TILES_PER_ROW = 8  # 7 fp8 tiles + the RoPE tile, so a row is one [8, 64] block
@@ -48,7 +47,7 @@ def _quantize_insert_kernel(
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     TOKENS: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     # TOKENS rows a program, each an [8, 64] block of tiles: one row is too little work
     # for a program (TOKENS_PER_PROGRAM).
@@ -70,7 +69,7 @@ def _quantize_insert_kernel(
         k_ptr + token[:, None, None] * stride_k_token + offsets, mask=written, other=0.0
     ).to(tl.float32)
     store_ds_mla_rows(cache_ptr, data_offset, scale_offset, row, valid, NOPE_DIM, QUANT_TILE,
-                      NUM_NOPE_TILES, TILES_PER_ROW, HARDWARE_FP8)
+                      NUM_NOPE_TILES, TILES_PER_ROW, FP8_ENCODER)
 
 
 @triton.jit
@@ -84,7 +83,7 @@ def store_ds_mla_rows(
     QUANT_TILE: tl.constexpr,
     NUM_NOPE_TILES: tl.constexpr,
     TILES_PER_ROW: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     """Write rows [R, 8, 64] of bf16-exact fp32 values (7 NoPE tiles, then the RoPE tile)
     as fp8_ds_mla rows at byte offsets data_offset / scale_offset [R]; rows not `valid`
@@ -97,8 +96,7 @@ def store_ds_mla_rows(
 
     # fp8 part: one power-of-two scale per 64-dim tile.
     exponent = e4m3_scale_exponent(tl.maximum(tl.max(tl.abs(row), axis=2), AMAX_FLOOR))
-    inverse_scale = exp2_int(-exponent)
-    fp8_bytes = e4m3_encode(row * inverse_scale[:, :, None], HARDWARE_FP8)
+    fp8_bytes = e4m3_quantize_bf16(row, exponent[:, :, None], FP8_ENCODER)
     data = cache_ptr + data_offset[:, None, None]
     tl.store(data + offsets, fp8_bytes, mask=written & is_nope)
     scale_bytes = tl.minimum(tl.maximum(exponent + 127, 0), 255)
@@ -146,5 +144,5 @@ def quantize_and_insert_k_cache(
         DATA_BYTES=layout.DATA_BYTES_PER_TOKEN,
         SCALE_BYTES=layout.SCALE_BYTES_PER_TOKEN,
         TOKENS=TOKENS_PER_PROGRAM,
-        HARDWARE_FP8=hardware_fp8_encode(k.device),
+        FP8_ENCODER=fp8_encoder(k.device),
     )

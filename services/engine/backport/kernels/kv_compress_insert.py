@@ -44,7 +44,7 @@ from services.engine.backport.kernels.compressor_window import (
     rms_normalize_reference,
     window_kernel_args,
 )
-from services.engine.backport.kernels.fp8_e4m3 import hardware_fp8_encode, round_to_bf16
+from services.engine.backport.kernels.fp8_e4m3 import fp8_encoder, round_to_bf16
 from services.engine.backport.kernels.k_cache_insert import TILES_PER_ROW, store_ds_mla_rows
 from services.engine.backport.kernels.kv_window_merge import MAX_GRID_Y, merge_windows
 
@@ -88,7 +88,7 @@ def compress_row(
     RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     """Merge (or read the merged row), normalize, rotate, quantize and insert one token's row."""
     if merged_ptr is None:
@@ -117,7 +117,7 @@ def compress_row(
         QUANT_TILE,
         NUM_NOPE_TILES,
         ROW_TILES,
-        HARDWARE_FP8,
+        FP8_ENCODER,
     )
 
 
@@ -147,7 +147,7 @@ def _kv_compress_kernel(
     OVERLAP: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
     SCAN: tl.constexpr,
-    HARDWARE_FP8: tl.constexpr,
+    FP8_ENCODER: tl.constexpr,
 ):
     """Program p finishes the rows of the closing tokens among tokens p * SCAN.."""
     first_token = tl.program_id(0).to(tl.int64) * SCAN
@@ -160,7 +160,7 @@ def _kv_compress_kernel(
                          cos_sin_ptr, cache_ptr, merged_ptr, norm_eps, state_block_size,
                          stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
                          cache_block_stride, CACHE_BLOCK_SIZE, STATE_WIDTH, RATIO, OVERLAP,
-                         ROW_CHUNK, HARDWARE_FP8)
+                         ROW_CHUNK, FP8_ENCODER)
     else:
         tokens, closes = closing_tokens(positions_ptr, state_slots_ptr, cache_slots_ptr,
                                         first_token, num_tokens, SCAN, RATIO)
@@ -172,7 +172,7 @@ def _kv_compress_kernel(
                          cos_sin_ptr, cache_ptr, merged_ptr, norm_eps, state_block_size,
                          stride_state_block, stride_state_row, stride_table_req, stride_cos_sin,
                          cache_block_stride, CACHE_BLOCK_SIZE, STATE_WIDTH, RATIO, OVERLAP,
-                         ROW_CHUNK, HARDWARE_FP8)
+                         ROW_CHUNK, FP8_ENCODER)
 
 
 def tokens_a_program(num_tokens: int, num_requests: int, compress_ratio: int) -> int:
@@ -226,7 +226,7 @@ def kv_compress_insert(
         OVERLAP=overlap,
         ROW_CHUNK=ROW_CHUNK,
         SCAN=scan,
-        HARDWARE_FP8=hardware_fp8_encode(kv_cache.device),
+        FP8_ENCODER=fp8_encoder(kv_cache.device),
         num_warps=4,
     )
 
