@@ -23,6 +23,10 @@ bytes times a power-of-two (UE8M0) scale straight to bf16 in 2 instructions a va
 with inline PTX (prmt/shl/and, then a bf16x2 fma), sm80-safe, exact for every non-NaN
 byte; NaN bytes come out finite there, which is harmless for caches we wrote.
 `e4m3_to_bf16` is the same without a scale, for dot operands (see why there).
+
+Quantizers encode with `e4m3_quantize_bf16`: their values are bf16, which sm80/86 encode
+two a register with bf16x2 and integer PTX (half the instructions of the fp32 encode);
+`fp8_encoder(device)` picks that path, sm89's hardware one or the interpreter's.
 """
 
 from __future__ import annotations
