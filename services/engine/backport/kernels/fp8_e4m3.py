@@ -25,7 +25,7 @@ byte; NaN bytes come out finite there, which is harmless for caches we wrote.
 `e4m3_to_bf16` is the same without a scale, for dot operands (see why there).
 
 Quantizers encode with `e4m3_quantize_bf16`: their values are bf16, which sm80/86 encode
-two a register with bf16x2 and integer PTX (half the instructions of the fp32 encode);
+two a register with bf16x2 and integer PTX (under half the fp32 encode's instructions);
 `fp8_encoder(device)` picks that path, sm89's hardware one or the interpreter's.
 """
 
