@@ -18,9 +18,10 @@ undoing the query's rotation gives what wo_a expects. Scale per 128 dims:
 
 Tiling: one program per token and HEADS_PER_PROGRAM heads of one group (each 512-dim
 head row is four 128-dim quant groups), grid (tokens, groups, heads in a group / heads a
-program); the grid also covers the scale buffer's padding rows, which get zeros. The NoPE dims are bf16 in and out of the rotation, so they take
-the bf16 quantizer (`e4m3_quantize_bf16`, half the instructions of the fp32 encode on
-sm80/86); the rotated RoPE dims, fp32 values, take the fp32 encode.
+program); the grid also covers the scale buffer's padding rows, which get zeros. The
+NoPE dims are bf16 in and out of the rotation, so they take the bf16 quantizer
+(`e4m3_quantize_bf16`, under half the fp32 encode's instructions on sm80/86); the
+rotated RoPE dims, fp32 values, take the fp32 encode.
 """
 
 from __future__ import annotations
