@@ -39,10 +39,9 @@ def _round_to_odd_f32(exact: np.ndarray, error: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         single = exact.astype(np.float32)
     bits = single.view(np.uint32).astype(np.int64)
-    below = (single.astype(np.float64) < exact) | (
-        (single.astype(np.float64) == exact) & (error > 0))
-    above = (single.astype(np.float64) > exact) | (
-        (single.astype(np.float64) == exact) & (error < 0))
+    widened = single.astype(np.float64)
+    below = (widened < exact) | ((widened == exact) & (error > 0))
+    above = (widened > exact) | ((widened == exact) & (error < 0))
     inexact = below | above
     # Sign-magnitude: one step up in bits is one step away from zero.
     away = np.where(single < 0, above, below)
@@ -74,15 +73,6 @@ def _fma_bf16(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.where(is_nan, CANONICAL_BF16_NAN, result)
 
 
-def _extreme_bf16(a: np.ndarray, b: np.ndarray, pick_a: np.ndarray, nan_wins: bool):
-    a_nan, b_nan = np.isnan(bf16_values(a)), np.isnan(bf16_values(b))
-    chosen = np.where(pick_a, a, b)
-    if nan_wins:
-        return np.where(a_nan | b_nan, CANONICAL_BF16_NAN, chosen)
-    chosen = np.where(a_nan, b, np.where(b_nan, a, chosen))
-    return np.where(a_nan & b_nan, CANONICAL_BF16_NAN, chosen)
-
-
 def _bf16x2(lane_op):
     def run(a: np.ndarray, b: np.ndarray, *rest: np.ndarray) -> np.ndarray:
         halves = [_lanes(x) for x in (a, b, *rest)]
@@ -90,12 +80,18 @@ def _bf16x2(lane_op):
     return run
 
 
-def _min_bf16(nan_wins: bool):
-    return _bf16x2(lambda a, b: _extreme_bf16(a, b, bf16_values(a) <= bf16_values(b), nan_wins))
-
-
-def _max_bf16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return _extreme_bf16(a, b, bf16_values(a) >= bf16_values(b), nan_wins=False)
+def _min_max_bf16(smaller: bool, nan_wins: bool):
+    """bf16x2 min (smaller) or max: a NaN operand gives way to the other one, or with
+    `.NaN` (nan_wins) makes the result NaN."""
+    def lane_op(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        va, vb = bf16_values(a), bf16_values(b)
+        a_nan, b_nan = np.isnan(va), np.isnan(vb)
+        chosen = np.where(va <= vb if smaller else va >= vb, a, b)
+        if nan_wins:
+            return np.where(a_nan | b_nan, CANONICAL_BF16_NAN, chosen)
+        chosen = np.where(a_nan, b, np.where(b_nan, a, chosen))
+        return np.where(a_nan & b_nan, CANONICAL_BF16_NAN, chosen)
+    return _bf16x2(lane_op)
 
 
 def _prmt(a: np.ndarray, b: np.ndarray, selector: np.ndarray) -> np.ndarray:
@@ -122,9 +118,9 @@ _INSTRUCTIONS = {
     "shr.u32": lambda a, b: a >> b,
     "prmt.b32": _prmt,
     "fma.rn.bf16x2": _bf16x2(_fma_bf16),
-    "min.bf16x2": _min_bf16(nan_wins=False),
-    "min.NaN.bf16x2": _min_bf16(nan_wins=True),
-    "max.bf16x2": _bf16x2(_max_bf16),
+    "min.bf16x2": _min_max_bf16(smaller=True, nan_wins=False),
+    "min.NaN.bf16x2": _min_max_bf16(smaller=True, nan_wins=True),
+    "max.bf16x2": _min_max_bf16(smaller=False, nan_wins=False),
 }
 
 
