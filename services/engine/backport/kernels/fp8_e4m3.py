@@ -435,6 +435,12 @@ def dequantize_e4m3_bf16(data: torch.Tensor, exponents: torch.Tensor) -> torch.T
     return out.view(data.shape)
 
 
+def quantize_e4m3_bf16_reference(x: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """torch reference for `e4m3_quantize_bf16`: torch's encode of x * 2**-exponents in
+    fp32, NaN keeping its sign."""
+    return encode_e4m3_reference(x.float() * torch.exp2(-exponents.double()).float())
+
+
 def dequantize_e4m3_bf16_reference(data: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     """torch reference for `e4m3_dequantize_bf16` on non-NaN bytes."""
     return (decode_e4m3_reference(data) * torch.exp2(exponents.double()).float()).to(torch.bfloat16)
