@@ -118,7 +118,8 @@ def test_bf16_quantize_matches_torch_on_every_bf16_value(kernel_device: str,
                                                         record_max_error) -> None:
     # Every bf16 pattern (NaN, infinities and subnormals included) over scale exponents
     # from upstream's smallest (amax floored at 1e-10) through the ones that saturate
-    # most values or round them to zero, against the reference (torch's encode of x * 2**-e in fp32).
+    # most values or round them to zero, against the reference (torch's encode of
+    # x * 2**-e in fp32).
     every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     exponents = torch.tensor([-40, -33, -21, -9, -1, 0, 1, 5, 8, 17, 60, 120, 126])
     values = every_bf16.repeat(len(exponents))
