@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.engine.backport.kernels import indexer_k_compress as compressor
 from services.engine.backport.kernels.indexer_k_compress import (
     indexer_k_compress_insert,
     indexer_k_compress_insert_reference,
@@ -91,25 +92,50 @@ def indexer_inputs(compress_ratio: int, kernel_device: str) -> dict:
     )
 
 
+@pytest.fixture(params=["one-token-a-program", "scanning"])
+def batch_plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test under both ways a program finds its tokens: one token a program, or a
+    scan of eight (two ratio-4 windows of a prefill; a decode step's tokens from several
+    requests), finishing each closing one in turn."""
+    scan = 1 if request.param == "one-token-a-program" else 8
+    monkeypatch.setattr(compressor, "tokens_a_program", lambda *_: scan)
+    return request.param
+
+
+def test_tokens_a_program() -> None:
+    """A prefill scans a window's tokens (two windows' at ratio 4), a decode step one
+    token a program, a batch of short chunks as many tokens as a request has."""
+    assert compressor.tokens_a_program(131072, 1, 4) == 8
+    assert compressor.tokens_a_program(64, 64, 4) == 1
+    assert compressor.tokens_a_program(6, 1, 4) == 4
+    assert compressor.tokens_a_program(8192, 1, 128) == 128
+    assert compressor.tokens_a_program(2048, 700, 128) == 2
+
+
+def inserted_by_kernel(args: dict, device: str) -> torch.Tensor:
+    """The kernel's cache pages (on the CPU) after inserting `args`' rows."""
+    storage, view = indexer_cache(device)
+    indexer_k_compress_insert(
+        kv_cache=view,
+        **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()},
+    )
+    return storage.cpu()
+
+
 @pytest.mark.parametrize("compress_ratio", [4, 128])
 def test_indexer_k_compress_insert(
-    kernel_device: str, compress_ratio: int, record_max_error
+    kernel_device: str, compress_ratio: int, batch_plan: str, record_max_error
 ) -> None:
     args = indexer_inputs(compress_ratio, kernel_device)
     kv_slots, slot_mapping = args["kv_slot_mapping"], args["slot_mapping"]
     _, want = indexer_cache("cpu")
     indexer_k_compress_insert_reference(kv_cache=want, **args)
-    got_storage, got = indexer_cache(kernel_device)
-    device_args = {
-        k: v.to(kernel_device) if isinstance(v, torch.Tensor) else v for k, v in args.items()
-    }
-    indexer_k_compress_insert(kv_cache=got, **device_args)
+    got_storage = inserted_by_kernel(args, kernel_device)
+    got = got_storage.as_strided(want.shape, want.stride())
 
     written = kv_slots[(kv_slots >= 0) & (slot_mapping >= 0)]
     assert written.numel() > 0
-    got_rows = dequantize_indexer_rows(
-        got_storage.cpu().as_strided(got.shape, got.stride()), CACHE_BLOCK_SIZE, written
-    )
+    got_rows = dequantize_indexer_rows(got, CACHE_BLOCK_SIZE, written)
     want_rows = dequantize_indexer_rows(want, CACHE_BLOCK_SIZE, written)
     relative = ((got_rows - want_rows).norm() / want_rows.norm()).item()
     # exp/rsqrt differ from torch's in the last fp32 bits; after bf16 rounding and fp8
@@ -123,4 +149,46 @@ def test_indexer_k_compress_insert(
         untouched[page + in_page * HEAD_DIM : page + (in_page + 1) * HEAD_DIM] = False
         scale_at = page + CACHE_BLOCK_SIZE * HEAD_DIM + in_page * 4
         untouched[scale_at : scale_at + 4] = False
-    assert (got_storage.cpu().view(-1)[untouched] == 0).all()
+    assert (got_storage.view(-1)[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("compress_ratio", [4, 128])
+def test_indexer_k_compress_insert_decode_step(
+    kernel_device: str, compress_ratio: int, batch_plan: str
+) -> None:
+    """One token for each of several requests, as a decode step has them: each window
+    comes from its request's block table, most tokens close a window (so a scanning
+    program finishes several), one closes its sequence's first, two close none."""
+    generator = torch.Generator().manual_seed(50 + compress_ratio)
+    window = (1 + (compress_ratio == 4)) * compress_ratio
+    num_requests, state_block_size = 6, 8
+    blocks_per_request = -(-(window + 2 * compress_ratio) // state_block_size)
+    args = indexer_inputs(compress_ratio, kernel_device)
+    positions = torch.randint(window, window + compress_ratio - 1, (num_requests,),
+                              generator=generator)
+    positions[:3] = window + compress_ratio - 1
+    positions[3] = compress_ratio - 1
+    state = torch.randn(num_requests * blocks_per_request, state_block_size,
+                        args["state_cache"].shape[-1], generator=generator)
+    kv_slots = torch.randperm(NUM_CACHE_BLOCKS * CACHE_BLOCK_SIZE,
+                              generator=generator)[:num_requests]
+    args.update(
+        state_cache=state,
+        token_to_req_indices=torch.randperm(num_requests, generator=generator).to(torch.int32),
+        positions=positions,
+        slot_mapping=positions.clone(),
+        block_table=torch.randperm(state.shape[0], generator=generator)
+        .view(num_requests, blocks_per_request)
+        .to(torch.int32),
+        kv_slot_mapping=kv_slots,
+    )
+    want_storage, want = indexer_cache("cpu")
+    indexer_k_compress_insert_reference(kv_cache=want, **args)
+    got = inserted_by_kernel(args, kernel_device).as_strided(want.shape, want.stride())
+
+    closes = (positions + 1) % compress_ratio == 0
+    assert int(closes.sum()) == 4
+    got_rows = dequantize_indexer_rows(got, CACHE_BLOCK_SIZE, kv_slots[closes])
+    want_rows = dequantize_indexer_rows(want, CACHE_BLOCK_SIZE, kv_slots[closes])
+    assert ((got_rows - want_rows).norm() / want_rows.norm()).item() < 1e-2
+    assert (dequantize_indexer_rows(got, CACHE_BLOCK_SIZE, kv_slots[~closes]) == 0).all()

@@ -207,6 +207,14 @@ def checked_state_width(state_cache: torch.Tensor, compress_ratio: int, head_dim
     return state_width
 
 
+def tokens_per_request(num_tokens: int, num_requests: int) -> int:
+    """The batch's tokens a request rounded down to a power of two: the longest scan of
+    consecutive tokens that meets about one request (a decode step's 1, a prefill's many),
+    so about one window that closes in the step."""
+    per_request = max(1, num_tokens // max(1, num_requests))
+    return 1 << (per_request.bit_length() - 1)
+
+
 def window_kernel_args(
     state_cache: torch.Tensor,
     token_to_req_indices: torch.Tensor,

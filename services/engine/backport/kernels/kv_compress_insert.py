@@ -42,6 +42,7 @@ from services.engine.backport.kernels.compressor_window import (
     next_closing,
     rms_normalize,
     rms_normalize_reference,
+    tokens_per_request,
     window_kernel_args,
 )
 from services.engine.backport.kernels.fp8_e4m3 import fp8_encoder, round_to_bf16
@@ -180,8 +181,7 @@ def tokens_a_program(num_tokens: int, num_requests: int, compress_ratio: int) ->
     windows when they all close in the same step."""
     if compress_ratio == 4:
         return 1
-    per_request = max(1, num_tokens // max(1, num_requests))
-    scan = min(MAX_SCAN, 1 << (per_request.bit_length() - 1))
+    scan = min(MAX_SCAN, tokens_per_request(num_tokens, num_requests))
     fewest = triton.next_power_of_2(triton.cdiv(num_tokens, MAX_GRID_Y))
     return max(scan, fewest)
 
