@@ -152,27 +152,23 @@ def test_indexer_k_compress_insert(
     assert (got_storage.view(-1)[untouched] == 0).all()
 
 
-@pytest.mark.parametrize("compress_ratio", [4, 128])
-def test_indexer_k_compress_insert_decode_step(
-    kernel_device: str, compress_ratio: int, batch_plan: str
-) -> None:
-    """One token for each of several requests, as a decode step has them: each window
-    comes from its request's block table, most tokens close a window (so a scanning
-    program finishes several), one closes its sequence's first, two close none."""
-    generator = torch.Generator().manual_seed(50 + compress_ratio)
+def decode_step_batch(
+    compress_ratio: int, state_row_values: int, num_cache_slots: int, seed: int
+) -> dict:
+    """One token for each of six requests, as a decode step has them, each request's state
+    rows in blocks of its own: tokens 0-2 close a window, token 3 its sequence's first,
+    tokens 4 and 5 none. The compressors' arguments that change, on CPU."""
+    generator = torch.Generator().manual_seed(seed)
     window = (1 + (compress_ratio == 4)) * compress_ratio
     num_requests, state_block_size = 6, 8
     blocks_per_request = -(-(window + 2 * compress_ratio) // state_block_size)
-    args = indexer_inputs(compress_ratio, kernel_device)
     positions = torch.randint(window, window + compress_ratio - 1, (num_requests,),
                               generator=generator)
     positions[:3] = window + compress_ratio - 1
     positions[3] = compress_ratio - 1
-    state = torch.randn(num_requests * blocks_per_request, state_block_size,
-                        args["state_cache"].shape[-1], generator=generator)
-    kv_slots = torch.randperm(NUM_CACHE_BLOCKS * CACHE_BLOCK_SIZE,
-                              generator=generator)[:num_requests]
-    args.update(
+    state = torch.randn(num_requests * blocks_per_request, state_block_size, state_row_values,
+                        generator=generator)
+    return dict(
         state_cache=state,
         token_to_req_indices=torch.randperm(num_requests, generator=generator).to(torch.int32),
         positions=positions,
@@ -180,9 +176,21 @@ def test_indexer_k_compress_insert_decode_step(
         block_table=torch.randperm(state.shape[0], generator=generator)
         .view(num_requests, blocks_per_request)
         .to(torch.int32),
-        kv_slot_mapping=kv_slots,
+        kv_slot_mapping=torch.randperm(num_cache_slots, generator=generator)[:num_requests],
     )
-    want_storage, want = indexer_cache("cpu")
+
+
+@pytest.mark.parametrize("compress_ratio", [4, 128])
+def test_indexer_k_compress_insert_decode_step(
+    kernel_device: str, compress_ratio: int, batch_plan: str
+) -> None:
+    """A decode step's batch (`decode_step_batch`): each window from its request's block
+    table; a scanning program finishes several."""
+    args = indexer_inputs(compress_ratio, kernel_device)
+    args.update(decode_step_batch(compress_ratio, args["state_cache"].shape[-1],
+                                  NUM_CACHE_BLOCKS * CACHE_BLOCK_SIZE, seed=50 + compress_ratio))
+    positions, kv_slots = args["positions"], args["kv_slot_mapping"]
+    _, want = indexer_cache("cpu")
     indexer_k_compress_insert_reference(kv_cache=want, **args)
     got = inserted_by_kernel(args, kernel_device).as_strided(want.shape, want.stride())
 

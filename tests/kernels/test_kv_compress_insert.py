@@ -11,7 +11,7 @@ from services.engine.backport.kernels.kv_compress_insert import (
     kv_compress_insert,
     kv_compress_insert_reference,
 )
-from tests.kernels.test_indexer_k_compress import cos_sin_cache
+from tests.kernels.test_indexer_k_compress import cos_sin_cache, decode_step_batch
 
 CACHE_BLOCK_SIZE = 4
 NUM_CACHE_BLOCKS = 16
@@ -115,39 +115,19 @@ def test_kv_compress_insert(
 def test_kv_compress_insert_decode_step(
     kernel_device: str, compress_ratio: int, batch_plan: str
 ) -> None:
-    """One token for each of several requests, as a decode step has them: the requests'
-    windows come from their own block tables, some tokens close a window and some do not,
-    one request is shorter than a window."""
-    generator = torch.Generator().manual_seed(40 + compress_ratio)
-    window = (1 + (compress_ratio == 4)) * compress_ratio
-    num_requests, state_block_size = 6, 8
-    blocks_per_request = -(-(window + 2 * compress_ratio) // state_block_size)
+    """A decode step's batch (`decode_step_batch`): the requests' windows come from their
+    own block tables, some tokens close a window and some do not, one request is shorter
+    than a window."""
     args = compressor_inputs(compress_ratio, compress_ratio, seed=compress_ratio)
-    positions = torch.randint(window, window + compress_ratio, (num_requests,),
-                              generator=generator)
-    positions[:3] = window + compress_ratio - 1  # closes a window
-    positions[3] = compress_ratio - 1  # closes the sequence's first window
-    state = args["state_cache"].new_empty(
-        num_requests * blocks_per_request, state_block_size, args["state_cache"].shape[-1]
-    ).normal_(generator=generator)
-    kv_slots = torch.randperm(CACHE_BLOCK_SIZE * NUM_CACHE_BLOCKS,
-                              generator=generator)[:num_requests]
-    args.update(
-        state_cache=state,
-        token_to_req_indices=torch.randperm(num_requests, generator=generator).to(torch.int32),
-        positions=positions,
-        slot_mapping=positions.clone(),
-        block_table=torch.randperm(state.shape[0], generator=generator)
-        .view(num_requests, blocks_per_request)
-        .to(torch.int32),
-        kv_slot_mapping=kv_slots,
-    )
+    args.update(decode_step_batch(compress_ratio, args["state_cache"].shape[-1],
+                                  CACHE_BLOCK_SIZE * NUM_CACHE_BLOCKS, seed=40 + compress_ratio))
+    positions, kv_slots = args["positions"], args["kv_slot_mapping"]
     want = layout.allocate_cache(NUM_CACHE_BLOCKS, CACHE_BLOCK_SIZE, "cpu")
     kv_compress_insert_reference(kv_cache=want, **args)
     got = compressed_by_kernel(args, kernel_device)
 
     closes = (positions + 1) % compress_ratio == 0
-    assert int(closes.sum()) >= 4
+    assert int(closes.sum()) == 4
     got_rows = compressed_rows(got, kv_slots[closes])
     want_rows = compressed_rows(want, kv_slots[closes])
     assert ((got_rows - want_rows).norm() / want_rows.norm()).item() < 1e-2

@@ -177,8 +177,8 @@ def _indexer_k_compress_kernel(
 
 
 def tokens_a_program(num_tokens: int, num_requests: int, compress_ratio: int) -> int:
-    """SCAN (module doc): a window's tokens (two at ratio 4), fewer when the batch has fewer
-    tokens a request, so that a program meets few windows that close in the same step."""
+    """SCAN (module doc): a window's tokens (two windows' at ratio 4), fewer when the batch has
+    fewer tokens a request, so that a program meets few windows that close in one step."""
     return min(max(compress_ratio, MIN_SCAN), tokens_per_request(num_tokens, num_requests))
 
 
