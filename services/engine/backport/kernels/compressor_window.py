@@ -208,9 +208,9 @@ def checked_state_width(state_cache: torch.Tensor, compress_ratio: int, head_dim
 
 
 def tokens_per_request(num_tokens: int, num_requests: int) -> int:
-    """The batch's tokens a request rounded down to a power of two: the longest scan of
-    consecutive tokens that meets about one request (a decode step's 1, a prefill's many),
-    so about one window that closes in the step."""
+    """The batch's tokens a request rounded down to a power of two (a decode step's 1, a
+    prefill's many): a scan of that many consecutive tokens meets about one request, so
+    windows that close in the same step (a decode step's all may) fall to other programs."""
     per_request = max(1, num_tokens // max(1, num_requests))
     return 1 << (per_request.bit_length() - 1)
 
