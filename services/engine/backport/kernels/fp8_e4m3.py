@@ -152,6 +152,13 @@ prmt.b32 $0, low, high, 0x6420;
 
 
 @triton.jit
+def e4m3_quantize(x, scale_exponent, ENCODER: tl.constexpr):
+    """fp32 values x over 2**scale_exponent (int32, broadcast) as e4m3 bytes, by the fp32
+    encode: sm89's hardware conversion where ENCODER (`fp8_encoder`) is "hardware"."""
+    return e4m3_encode(x * exp2_int(-scale_exponent), ENCODER == "hardware")
+
+
+@triton.jit
 def e4m3_quantize_bf16(x, scale_exponent, ENCODER: tl.constexpr):
     """bf16 values x over 2**scale_exponent (int32, broadcast) as e4m3 bytes: the same
     bytes as `e4m3_encode(x.to(fp32) * 2**-scale_exponent)` (NaN keeps its sign but on
@@ -174,7 +181,7 @@ def e4m3_quantize_bf16(x, scale_exponent, ENCODER: tl.constexpr):
             is_pure=True,
             pack=4,
         )
-    return e4m3_encode(x.to(tl.float32) * exp2_int(-scale_exponent), ENCODER == "hardware")
+    return e4m3_quantize(x.to(tl.float32), scale_exponent, ENCODER)
 
 
 def hardware_fp8_encode(device: torch.device) -> bool:

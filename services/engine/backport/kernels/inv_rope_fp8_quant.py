@@ -34,7 +34,7 @@ import triton.language as tl
 
 from services.engine.backport.kernels.fp8_e4m3 import (
     E4M3_MAX,
-    e4m3_encode,
+    e4m3_quantize,
     e4m3_quantize_bf16,
     e4m3_scale_exponent,
     exp2_int,
@@ -126,7 +126,7 @@ def _inv_rope_quant_kernel(
         nope_bytes = e4m3_quantize_bf16(x_groups, exponent[:, :, None], FP8_ENCODER)
         tl.store(out + dims, tl.reshape(nope_bytes, (HEADS, HEAD_DIM)), mask=is_nope)
         rope_exponent = tl.max(tl.where(has_rope, exponent, -127), axis=1)[:, None]
-        rope_bytes = e4m3_encode(rotated * exp2_int(-rope_exponent), FP8_ENCODER == "hardware")
+        rope_bytes = e4m3_quantize(rotated, rope_exponent, FP8_ENCODER)
         tl.store(out + NOPE_DIM + rope_dims, rope_bytes)
         tl.store(scale_ptrs, exp2_int(exponent))
     else:
