@@ -114,14 +114,17 @@ def test_scaled_bf16_dequantize_is_exact(kernel_device: str, record_max_error) -
     assert mismatches == 0
 
 
+# Scale exponents the bf16 quantizer is checked under: from upstream's smallest (amax
+# floored at 1e-10) through the ones that saturate most values or round them to zero.
+QUANTIZE_SCALE_EXPONENTS = (-40, -33, -21, -9, -1, 0, 1, 5, 8, 17, 60, 120, 126)
+
+
 def test_bf16_quantize_matches_torch_on_every_bf16_value(kernel_device: str,
                                                         record_max_error) -> None:
-    # Every bf16 pattern (NaN, infinities and subnormals included) over scale exponents
-    # from upstream's smallest (amax floored at 1e-10) through the ones that saturate
-    # most values or round them to zero, against the reference (torch's encode of
-    # x * 2**-e in fp32).
+    # Every bf16 pattern (NaN, infinities and subnormals included) over
+    # QUANTIZE_SCALE_EXPONENTS, against the reference (torch's encode of x * 2**-e in fp32).
     every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    exponents = torch.tensor([-40, -33, -21, -9, -1, 0, 1, 5, 8, 17, 60, 120, 126])
+    exponents = torch.tensor(QUANTIZE_SCALE_EXPONENTS)
     values = every_bf16.repeat(len(exponents))
     value_exponents = exponents.repeat_interleave(1 << 16)
     got = quantize_e4m3_bf16(values.to(kernel_device), value_exponents.to(kernel_device))

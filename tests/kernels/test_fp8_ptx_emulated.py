@@ -20,6 +20,7 @@ from services.engine.backport.kernels.fp8_e4m3 import (
     quantize_e4m3_bf16_reference,
 )
 from tests.kernels.ptx_emulation import PtxBlock
+from tests.kernels.test_fp8_e4m3 import QUANTIZE_SCALE_EXPONENTS
 
 EVERY_BF16 = np.arange(1 << 16, dtype=np.uint64)
 
@@ -41,7 +42,7 @@ def _unpack_halves(low: np.ndarray, high: np.ndarray) -> np.ndarray:
 
 
 def test_bf16_quantize_ptx_matches_torch_emulated() -> None:
-    exponents = np.array([-40, -33, -21, -9, -1, 0, 1, 5, 8, 17, 60, 120, 126])
+    exponents = np.array(QUANTIZE_SCALE_EXPONENTS)
     values = np.tile(EVERY_BF16, len(exponents))
     value_exponents = np.repeat(exponents, 1 << 16)
     multipliers = ((127 - value_exponents) << 7).astype(np.uint64)  # bf16 2**-e
