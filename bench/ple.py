@@ -1,7 +1,7 @@
 """PLE offload benchmark: gather throughput from shared memory against memcpy bandwidth
-(same run), and the latency of one decode step's lookup: shared memory, gRPC LookupStream
-and unary Lookup, beside the same bytes over a bare grpcio stream, an empty gRPC call and a
-bare loopback TCP round trip.
+and against the rate one core reads random cache lines (same run), and the latency of one
+decode step's lookup: shared memory, gRPC LookupStream and unary Lookup, beside the same
+bytes over a bare grpcio stream, an empty gRPC call and a bare loopback TCP round trip.
 
     python bench/ple.py [--table-gib 2] [--threads 8] [--rounds 5] [--shm-dir /dev/shm]
     python bench/ple.py --service-cpus 2 --client-cpus 3   # each side on its own core
@@ -50,6 +50,7 @@ from services.ple_offload.table_reader import SharedTableReader  # noqa: E402
 
 HEADS = 16
 MEMCPY_BYTES = 1 << 30
+LINE_BYTES = 64
 
 
 def write_table(path: Path, num_rows: int, row_bytes: int) -> None:
@@ -180,6 +181,31 @@ class GatherLoad:
         return len(self.batches) * self.out.nbytes / best_seconds(self.run, 3) / 1e9
 
 
+class RandomLineReads:
+    """One byte from each of a batch of random 64-byte lines of the table a call, fresh
+    lines each call as `GatherLoad` draws rows: how fast one core brings in lines that
+    miss the caches. No gather of random rows can beat one such read a row; a 160-byte
+    row spans three lines, which the core's prefetch of a line's neighbour may fetch in
+    fewer reads."""
+
+    def __init__(self, rows: np.ndarray, reads_a_call: int, seed: int) -> None:
+        self.table = rows.reshape(-1)
+        rng = np.random.default_rng(seed)
+        num_lines = self.table.shape[0] // LINE_BYTES
+        num_batches = max(4, (64 << 20) // (reads_a_call * LINE_BYTES))
+        self.batches = [rng.integers(0, num_lines, reads_a_call) * LINE_BYTES
+                        for _ in range(num_batches)]
+        self.out = np.empty(reads_a_call, np.uint8)
+        self.run()
+
+    def run(self) -> None:
+        for batch in self.batches:
+            np.take(self.table, batch, out=self.out, mode="clip")
+
+    def reads_a_second(self) -> float:
+        return len(self.batches) * self.out.shape[0] / best_seconds(self.run, 3)
+
+
 def measure_gather(shm_name: str, shm_dir: Path, args: argparse.Namespace) -> dict[str, object]:
     """Each round measures memcpy right before the gathers it is compared with, so a
     neighbour's load hits both sides of a ratio alike; the report takes medians."""
@@ -191,14 +217,25 @@ def measure_gather(shm_name: str, shm_dir: Path, args: argparse.Namespace) -> di
     loads = {"decode_1t": GatherLoad(single, args.decode_tokens, 1),
              "prefill_1t": GatherLoad(single, args.prefill_tokens, 2),
              "prefill_nt": GatherLoad(parallel, args.prefill_tokens, 3)}
-    rounds: dict[str, list[float]] = {key: [] for key in ("memcpy_1t", "memcpy_nt", *loads)}
+    line_reads = RandomLineReads(single.table_rows(), args.decode_tokens * HEADS, 4)
+    rounds: dict[str, list[float]] = {key: [] for key in
+                                      ("memcpy_1t", "memcpy_nt", "line_reads", *loads)}
     for _ in range(args.rounds):
         rounds["memcpy_1t"].append(memcpy_1t.gb_s())
+        rounds["line_reads"].append(line_reads.reads_a_second())
         rounds["decode_1t"].append(loads["decode_1t"].gb_s())
         rounds["prefill_1t"].append(loads["prefill_1t"].gb_s())
         rounds["memcpy_nt"].append(memcpy_nt.gb_s())
         rounds["prefill_nt"].append(loads["prefill_nt"].gb_s())
-    results: dict[str, object] = {f"{key}_gb_s": median(values) for key, values in rounds.items()}
+    results: dict[str, object] = {f"{key}_gb_s": median(values) for key, values in rounds.items()
+                                  if key != "line_reads"}
+    row_bytes = single.header.row_bytes
+    results["line_reads_per_s"] = median(rounds["line_reads"])
+    # One read a row: the most a gather of random rows could reach, against memcpy.
+    results["one_read_a_row_vs_memcpy_1t"] = median(
+        [r * row_bytes / 1e9 / m for r, m in zip(rounds["line_reads"], rounds["memcpy_1t"])])
+    results["decode_1t_reads_a_row"] = median(
+        [r / (g * 1e9 / row_bytes) for r, g in zip(rounds["line_reads"], rounds["decode_1t"])])
     for key, baseline in (("decode_1t", "memcpy_1t"), ("prefill_1t", "memcpy_1t"),
                           ("prefill_nt", "memcpy_nt")):
         results[f"{key}_vs_{baseline}"] = median(
@@ -505,6 +542,10 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
             ("prefill_nt", f"prefill {args.prefill_tokens}x{HEADS}, {n} threads", "memcpy_nt")):
         print(f"{label:30s} {r[f'{key}_gb_s']:7.2f} {r[f'{baseline}_gb_s']:20.2f} "
               f"{r[f'{key}_vs_{baseline}']:6.2f} {r[f'{key}_vs_machine_memcpy']:15.2f}")
+    print(f"random 64-byte line reads, 1 thread, {args.decode_tokens * HEADS} a call: "
+          f"{r['line_reads_per_s'] / 1e6:.1f} M/s. At one read a row a gather would reach "
+          f"{r['one_read_a_row_vs_memcpy_1t']:.2f} x memcpy; the decode gather takes "
+          f"{r['decode_1t_reads_a_row']:.2f} reads' time a row")
     step = f"{args.decode_tokens}x{HEADS}"
     print(f"decode step {step}, medians over {args.rounds} rounds of {args.calls} calls:")
     for key, label in (("shm_step", "shm lookup"),
