@@ -66,8 +66,12 @@ class PleTableClient:
         self._cuda_device: torch.device | None = None
         self._cuda_table: CudaHostTable | None = None
         self.cuda_unavailable_reason: str | None = None
-        self.info = self._wait_for_table(connect_timeout_s)
-        self._attach_shared_memory()
+        try:
+            self.info = self._wait_for_table(connect_timeout_s)
+            self._attach_shared_memory()
+        except BaseException:
+            self.close()  # the channel and its threads, which the caller never gets to close
+            raise
 
     @property
     def is_local(self) -> bool:

@@ -11,6 +11,10 @@ class TableFileError(PleError):
     """The table file is missing, truncated, or not the table that was asked for."""
 
 
+class SegmentInUseError(PleError):
+    """The shared-memory segment by that name belongs to a service that is still running."""
+
+
 class TableClosedError(PleError):
     """The service that owned an attached table stopped or restarted; reattach."""
 

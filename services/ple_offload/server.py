@@ -27,10 +27,17 @@ async def serve(settings: PleSettings) -> None:
                 source.num_rows, source.row_width, source.dtype.name,
                 source.table_bytes / 2**30, source.header_sha256.hex())
     segment = TableSegment(settings.shm_name, source, settings.shm_dir)
+    # From here a signal must not kill the process before `finally` removes the segment:
+    # until the server takes the signals over, they only ask the startup to stop.
+    stop = threading.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        segment.create()
+        # Reserving a table of tens of GiB takes seconds; the loop keeps taking signals.
+        await asyncio.to_thread(segment.create)
         try:
-            await _load_until_signal(segment, settings.show_progress)
+            await _load(segment, settings.show_progress, stop)
         except InterruptedError:
             logger.info("stopped while loading the table")
             return
@@ -39,6 +46,8 @@ async def serve(settings: PleSettings) -> None:
         servicer = PleOffloadServicer(segment)
         server.add(servicer.add_to_server)
         await server.start()
+        if stop.is_set():
+            server.request_stop()  # a signal came while the server started
 
         async def close_for_readers() -> None:
             segment.close_for_readers()
@@ -57,15 +66,8 @@ def _run_on_cpus(cpus: list[int]) -> None:
     logger.info("running on CPUs %s", sorted(cpus))
 
 
-async def _load_until_signal(segment: TableSegment, show_progress: bool) -> None:
-    """Copies the rows on a worker thread; SIGTERM/SIGINT cancel the copy cleanly."""
-    stop = threading.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        with LoadingProgress(segment.source.table_bytes, enabled=show_progress) as progress:
-            await asyncio.to_thread(segment.load, progress.advance, stop)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+async def _load(segment: TableSegment, show_progress: bool, stop: threading.Event) -> None:
+    """Copies the rows on a worker thread; `stop` (set by SIGTERM/SIGINT) cancels the copy,
+    also when it is set before the copy starts."""
+    with LoadingProgress(segment.source.table_bytes, enabled=show_progress) as progress:
+        await asyncio.to_thread(segment.load, progress.advance, stop)

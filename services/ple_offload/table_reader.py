@@ -37,9 +37,6 @@ class SharedTableReader:
     threads (numpy releases the GIL while it copies)."""
 
     def __init__(self, shm_name: str, *, shm_dir: Path = SHM_DIR, gather_threads: int = 1) -> None:
-        self.shm_name = shm_name
-        self._gather_threads = gather_threads
-        self._pool = ThreadPoolExecutor(gather_threads, "ple-gather") if gather_threads > 1 else None
         path = segment_path(shm_name, shm_dir)
         self.path = path
         try:
@@ -47,6 +44,8 @@ class SharedTableReader:
         except FileNotFoundError as exc:
             raise TableUnavailableError(f"no PLE table segment {path}: is the service running "
                                         "on this machine?") from exc
+        except OSError as exc:
+            raise TableUnavailableError(f"cannot open PLE table segment {path}: {exc}") from exc
         try:
             size = os.fstat(fd).st_size
             if size < DATA_OFFSET_BYTES:
@@ -56,7 +55,10 @@ class SharedTableReader:
         finally:
             os.close(fd)
         try:
-            self.header = SegmentHeader.unpack(self._mmap, str(path))
+            try:
+                self.header = SegmentHeader.unpack(self._mmap, str(path))
+            except ValueError as exc:  # another layout version, or not a PLE segment at all
+                raise TableUnavailableError(str(exc)) from exc
             if self.header.state is SegmentState.LOADING:
                 raise TableUnavailableError(f"PLE table {path} is still loading")
             if self.header.state is SegmentState.CLOSED:
@@ -70,14 +72,12 @@ class SharedTableReader:
         self._rows: np.ndarray | None = np.frombuffer(
             self._mmap, np.uint8, self.header.num_rows * self.header.row_bytes, DATA_OFFSET_BYTES,
         ).reshape(self.header.num_rows, self.header.row_bytes)
+        self._gather_threads = gather_threads
+        self._pool = ThreadPoolExecutor(gather_threads, "ple-gather") if gather_threads > 1 else None
 
     @property
     def generation(self) -> int:
         return self.header.generation
-
-    @property
-    def is_attached(self) -> bool:
-        return self._rows is not None
 
     def gather(self, row_ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows for `row_ids` (any shape of int64) as uint8 [*row_ids.shape, row_bytes].
@@ -95,8 +95,12 @@ class SharedTableReader:
         else:
             bounds = np.linspace(0, flat.size, self._gather_threads + 1, dtype=np.int64)
             parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-            for done in [self._pool.submit(take_checked_rows, rows, flat[p], out_rows[p])
-                         for p in parts]:
+            try:
+                pending = [self._pool.submit(take_checked_rows, rows, flat[p], out_rows[p])
+                           for p in parts]
+            except RuntimeError as exc:  # the pool was shut down: closed on another thread
+                raise TableClosedError(f"PLE table {self.path} was detached; reattach") from exc
+            for done in pending:
                 done.result()
         return out.reshape(*np.shape(row_ids), self.header.row_bytes)
 
@@ -137,13 +141,16 @@ class SharedTableReader:
             pass
 
     def _live_rows(self) -> np.ndarray:
-        if self._rows is None:
+        # Read once: `close` on another thread may clear it. While the caller holds the
+        # array, the mapping under it cannot be unmapped (mmap.close raises BufferError).
+        rows = self._rows
+        if rows is None:
             raise TableClosedError(f"PLE table {self.path} was detached; reattach")
         if self._mmap[STATE_OFFSET:STATE_OFFSET + STATE_AND_GENERATION_BYTES] != self._ready:
             raise TableClosedError(
                 f"the PLE service closed table {self.path} (generation "
                 f"{self.header.generation:x}): it stopped or restarted; reattach")
-        return self._rows
+        return rows
 
 
 def take_checked_rows(rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -> None:

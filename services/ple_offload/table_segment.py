@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.ple_offload.errors import TableFileError
+from services.ple_offload.errors import SegmentInUseError, TableFileError
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
     SHM_DIR,
@@ -44,6 +45,9 @@ class TableSegment:
                                     source.row_width, source.row_bytes, source.dtype,
                                     source.scale, source.header_sha256)
         self._mmap: mmap.mmap | None = None
+        # Held open with an exclusive flock for the segment's life: a second service with
+        # the same name sees the lock and leaves the segment alone (`_retire_stale_segment`).
+        self._owner_fd: int | None = None
         self.rows: np.ndarray | None = None  # (num_rows, row_bytes) uint8 view of the segment
 
     @property
@@ -60,6 +64,7 @@ class TableSegment:
                           f"the table needs {size}")
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # Reserving now turns "out of shared memory" into an error here instead of a
             # SIGBUS in the middle of the copy.
             os.posix_fallocate(fd, 0, size)
@@ -67,9 +72,9 @@ class TableSegment:
             advise_huge_pages(self._mmap)
         except BaseException:
             os.unlink(self.path)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._owner_fd = fd
         self._mmap[:DATA_OFFSET_BYTES] = self.header.pack().ljust(DATA_OFFSET_BYTES, b"\0")
         self.rows = np.frombuffer(self._mmap, np.uint8, self.source.table_bytes,
                                   DATA_OFFSET_BYTES).reshape(self.source.num_rows,
@@ -141,6 +146,9 @@ class TableSegment:
                 # A lookup thread outlived the grace period; the mapping goes with it.
                 pass
             self._mmap = None
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     def _state(self) -> SegmentState:
         assert self._mmap is not None
@@ -153,12 +161,19 @@ class TableSegment:
 
 def _retire_stale_segment(path: os.PathLike[str]) -> None:
     """A service killed without cleanup leaves its segment behind with readers possibly
-    attached: mark it CLOSED so they reattach, then remove the name."""
+    attached: mark it CLOSED so they reattach, then remove the name. A segment whose
+    service still runs (it holds the segment's flock) is refused, not taken over."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SegmentInUseError(
+                f"{path} belongs to a PLE service that is still running; stop it first, "
+                f"or give this service another --shm-name") from None
         if os.fstat(fd).st_size < DATA_OFFSET_BYTES:
             raise OSError(f"{path} exists and is not a PLE table; refusing to replace it")
         with mmap.mmap(fd, DATA_OFFSET_BYTES) as page:

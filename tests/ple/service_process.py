@@ -44,6 +44,12 @@ MODULE_ENTRY = ("-m", "services.ple_offload")
 CLI_ENTRY = ("-m", "services.cli", "ple")
 
 
+def service_command(table_path: Path, *args: str,
+                    entry: tuple[str, ...] = MODULE_ENTRY) -> list[str]:
+    """The service's command line for `table_path`, without a progress bar, then `args`."""
+    return [sys.executable, *entry, "--table-path", str(table_path), "--no-show-progress", *args]
+
+
 class ServiceProcess:
     """One PLE service child (`python -m services.ple_offload` unless `entry` says
     otherwise); `stop()` sends SIGTERM like an operator."""
@@ -62,9 +68,8 @@ class ServiceProcess:
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
         self.process = subprocess.Popen(
-            [sys.executable, *self.entry, "--table-path", str(self.table_path),
-             "--address", self.address, "--shm-name", self.shm_name, "--no-show-progress",
-             "--grace-s", "1", *self.extra_args],
+            service_command(self.table_path, "--address", self.address, "--shm-name",
+                            self.shm_name, "--grace-s", "1", *self.extra_args, entry=self.entry),
             cwd=REPO_ROOT, env=service_env() | self.extra_env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         if not wait_until_serving(self.address, timeout_s):

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
-from tests.ple.service_process import REPO_ROOT, ServiceProcess, service_env, thread_status
+from tests.ple.service_process import (
+    REPO_ROOT,
+    ServiceProcess,
+    service_command,
+    service_env,
+    thread_status,
+)
 from tests.ple.table_files import TableFile
 
 
@@ -21,8 +26,7 @@ def test_every_service_thread_runs_on_the_given_cpu(small_fp8_table: TableFile) 
 def test_an_unavailable_cpu_is_refused_by_name(small_fp8_table: TableFile) -> None:
     unavailable = max(os.sched_getaffinity(0)) + 1000
     result = subprocess.run(
-        [sys.executable, "-m", "services.ple_offload", "--table-path",
-         str(small_fp8_table.path), "--cpus", str(unavailable), "--no-show-progress"],
-        cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=60)
+        service_command(small_fp8_table.path, "--cpus", str(unavailable)), cwd=REPO_ROOT,
+        env=service_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "cpus" in result.stderr and f"CPUs [{unavailable}] are not available" in result.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,14 @@ import pytest
 from services.ple_offload.client import PleTableClient
 from services.ple_offload.errors import RowIdError, TableClosedError, TableUnavailableError
 from services.ple_offload.table_reader import SharedTableReader
-from tests.ple.service_process import ServiceProcess
+from tests.conftest import free_port
+from tests.ple.service_process import (
+    REPO_ROOT,
+    ServiceProcess,
+    service_command,
+    service_env,
+    unique_shm_name,
+)
 from tests.ple.table_files import TableFile
 
 HEADS = 16
@@ -201,3 +209,52 @@ def test_segment_of_a_killed_service_is_retired_by_the_next_one(small_fp8_table:
         client.close()
         successor.stop()
     assert not _segment_exists(successor)
+
+
+def test_a_second_service_by_the_same_name_leaves_the_running_one_alone(
+        small_fp8_table: TableFile) -> None:
+    """Only a dead service's segment is retired: the running one holds a lock on its own,
+    so a second start with its name stops before it touches it."""
+    table = small_fp8_table
+    ids = np.arange(32).reshape(2, HEADS)
+    running = ServiceProcess(table.path).start()
+    client = PleTableClient(running.address)
+    try:
+        generation = client.info.generation
+        second = subprocess.run(
+            service_command(table.path, "--address", f"127.0.0.1:{free_port()}",
+                            "--shm-name", running.shm_name),
+            cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0
+        assert "belongs to a PLE service that is still running" in second.stderr, second.stderr
+        assert np.array_equal(client.gather(ids), table.rows[ids])
+        assert client.is_local and client.info.generation == generation
+    finally:
+        client.close()
+        running.stop()
+    assert not _segment_exists(running)
+
+
+def test_sigterm_while_the_segment_is_made_removes_it(fp8_table: TableFile) -> None:
+    """SIGTERM as soon as the segment's name appears (its memory is being reserved, or the
+    first rows copied): the service stops cleanly and takes the segment with it."""
+    shm_name = unique_shm_name()
+    service = subprocess.Popen(
+        service_command(fp8_table.path, "--address", f"127.0.0.1:{free_port()}",
+                        "--shm-name", shm_name),
+        cwd=REPO_ROOT, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    segment = Path("/dev/shm", shm_name)
+    try:
+        deadline = time.monotonic() + 60
+        while not segment.exists():
+            assert service.poll() is None, service.communicate()[0]
+            assert time.monotonic() < deadline, "the service made no segment"
+            time.sleep(0.001)
+        service.send_signal(signal.SIGTERM)
+        output, _ = service.communicate(timeout=60)
+    finally:
+        if service.poll() is None:
+            service.kill()
+    assert service.returncode == 0, output
+    assert not segment.exists(), output

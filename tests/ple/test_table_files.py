@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 
 from services.ple_offload.errors import TableFileError
 from services.ple_offload.table_format import RowDtype, TableExpectation, find_table
-from tests.ple.service_process import REPO_ROOT, service_env, unique_shm_name
+from tests.ple.service_process import REPO_ROOT, service_command, service_env, unique_shm_name
 from tests.ple.table_files import STEM, random_rows, write_table
 
 
@@ -65,8 +64,7 @@ def test_service_exits_with_the_reason_for_a_bad_file(tmp_path: Path, small_rows
     os.truncate(table.path, table.path.stat().st_size // 2)
     shm_name = unique_shm_name()
     result = subprocess.run(
-        [sys.executable, "-m", "services.ple_offload", "--table-path", str(table.path),
-         "--shm-name", shm_name, "--address", "127.0.0.1:0"],
+        service_command(table.path, "--shm-name", shm_name, "--address", "127.0.0.1:0"),
         cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "is truncated" in result.stderr

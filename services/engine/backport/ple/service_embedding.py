@@ -184,8 +184,8 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
             problems.append(f"{info.num_rows} rows, the layer needs {self.org_vocab_size}")
         if info.row_width != self.embedding_dim:
             problems.append(f"row width {info.row_width}, the layer needs {self.embedding_dim}")
-        if _TORCH_DTYPES.get(RowDtype(info.dtype)) != want_dtype:
-            problems.append(f"dtype {RowDtype(info.dtype).name}, the layer stores {want_dtype}")
+        if _TORCH_DTYPES.get(self.table.dtype) != want_dtype:
+            problems.append(f"dtype {self.table.dtype.name}, the layer stores {want_dtype}")
         if problems:
             raise ValueError(f"PLE service at {self.table.address} serves {info.tensor_name}, "
                              f"which does not fit {self.layer_name}: " + "; ".join(problems))
