@@ -116,14 +116,23 @@ def read_safetensors_header(path: Path) -> SafetensorsFile:
         header = json.loads(header_bytes)
     except ValueError as exc:
         raise TableFileError(f"{path}: header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise TableFileError(f"{path}: header is not a JSON object (not safetensors)")
     data_base = 8 + header_len
     tensors: dict[str, TensorEntry] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        begin, end = meta["data_offsets"]
-        entry = TensorEntry(path, name, meta["dtype"], tuple(meta["shape"]),
-                            data_base + begin, data_base + end)
+        try:
+            begin, end = (int(offset) for offset in meta["data_offsets"])
+            entry = TensorEntry(path, name, str(meta["dtype"]),
+                                tuple(int(size) for size in meta["shape"]),
+                                data_base + begin, data_base + end)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TableFileError(f"{path}: tensor {name!r} has a malformed header entry "
+                                 f"{json.dumps(meta)[:200]} ({exc!r})") from exc
+        if not 0 <= begin <= end:
+            raise TableFileError(f"{path}: tensor {name!r} has data_offsets {begin}..{end}")
         if entry.data_end > file_bytes:
             raise TableFileError(
                 f"{path} is truncated: tensor {name!r} ends at byte {entry.data_end} "

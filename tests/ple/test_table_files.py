@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 from pathlib import Path
 
@@ -51,6 +53,24 @@ def test_mismatched_table_is_refused(tmp_path: Path, small_rows: np.ndarray,
                         scale=1.0)
     with pytest.raises(TableFileError, match=message):
         find_table(table.path, None, expect)
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    ({f"{STEM}.weight": {"dtype": "BF16", "shape": [4, 160]}}, "malformed header entry"),
+    ({f"{STEM}.weight": {"dtype": "BF16", "shape": [4, 160], "data_offsets": [0]}},
+     "malformed header entry"),
+    ({f"{STEM}.weight": "BF16"}, "malformed header entry"),
+    ({f"{STEM}.weight": {"dtype": "BF16", "shape": [4, 160], "data_offsets": [1280, 0]}},
+     "data_offsets 1280..0"),
+    ([1, 2, 3], "not a JSON object"),
+], ids=["no offsets", "one offset", "entry not an object", "offsets reversed", "a list"])
+def test_malformed_header_is_refused_by_name(tmp_path: Path, header: object,
+                                             message: str) -> None:
+    encoded = json.dumps(header).encode()
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(1280))
+    with pytest.raises(TableFileError, match=message):
+        find_table(path, None)
 
 
 def test_fp8_table_without_scale_is_refused(tmp_path: Path, small_rows: np.ndarray) -> None:
