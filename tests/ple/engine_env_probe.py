@@ -17,9 +17,10 @@ from services.engine.backport import ple as ple_hook
 
 def main() -> None:
     installed = ple_hook.install()
+    from services.engine.backport.ple.hook_settings import PleHookSettings
     from services.engine.backport.ple.service_embedding import _shared_client
 
-    client = _shared_client()
+    client = _shared_client(PleHookSettings.from_environment())
     rows = client.gather(np.array([int(i) for i in sys.argv[1:]], dtype=np.int64))
     print(json.dumps({"installed": installed, "address": client.address, "local": client.is_local,
                       "rows_sha256": hashlib.sha256(rows.tobytes()).hexdigest()}))

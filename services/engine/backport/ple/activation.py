@@ -21,16 +21,8 @@ from services.engine.backport.module_patch import (
 
 logger = logging.getLogger(__name__)
 
+# The hook's switch; the rest of its settings are `hook_settings.PleHookSettings`.
 ADDRESS_ENV = "BACKPORT_PLE_ADDRESS"
-SHARED_MEMORY_ENV = "BACKPORT_PLE_SHARED_MEMORY"
-REATTACH_TIMEOUT_ENV = "BACKPORT_PLE_REATTACH_TIMEOUT_S"
-# How long an engine waits at start for a service that is still loading its table.
-CONNECT_TIMEOUT_ENV = "BACKPORT_PLE_CONNECT_TIMEOUT_S"
-# Threads that split a large (prefill) shared-memory gather.
-GATHER_THREADS_ENV = "BACKPORT_PLE_GATHER_THREADS"
-# "0" keeps a CUDA engine on the host gather + copy even when the table could be
-# registered for GPU gathers (services/ple_offload/cuda_table.py).
-GPU_GATHER_ENV = "BACKPORT_PLE_GPU_GATHER"
 
 # Modules that pick the PLE embedding class by these names when a layer is built.
 _EMBEDDING_CHOOSERS = (

@@ -10,21 +10,13 @@ CUDA engine with the table here, the GPU gathers the rows itself from the shared
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from services.engine.backport.ple.activation import (
-    ADDRESS_ENV,
-    CONNECT_TIMEOUT_ENV,
-    GATHER_THREADS_ENV,
-    GPU_GATHER_ENV,
-    REATTACH_TIMEOUT_ENV,
-    SHARED_MEMORY_ENV,
-)
+from services.engine.backport.ple.hook_settings import PleHookSettings
 from services.ple_offload.client import PleTableClient
 from services.ple_offload.table_format import RowDtype
 from vllm.logger import init_logger
@@ -76,10 +68,11 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
             reduce_results=reduce_results,
         )
         self.layer_name = prefix
-        self.table = _shared_client()
+        settings = PleHookSettings.from_environment()
+        self.table = _shared_client(settings)
         # Decided at the first CUDA lookup, on the device the ids live on: registering
         # a 50 GB table takes seconds and needs the engine's device.
-        self._gpu_gather: bool | None = None if os.environ.get(GPU_GATHER_ENV, "1") != "0" else False
+        self._gpu_gather: bool | None = None if settings.gpu_gather else False
         self._check_table_fits()
         _register_lookup_op()
         _layers[prefix] = self
@@ -191,19 +184,17 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
                              f"which does not fit {self.layer_name}: " + "; ".join(problems))
 
 
-def _shared_client() -> PleTableClient:
+def _shared_client(settings: PleHookSettings) -> PleTableClient:
     """One client per process and address, shared by every PLE layer."""
-    address = os.environ[ADDRESS_ENV]
-    allow_shared_memory = os.environ.get(SHARED_MEMORY_ENV, "1") != "0"
-    key = (address, allow_shared_memory)
+    key = (settings.address, settings.shared_memory)
     with _clients_lock:
         if key not in _clients:
             _clients[key] = PleTableClient(
-                address,
-                allow_shared_memory=allow_shared_memory,
-                reattach_timeout_s=float(os.environ.get(REATTACH_TIMEOUT_ENV, "60")),
-                connect_timeout_s=float(os.environ.get(CONNECT_TIMEOUT_ENV, "900")),
-                gather_threads=int(os.environ.get(GATHER_THREADS_ENV, "4")),
+                settings.address,
+                allow_shared_memory=settings.shared_memory,
+                reattach_timeout_s=settings.reattach_timeout_s,
+                connect_timeout_s=settings.connect_timeout_s,
+                gather_threads=settings.gather_threads,
             )
         return _clients[key]
 
