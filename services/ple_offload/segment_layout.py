@@ -26,6 +26,7 @@ SHM_DIR = Path("/dev/shm")
 # header sha256, data offset
 _HEADER = struct.Struct("<8sIIQQIIIf32sQ")
 _STATE_AND_GENERATION = struct.Struct("<IIQ")  # state, layout version, generation at byte 8
+_STATE = struct.Struct("<I")
 STATE_OFFSET = 8
 
 
@@ -74,6 +75,16 @@ def ready_state_and_generation(generation: int) -> bytes:
     """The bytes at STATE_OFFSET of a READY segment of `generation`: a reader compares
     them before every gather (one slice and compare, cheaper than unpacking them)."""
     return _STATE_AND_GENERATION.pack(SegmentState.READY, LAYOUT_VERSION, generation)
+
+
+def read_state(segment: mmap.mmap) -> SegmentState:
+    """The state word of a mapped segment."""
+    return SegmentState(_STATE.unpack_from(segment, STATE_OFFSET)[0])
+
+
+def write_state(segment: mmap.mmap, state: SegmentState) -> None:
+    """Sets the state word of a segment mapped for writing (the service's)."""
+    _STATE.pack_into(segment, STATE_OFFSET, state)
 
 
 def segment_path(shm_name: str, shm_dir: Path = SHM_DIR) -> Path:

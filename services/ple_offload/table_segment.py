@@ -17,12 +17,13 @@ from services.ple_offload.errors import SegmentInUseError, TableFileError
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
     SHM_DIR,
-    STATE_OFFSET,
     SegmentHeader,
     SegmentState,
     advise_huge_pages,
     huge_page_bytes,
+    read_state,
     segment_path,
+    write_state,
 )
 from services.ple_offload.table_format import TableSource
 
@@ -152,11 +153,11 @@ class TableSegment:
 
     def _state(self) -> SegmentState:
         assert self._mmap is not None
-        return SegmentState(int.from_bytes(self._mmap[STATE_OFFSET:STATE_OFFSET + 4], "little"))
+        return read_state(self._mmap)
 
     def _set_state(self, state: SegmentState) -> None:
         assert self._mmap is not None
-        self._mmap[STATE_OFFSET:STATE_OFFSET + 4] = int(state).to_bytes(4, "little")
+        write_state(self._mmap, state)
 
 
 def _retire_stale_segment(path: os.PathLike[str]) -> None:
@@ -181,7 +182,7 @@ def _retire_stale_segment(path: os.PathLike[str]) -> None:
                 SegmentHeader.unpack(page, str(path))
             except ValueError as exc:
                 raise OSError(f"{path} exists and is not a PLE table; refusing to replace it") from exc
-            page[STATE_OFFSET:STATE_OFFSET + 4] = int(SegmentState.CLOSED).to_bytes(4, "little")
+            write_state(page, SegmentState.CLOSED)
     finally:
         os.close(fd)
     os.unlink(path)
