@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from backport.v1 import ple_pb2
 
-from services.ple_offload.table_reader import take_checked_rows
+from services.ple_offload.row_gather import take_checked_rows
 
 _SERVICE = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
 LOOKUP_METHOD = f"/{_SERVICE}/Lookup"

@@ -12,7 +12,7 @@ from backport.v1 import ple_pb2
 
 from services.ple_offload.errors import RowIdError
 from services.ple_offload.lookup_wire import encode_lookup_reply
-from services.ple_offload.table_reader import check_row_ids
+from services.ple_offload.row_gather import check_row_ids
 from services.ple_offload.table_segment import TableSegment
 
 SERVICE_NAME = "backport.v1.PleOffload"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.ple_offload.errors import RowIdError, TableClosedError, TableUnavailableError
+from services.ple_offload.errors import TableClosedError, TableUnavailableError
+from services.ple_offload.row_gather import check_row_ids, take_checked_rows
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
     SHM_DIR,
@@ -152,19 +153,3 @@ class SharedTableReader:
                 f"{self.header.generation:x}): it stopped or restarted; reattach")
         return rows
 
-
-def take_checked_rows(rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -> None:
-    """Copies rows[flat_ids] into `out`; the ids must already be in range (check_row_ids).
-
-    mode="clip" because with the default mode="raise" numpy always buffers `out` (it
-    gathers into a temporary and copies that over, so `out` stays untouched on a bad
-    id): one more allocation and pass over the gathered rows on every call."""
-    np.take(rows, flat_ids, axis=0, out=out, mode="clip")
-
-
-def check_row_ids(flat_ids: np.ndarray, num_rows: int) -> None:
-    """Raises RowIdError unless every int64 id is in [0, num_rows). One pass: viewed as
-    unsigned, a negative id is larger than any row count."""
-    if flat_ids.size and int(flat_ids.view(np.uint64).max()) >= num_rows:
-        bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_rows)]
-        raise RowIdError(f"row ids out of range [0, {num_rows}): {bad[:4].tolist()}")

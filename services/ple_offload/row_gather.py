@@ -1,0 +1,25 @@
+"""The row-id check and the row gather that the service (for lookups) and the readers on
+its machine (for shared-memory gathers) both run."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.ple_offload.errors import RowIdError
+
+
+def take_checked_rows(rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -> None:
+    """Copies rows[flat_ids] into `out`; the ids must already be in range (check_row_ids).
+
+    mode="clip" because with the default mode="raise" numpy always buffers `out` (it
+    gathers into a temporary and copies that over, so `out` stays untouched on a bad
+    id): one more allocation and pass over the gathered rows on every call."""
+    np.take(rows, flat_ids, axis=0, out=out, mode="clip")
+
+
+def check_row_ids(flat_ids: np.ndarray, num_rows: int) -> None:
+    """Raises RowIdError unless every int64 id is in [0, num_rows). One pass: viewed as
+    unsigned, a negative id is larger than any row count."""
+    if flat_ids.size and int(flat_ids.view(np.uint64).max()) >= num_rows:
+        bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_rows)]
+        raise RowIdError(f"row ids out of range [0, {num_rows}): {bad[:4].tolist()}")
