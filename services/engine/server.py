@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 
 from backport.v1 import engine_pb2_grpc
 from services.engine.kv_events import collector_for
@@ -19,6 +23,11 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
 
 
+class StartupInterrupted(BaseException):
+    """SIGTERM or SIGINT arrived while vLLM was starting. A BaseException, as KeyboardInterrupt
+    is: vLLM's startup code catches Exception in places and must not swallow it."""
+
+
 async def serve(settings: EngineSettings) -> None:
     engine = VllmEngine(settings)
     metrics = EngineMetrics()
@@ -27,35 +36,65 @@ async def serve(settings: EngineSettings) -> None:
     kv_events = collector_for(settings.kv_events_endpoint)
     servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
-    engine.start()
-    kv_event_collection = asyncio.create_task(kv_events.run()) if kv_events is not None else None
-    await server.start()
-    if settings.metrics_port is not None:
-        metrics.serve(settings.host, settings.metrics_port)
-    registration = None
-    if settings.redis_url:
-        address = settings.advertise_address or f"{settings.host}:{server.port}"
-        registration = EngineRegistration(settings.redis_url, lambda: _record(engine, address, settings))
-        await registration.start()
-        logger.info("registered %s in %s", address, settings.redis_url)
-    watcher = asyncio.create_task(_watch_engine_core(engine, server, metrics, registration))
-
-    async def drain() -> None:
-        """SIGTERM: leave the registry before the server stops taking calls."""
-        metrics.is_serving.set(0)
-        if registration is not None:
-            await registration.deregister()
-        if kv_events is not None:
-            kv_events.end_watches()
-
-    metrics.is_serving.set(1)
     try:
+        with _signals_interrupt_startup():
+            engine.start()
+    except StartupInterrupted as interruption:
+        logger.info("stopped by %s while starting", interruption)
+        engine.shutdown()
+        return
+    # From here the loop takes the signals: one before the server serves stops it at once.
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    kv_event_collection = asyncio.create_task(kv_events.run()) if kv_events is not None else None
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await server.start()
+        if settings.metrics_port is not None:
+            metrics.serve(settings.host, settings.metrics_port)
+        registration = None
+        if settings.redis_url:
+            address = settings.advertise_address or f"{settings.host}:{server.port}"
+            registration = EngineRegistration(settings.redis_url,
+                                              lambda: _record(engine, address, settings))
+            await registration.start()
+            logger.info("registered %s in %s", address, settings.redis_url)
+        watcher = asyncio.create_task(_watch_engine_core(engine, server, metrics, registration))
+
+        async def drain() -> None:
+            """SIGTERM: leave the registry before the server stops taking calls."""
+            metrics.is_serving.set(0)
+            if registration is not None:
+                await registration.deregister()
+            if kv_events is not None:
+                kv_events.end_watches()
+
+        metrics.is_serving.set(1)
         await server.serve_until_signal(on_stop=drain)
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         if kv_event_collection is not None:
             kv_event_collection.cancel()
         engine.shutdown()
+
+
+@contextmanager
+def _signals_interrupt_startup() -> Iterator[None]:
+    """SIGTERM and SIGINT raise StartupInterrupted in the main thread while vLLM loads the
+    model (a blocking call the event loop cannot interrupt). vLLM then stops the engine-core
+    and worker processes it has started; the signal's default action would kill this process
+    alone and leave them running, holding the model's memory."""
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise StartupInterrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _record(engine: VllmEngine, address: str, settings: EngineSettings) -> EngineRecord:

@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -199,7 +200,9 @@ class VllmEngine:
                     completion_tokens[completion.index] = done
                     yield _choice_update(completion, len(prompt_token_ids), done,
                                          output.num_cached_tokens or 0, sampling.logprobs or 0)
-        except ValueError as error:
+        except VLLMClientError as error:
+            # vLLM's own verdict on the request (a token id outside the vocabulary, a
+            # logprobs count past its limit); it wraps anything else in EngineGenerateError.
             raise InvalidRequestError(str(error)) from error
         finally:
             self._num_in_flight -= 1
@@ -226,7 +229,7 @@ class VllmEngine:
                 logit_bias=dict(s.logit_bias) or None,
                 # Detokenization and stop strings belong to the tokenizer service and gateway.
                 detokenize=False, output_kind=RequestOutputKind.DELTA)
-        except ValueError as error:
+        except VLLMClientError as error:
             raise InvalidRequestError(str(error)) from error
 
     def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> StatLoggerBase:

@@ -85,6 +85,12 @@ class JinjaTemplateRenderer:
             )
         except jinja2.TemplateError as error:
             raise ChatRenderError("messages", f"the model's chat template rejected the request: {error}") from error
+        except (TypeError, ValueError, LookupError, ArithmeticError) as error:
+            # A template works on the request's values with Python's operators: a kwarg or
+            # message field of a type it did not expect fails there, not in jinja (vLLM's
+            # server answers these with 400 too).
+            raise ChatRenderError("messages", f"the model's chat template failed on the request: "
+                                              f"{type(error).__name__}: {error}") from error
         if not isinstance(prompt, str):
             raise TypeError(f"apply_chat_template returned {type(prompt).__name__}, expected str")
         return prompt
