@@ -146,6 +146,50 @@ def test_invalid_field_is_400_naming_the_field(client: openai.OpenAI) -> None:
     assert "messages" in caught.value.body["param"]
 
 
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("chat/completions", {"top_k": 2**40}, "top_k"),
+    ("chat/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("chat/completions", {"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ("chat/completions", {"stop_token_ids": [49152]}, "stop_token_ids"),
+    ("chat/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": [999999999]}, "prompt"),
+    ("completions", {"prompt": [[1, 2], [-5]]}, "prompt"),
+    ("completions", {"prompt": ["text", [1, 2]]}, "prompt"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"tool_choice": "sometimes", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "g"}},
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+])
+def test_out_of_range_ids_and_bad_tool_choices_are_400_naming_the_field(
+        mesh: RunningMesh, path: str, fields: dict[str, object], param: str) -> None:
+    """Token ids past the vocabulary (49,152 here) or the protocol's integer widths, and tool
+    choices the tools cannot meet: each once failed inside the gateway or the engine (500/502,
+    or a dropped connection)."""
+    body = {"model": MODEL, "max_tokens": 2} | fields
+    if path == "chat/completions":
+        body["messages"] = QUESTION
+    reply = httpx.post(f"{mesh.base_url}/{path}", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"].startswith(param), reply.text
+    assert param in reply.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_400_saying_so(mesh: RunningMesh) -> None:
+    reply = httpx.post(f"{mesh.base_url}/chat/completions", content=b'{"model": ',
+                       headers={"content-type": "application/json"}, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"].startswith("body: invalid JSON")
+    assert reply.json()["error"]["param"] is None
+
+
+def test_retrieves_the_served_model_and_404s_another(client: openai.OpenAI) -> None:
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("org/other-model")
+    assert caught.value.body["code"] == "model_not_found"
+
+
 def test_prompt_beyond_the_context_is_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=4)

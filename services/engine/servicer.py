@@ -12,7 +12,8 @@ from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
 from services.engine.kv_events import KvEventCollector, WatchEnded, block_hash_u64
 from services.engine.metrics import EngineMetrics
-from services.engine.vllm_engine import ChoiceUpdate, InvalidRequestError, SamplingRequest, VllmEngine
+from services.engine.vllm_engine import (ChoiceUpdate, InvalidRequestError, OutputConstraint,
+                                         SamplingRequest, VllmEngine)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,17 @@ def sampling_request_from_proto(p: pb.SamplingParams) -> SamplingRequest:
         min_p=opt("min_p"), seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=p.min_tokens,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=opt("logprobs"),
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=opt("repetition_penalty"), logit_bias=dict(p.logit_bias))
+        repetition_penalty=opt("repetition_penalty"), logit_bias=dict(p.logit_bias),
+        constraint=_constraint_from_proto(p.structured_output))
+
+
+def _constraint_from_proto(p: pb.StructuredOutput) -> OutputConstraint | None:
+    kind = p.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return OutputConstraint("choice", list(p.choice.choices))
+    return OutputConstraint("json" if kind == "json_schema" else kind, getattr(p, kind))
 
 
 def _chunk(update: ChoiceUpdate) -> pb.GenerateResponse:

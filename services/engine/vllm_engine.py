@@ -10,13 +10,13 @@ import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
@@ -59,6 +59,15 @@ class SamplingRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    constraint: OutputConstraint | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """A structured-output constraint; `kind` names the `StructuredOutputsParams` field."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    value: str | bool | list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +236,8 @@ class VllmEngine:
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 logit_bias=dict(s.logit_bias) or None,
+                structured_outputs=(StructuredOutputsParams(**{s.constraint.kind: s.constraint.value})
+                                    if s.constraint is not None else None),
                 # Detokenization and stop strings belong to the tokenizer service and gateway.
                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         except VLLMClientError as error:

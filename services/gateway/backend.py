@@ -36,6 +36,7 @@ class ServedModel:
     max_model_len: int
     chat_format: str
     architecture: str
+    vocab_size: int
 
 
 class GatewayBackend:
@@ -71,7 +72,7 @@ class GatewayBackend:
         self.model = ServedModel(
             name=self.settings.served_model_name or model_info.served_model_name,
             max_model_len=model_info.max_model_len, chat_format=tokenizer_info.chat_format,
-            architecture=model_info.architecture)
+            architecture=model_info.architecture, vocab_size=model_info.vocab_size)
         await self.pool.probe_health()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks()))
         logger.info("serving %s (%s, context %d, chat format %s, routing %s) on %d engine(s)",

@@ -53,6 +53,14 @@ class EngineFailedError(GatewayError):
     status, type = 502, "engine_error"
 
 
+class RequestFieldError(ValueError):
+    """A request check across fields, raised in validation; `param` is the field to change."""
+
+    def __init__(self, param: str, problem: str) -> None:
+        super().__init__(f"{param}: {problem}")
+        self.param = param
+
+
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -66,6 +74,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            # Its location is a character offset, not a field.
+            detail = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"body: invalid JSON: {detail}".rstrip(": "),
+                                           "invalid_request_error"), status_code=400)
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, RequestFieldError):
+            return JSONResponse(error_body(str(cause), "invalid_request_error", cause.param),
+                                status_code=400)
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         # Union types add the tried type's name to the location; the field is what matters.
         param = ".".join(part for part in location if not part[:1].isupper() and "[" not in part)

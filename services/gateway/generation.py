@@ -94,6 +94,11 @@ class Generation:
             raise _request_error(first.error)
         self._first = first
 
+    def cancel(self) -> None:
+        """Aborts a started generation that will not be read (another of its batch failed)."""
+        if self._call is not None:
+            self._call.cancel()
+
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         if self._call is None:
             await self.start()

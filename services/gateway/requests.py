@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 from fastapi import Request
 
 from backport.v1 import engine_pb2 as pb
 from services.gateway.backend import GatewayBackend, ServedModel
-from services.gateway.errors import ContextLengthError, ModelNotFoundError
+from services.gateway.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from services.gateway.parsing.forced_tool_calls import ForcedToolChoice
 from services.gateway.schemas import SamplingFields, new_id
 
 
@@ -35,8 +39,62 @@ def check_context(model: ServedModel, num_prompt_tokens: int, token_limit: int |
             param=limit_param)
 
 
+def check_token_ids(model: ServedModel, body: SamplingFields,
+                    prompts: list[list[int]] | None = None) -> None:
+    """Token ids the client wrote itself must lie in the model's vocabulary."""
+    named = [("stop_token_ids", body.stop_token_ids),
+             ("logit_bias", [int(token) for token in body.logit_bias or {}]),
+             ("prompt", [i for prompt in prompts or [] for i in prompt])]
+    for param, ids in named:
+        outside = sorted({i for i in ids if i >= model.vocab_size})
+        if outside:
+            raise InvalidRequestError(
+                f"{param}: token ids {outside[:8]} lie outside the vocabulary of "
+                f"{model.vocab_size} tokens", param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedConstraint:
+    """The structured output a request asks for, and the field that asked."""
+
+    param: str
+    engine_form: pb.StructuredOutput
+
+
+def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | None = None
+                      ) -> RequestedConstraint | None:
+    """From `response_format`, vLLM's `structured_outputs` or a forced `tool_choice`: one at most."""
+    asked = [name for name, given in (("response_format", body.response_format is not None
+                                       and body.response_format.type != "text"),
+                                      ("structured_outputs", body.structured_outputs is not None),
+                                      ("tool_choice", forced_tools is not None)) if given]
+    if len(asked) > 1:
+        raise InvalidRequestError(f"{asked[1]}: cannot be combined with {asked[0]}", param=asked[1])
+    if forced_tools is not None:
+        return RequestedConstraint("tool_choice", pb.StructuredOutput(
+            json_schema=json.dumps(forced_tools.json_schema())))
+    if body.structured_outputs is not None:
+        wanted = body.structured_outputs
+        if wanted.json_ is not None:
+            schema = wanted.json_ if isinstance(wanted.json_, str) else json.dumps(wanted.json_)
+            form = pb.StructuredOutput(json_schema=schema)
+        elif wanted.choice is not None:
+            form = pb.StructuredOutput(choice=pb.Choices(choices=wanted.choice))
+        else:
+            form = pb.StructuredOutput(json_object=wanted.json_object, regex=wanted.regex,
+                                       grammar=wanted.grammar)
+        return RequestedConstraint("structured_outputs", form)
+    if body.response_format is None or body.response_format.type == "text":
+        return None
+    if body.response_format.json_schema is None:
+        return RequestedConstraint("response_format", pb.StructuredOutput(json_object=True))
+    return RequestedConstraint("response_format", pb.StructuredOutput(
+        json_schema=json.dumps(body.response_format.json_schema.schema_)))
+
+
 def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, token_limit: int | None,
-                     num_logprobs: int | None) -> pb.GenerateRequest:
+                     num_logprobs: int | None,
+                     constraint: RequestedConstraint | None = None) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         n=body.n, min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
@@ -50,5 +108,7 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, token
         sampling.max_tokens = token_limit
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
+    if constraint is not None:
+        sampling.structured_output.CopyFrom(constraint.engine_form)
     return pb.GenerateRequest(request_id=new_id("req"), prompt_token_ids=prompt_token_ids,
                               sampling=sampling)

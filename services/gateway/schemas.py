@@ -4,16 +4,59 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.gateway.errors import RequestFieldError
+
 MAX_STOP_STRINGS = 16
+# Token ids and counts travel as uint32 and top_k as int32 in the engine protocol; larger values
+# are refused here, by name, rather than failing to serialise.
+MAX_UINT32 = 2**32 - 1
+MAX_INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_UINT32)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: Literal[True] | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        return self
 
 
 class SamplingFields(BaseModel):
@@ -34,13 +77,15 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions, accepted as its own server accepts them.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_UINT32)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -56,7 +101,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
+            if not token.isdigit() or int(token) > MAX_UINT32:
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
@@ -98,7 +143,32 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise RequestFieldError("top_logprobs", "requires logprobs to be true")
+        return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(f"expected \"none\", \"auto\" or \"required\", got {choice!r}")
+        if isinstance(choice, dict) and not (
+                choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+                and isinstance(choice["function"].get("name"), str)):
+            raise ValueError('a named choice is {"type": "function", "function": {"name": ...}}')
+        return choice
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice in (None, "none"):
+            return self
+        if not self.tools:
+            raise RequestFieldError("tool_choice", f"{self.tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            names = [t.get("function", {}).get("name") for t in self.tools
+                     if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+            if name not in names:
+                raise RequestFieldError("tool_choice", f"names {name!r}, which is not among the tools")
         return self
 
     @property
@@ -118,11 +188,22 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_not_empty(cls, prompt: Any) -> Any:
-        if prompt == "" or prompt == [] or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
-            raise ValueError("prompt must not be empty")
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        # Checked by hand: pydantic's report for a union names the first member it tried.
+        def is_ids(value: Any) -> bool:
+            return isinstance(value, list) and bool(value) and all(
+                type(i) is int and 0 <= i <= MAX_UINT32 for i in value)
+
+        def is_text(value: Any) -> bool:
+            return isinstance(value, str) and bool(value)
+
+        if not (is_text(prompt) or is_ids(prompt) or (
+                isinstance(prompt, list) and bool(prompt)
+                and (all(is_text(p) for p in prompt) or all(is_ids(p) for p in prompt)))):
+            raise ValueError("must be a non-empty string, a list of token ids (0 to 2**32 - 1), "
+                             "or a non-empty list of either")
         return prompt
 
     @property

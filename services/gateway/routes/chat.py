@@ -13,9 +13,11 @@ from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
 from services.gateway.generation import ChoiceDelta, Generation, TokenLogprob
 from services.gateway.parsing import ChatOutputParser, MessageDelta
+from services.gateway.parsing.forced_tool_calls import ForcedToolCallParser, ForcedToolChoice
 from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
                                                 requested_effort, resolve_session_effort, session_key)
-from services.gateway.requests import backend_of, check_context, check_model, generate_request
+from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
+                                       generate_request, output_constraint)
 from services.gateway.schemas import ChatCompletionRequest, new_id, now
 from services.gateway.sse import sse_event, sse_stream, usage_dict
 
@@ -27,6 +29,7 @@ async def create_chat_completion(body: ChatCompletionRequest,
                                  request: Request) -> JSONResponse | StreamingResponse:
     backend = backend_of(request)
     model = check_model(backend, body.model)
+    check_token_ids(model, body)
     template_kwargs, is_thinking = await _template_kwargs(backend, model, body, request)
     try:
         rendered = await backend.tokenizer.render_chat(
@@ -35,21 +38,32 @@ async def create_chat_completion(body: ChatCompletionRequest,
             continue_final_message=body.continue_final_message)
     except grpc.aio.AioRpcError as error:
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise InvalidRequestError(error.details() or "invalid messages", param="messages") from error
+            details = error.details() or "invalid messages"
+            raise InvalidRequestError(
+                details, param="tools" if details.startswith("tools") else "messages") from error
         raise
     prompt_ids = list(rendered.token_ids)
     check_context(model, len(prompt_ids), body.token_limit, prompt_param="messages",
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    forced_tools = ForcedToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = output_constraint(body, forced_tools)
+    if constraint is not None and is_thinking and backend.settings.reasoning_parser:
+        # vLLM would hold the reasoning to the constraint too, from its first token.
+        raise InvalidRequestError(
+            f"{constraint.param}: a constrained output cannot follow the model's reasoning here; "
+            'turn thinking off (reasoning_effort: "none")', param=constraint.param)
     has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
     generation = Generation(
         backend.pick_engine(session_key(session_id=request.headers.get("x-session-id"),
                                         prompt_cache_key=body.prompt_cache_key, user=body.user)),
         backend.tokenizer,
-        generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs),
+        generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs,
+                         constraint=constraint),
         stop_strings=body.stop_strings,
         # Parsers read markup that tokenizers often mark special.
         skip_special_tokens=body.skip_special_tokens and not has_parser)
-    parsers = [_output_parser(backend, body, is_thinking) for _ in range(body.n)]
+    parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
+               for _ in range(body.n)]
     completion = _ChatCompletion(model.name, generation, parsers)
     await generation.start()
     if body.stream:
@@ -90,7 +104,7 @@ class _ChatCompletion:
     """Shapes one generation's deltas as chat.completion(.chunk) objects."""
 
     def __init__(self, model_name: str, generation: Generation,
-                 parsers: list[ChatOutputParser | None]) -> None:
+                 parsers: list[ChatOutputParser | ForcedToolCallParser | None]) -> None:
         self.id = new_id("chatcmpl")
         self.created = now()
         self.model_name = model_name

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
 from services.gateway.generation import Generation, TokenLogprob, UsageCounts
-from services.gateway.requests import backend_of, check_context, check_model, generate_request
+from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
+                                       generate_request, output_constraint)
 from services.gateway.schemas import CompletionRequest, new_id, now
 from services.gateway.sse import sse_event, sse_stream, usage_dict
 
@@ -25,6 +26,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     prompts = await _prompt_token_ids(backend, body.prompt)
+    check_token_ids(model, body, prompts)
+    constraint = output_constraint(body)
     generations = []
     for prompt_ids in prompts:
         check_context(model, len(prompt_ids), body.token_limit, prompt_param="prompt",
@@ -32,10 +35,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         generations.append(Generation(
             backend.pick_engine(body.user), backend.tokenizer,
             generate_request(body, prompt_ids, token_limit=body.token_limit,
-                             num_logprobs=body.num_logprobs),
+                             num_logprobs=body.num_logprobs, constraint=constraint),
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens))
-    for generation in generations:
-        await generation.start()
+    try:
+        for generation in generations:
+            await generation.start()
+    except BaseException:
+        for generation in generations:
+            generation.cancel()
+        raise
     echoes = ([await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
               if body.echo else None)
     completion = _Completion(model, body.n, generations, echoes)

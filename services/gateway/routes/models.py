@@ -7,17 +7,25 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from services.gateway.requests import backend_of
+from services.gateway.backend import ServedModel
+from services.gateway.requests import backend_of, check_model
 
 router = APIRouter(tags=["models"])
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    model = backend_of(request).served_model()
-    return {"object": "list", "data": [{
-        "id": model.name, "object": "model", "created": 0, "owned_by": "vllm-backport",
-        "max_model_len": model.max_model_len}]}
+    return {"object": "list", "data": [_model_object(backend_of(request).served_model())]}
+
+
+@router.get("/v1/models/{name:path}")
+async def retrieve_model(name: str, request: Request) -> dict[str, Any]:
+    return _model_object(check_model(backend_of(request), name))
+
+
+def _model_object(model: ServedModel) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "vllm-backport",
+            "max_model_len": model.max_model_len}
 
 
 @router.get("/health")

@@ -1,0 +1,83 @@
+"""Forced tool choices: the schema the engine is held to, and reading its output back."""
+
+from __future__ import annotations
+
+import json
+from itertools import count
+
+import pytest
+
+from services.gateway.parsing import AssistantMessage, MessageDelta
+from services.gateway.parsing.forced_tool_calls import ForcedToolChoice
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TIME = {"name": "get_time"}
+TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+
+
+def _ids() -> object:
+    numbers = count()
+    return lambda: f"call_{next(numbers)}"
+
+
+def _run(choice: ForcedToolChoice, pieces: list[str]) -> tuple[list[MessageDelta], AssistantMessage]:
+    parser = choice.parser(make_call_id=_ids())  # type: ignore[arg-type]
+    deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    return deltas, parser.message()
+
+
+def test_only_required_and_a_named_function_force_a_call() -> None:
+    assert ForcedToolChoice.of(TOOLS, "auto", None) is None
+    assert ForcedToolChoice.of(TOOLS, "none", None) is None
+    assert ForcedToolChoice.of(TOOLS, None, None) is None
+    named = ForcedToolChoice.of(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named is not None and named.json_schema() == WEATHER["parameters"]
+
+
+def test_required_schema_is_an_array_of_the_tools_calls() -> None:
+    choice = ForcedToolChoice.of(TOOLS, "required", None)
+    assert choice is not None
+    schema = choice.json_schema()
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    # A function without parameters takes an object.
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    single = ForcedToolChoice.of(TOOLS, "required", parallel_tool_calls=False)
+    assert single is not None and single.json_schema()["maxItems"] == 1
+
+
+@pytest.mark.parametrize("piece_size", [1, 4, 100])
+def test_a_named_call_streams_its_arguments_and_the_deltas_join_to_the_message(piece_size: int) -> None:
+    arguments = '{"city": "Paris, \\u00eele-de-France"}'
+    pieces = [arguments[i:i + piece_size] for i in range(0, len(arguments), piece_size)]
+    choice = ForcedToolChoice.of(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert choice is not None
+    deltas, message = _run(choice, pieces)
+    assert deltas[0].tool_calls[0].name == "get_weather" and deltas[0].tool_calls[0].id == "call_0"
+    assert all(call.name is None for delta in deltas[1:] for call in delta.tool_calls)
+    assert AssistantMessage.from_deltas(deltas) == message
+    assert message.content is None
+    assert [(c.id, c.name, c.arguments) for c in message.tool_calls] == [("call_0", "get_weather", arguments)]
+
+
+def test_required_calls_are_released_whole_at_the_end() -> None:
+    output = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    choice = ForcedToolChoice.of(TOOLS, "required", None)
+    assert choice is not None
+    deltas, message = _run(choice, [output[:10], output[10:]])
+    assert all(d.is_empty for d in deltas[:-1])
+    assert [(c.name, json.loads(c.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert AssistantMessage.from_deltas(deltas) == message
+
+
+@pytest.mark.parametrize("output", ['[{"name": "get_weather", "parame', "", '{"name": "get_time"}'])
+def test_required_output_that_is_not_a_list_of_calls_comes_back_as_text(output: str) -> None:
+    """What a choice cut short by max_tokens leaves."""
+    choice = ForcedToolChoice.of(TOOLS, "required", None)
+    assert choice is not None
+    deltas, message = _run(choice, [output])
+    assert message.tool_calls == [] and message.content == (output or None)
+    assert AssistantMessage.from_deltas(deltas) == message

@@ -1,0 +1,112 @@
+"""Structured outputs through the mesh: `response_format`, vLLM's `structured_outputs`, and
+forced tool choices, on the embedded model (whose chat template has no tool format: forced
+calls come from the constrained output alone)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.conftest import RunningMesh
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+ASK_CITY = [{"role": "user", "content": "Name the capital of France and say if it is big."}]
+CITY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "big"],
+               "properties": {"city": {"type": "string", "maxLength": 24},
+                              "big": {"type": "boolean"}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 24}}}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def client(mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_json_schema_response_format_gives_an_object_of_that_schema(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK_CITY, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    answer = json.loads(reply.choices[0].message.content)
+    assert set(answer) == {"city", "big"}
+    assert isinstance(answer["city"], str) and len(answer["city"]) <= 24
+    assert isinstance(answer["big"], bool)
+
+
+def test_json_object_response_format_gives_an_object(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:",
+                                      temperature=0, max_tokens=96,
+                                      extra_body={"response_format": {"type": "json_object"}})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].text), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert reply.choices[0].text.lstrip().startswith("{")
+
+
+def test_vllm_choice_and_regex_constraints(client: openai.OpenAI) -> None:
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ASK_CITY, temperature=0, max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}})
+    assert choice.choices[0].message.content in {"Paris", "Lyon", "Nice"}
+    digits = client.completions.create(model=MODEL, prompt="Three digits:", temperature=0.8, seed=3,
+                                       max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
+
+
+def test_a_named_tool_choice_calls_that_tool_and_streams_the_same_call(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=48, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice=choice)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    assert set(json.loads(message.tool_calls[0].function.arguments)) == {"city"}
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=48, tools=[WEATHER_TOOL, TIME_TOOL],
+                                            tool_choice=choice, stream=True)
+    arguments, names, finish = [], [], None
+    for chunk in stream:
+        for call in chunk.choices[0].delta.tool_calls or []:
+            names.append(call.function.name)
+            arguments.append(call.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert [n for n in names if n] == ["get_weather"] and finish == "tool_calls"
+    assert "".join(arguments) == message.tool_calls[0].function.arguments
+
+
+def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        temperature=0, max_tokens=96, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+        parallel_tool_calls=False)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    arguments = json.loads(calls[0].function.arguments)
+    assert (calls[0].function.name, sorted(arguments)) in [("get_weather", ["city"]), ("get_time", [])]
+
+
+def test_a_constraint_the_engine_cannot_compile_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4,
+                                       extra_body={"structured_outputs": {"regex": "("}})
+    assert "regex" in caught.value.body["message"]
+    assert client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=2).choices
+
+
+def test_two_constraints_at_once_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK_CITY, max_tokens=4, response_format={"type": "json_object"},
+            extra_body={"structured_outputs": {"regex": "a+"}})
+    assert caught.value.body["param"] == "structured_outputs"
