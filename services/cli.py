@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Callable
 
+from services.mesh.errors import ServiceStartError
 from services.mesh.logs import configure_logging
-from services.mesh.settings import ServiceSettings
+from services.mesh.settings import ServiceSettings, SettingsError
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     settings_type, _, run = _services()[args.command]
     _default_to_embedded_model(args, settings_type)
     configure_logging(args.command)
-    settings = settings_type.from_namespace(args)
+    try:
+        settings = settings_type.from_namespace(args)
+    except SettingsError as error:
+        # argparse's own status and shape for a bad option, without a traceback.
+        print(f"backport {args.command}: error: {error}", file=sys.stderr)
+        return 2
     try:
         return run(settings) or 0
+    except ServiceStartError as error:
+        logger.error("%s", error)
+        return 1
     except KeyboardInterrupt:
         return 130
 

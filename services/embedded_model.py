@@ -63,4 +63,10 @@ def _convert_gguf(source_dir: Path, gguf_file: str, target: Path) -> None:
     tokenizer.save_pretrained(staging)
     target.parent.mkdir(parents=True, exist_ok=True)
     # A rename is atomic: a crash mid-conversion never leaves a half folder at `target`.
-    os.replace(staging, target)
+    try:
+        os.replace(staging, target)
+    except OSError:
+        # A rename onto a full folder fails: another process converted it first; use that one.
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise

@@ -23,7 +23,9 @@ from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
 from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
+from services.mesh.errors import ServiceStartError
 from services.mesh.settings import ServiceSettings
+from services.ple_offload.errors import TableFileError
 from services.ple_offload.model_table import ple_table_for_model
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ PLE_SERVICE = "ple"
 
 
 class KvCacheUnavailableError(RuntimeError):
-    """`--kv-cache` cannot start its service: LMCache is not installed, or a port is taken."""
+    """`--kv-cache` cannot start its service: LMCache is not installed."""
 
 
 class UpSettings(ServiceSettings):
@@ -121,6 +123,7 @@ class Mesh:
 
     def start(self) -> None:
         s = self.settings
+        self._refuse_taken_ports()
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
         engine_addresses = [f"127.0.0.1:{s.engine_port + i}" for i in range(s.engines)]
         if s.kv_cache:
@@ -152,6 +155,24 @@ class Mesh:
         self._is_ready = True
         logger.info("mesh ready: http://%s:%d/v1 (%d engine(s))", s.host, s.port, s.engines)
 
+    def _refuse_taken_ports(self) -> None:
+        """Before anything starts: a server already on one of these ports would answer the
+        health checks in place of the service started there, and one child failing to bind
+        would only show once the engines had loaded."""
+        s = self.settings
+        ports = [("--port", s.host, s.port), ("--tokenizer-port", "127.0.0.1", s.tokenizer_port)]
+        ports += [("--engine-port", "127.0.0.1", s.engine_port + i) for i in range(s.engines)]
+        if s.engine_metrics_port is not None:
+            ports += [("--engine-metrics-port", "127.0.0.1", s.engine_metrics_port + i)
+                      for i in range(s.engines)]
+        if s.kv_cache:
+            ports += [("--kv-cache-port", "127.0.0.1", s.kv_cache_port),
+                      ("--kv-cache-http-port", "127.0.0.1", s.kv_cache_http_port)]
+        taken = [f"{port} ({flag})" for flag, host, port in ports if not is_port_free(host, port)]
+        if taken:
+            raise ServiceStartError(f"port(s) already in use: {', '.join(taken)}; stop what "
+                                    "listens there or choose other ports")
+
     def _start_kv_cache(self) -> None:
         """Engines register with the KV service as they load, so it must answer first."""
         s = self.settings
@@ -159,10 +180,6 @@ class Mesh:
             raise KvCacheUnavailableError(
                 "--kv-cache needs LMCache in this environment: run `make kvcache-deps` "
                 "(pip install --no-deps lmcache==0.5.6 and its few modules; docs/kvcache.md)")
-        # A server already there would pass the health check below in place of the one started.
-        for port in (s.kv_cache_port, s.kv_cache_http_port):
-            if not is_port_free("127.0.0.1", port):
-                raise KvCacheUnavailableError(f"KV cache service port {port} is already in use")
         # Checked against the model's KV block here, so a wrong size fails before anything starts.
         self._kv_chunk_size_tokens = choose_chunk_size(s.model, s.kv_chunk_size_tokens)
         self._spawn(KV_CACHE_SERVICE, [
@@ -179,6 +196,8 @@ class Mesh:
         table = ple_table_for_model(Path(s.model), s.ple_table_path)
         if table is None:
             return
+        if not is_port_free("127.0.0.1", s.ple_port):
+            raise ServiceStartError(f"port {s.ple_port} (--ple-port) is already in use")
         address = f"127.0.0.1:{s.ple_port}"
         # A segment name per port, so two meshes on one machine never replace each other's table.
         args = ["ple", "--table-path", str(table.table_path), "--address", address,
@@ -310,7 +329,7 @@ def run_mesh(settings: UpSettings) -> int:
         return 0
     except InterruptedError:
         return 0
-    except (RuntimeError, TimeoutError, KvTransferConfigError) as error:
+    except (RuntimeError, TimeoutError, KvTransferConfigError, TableFileError) as error:
         logger.error("%s", error)
         return 1
     finally:

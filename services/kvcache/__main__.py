@@ -8,13 +8,18 @@ import sys
 from services.kvcache.runner import run
 from services.kvcache.settings import KvCacheSettings
 from services.mesh.logs import configure_logging
+from services.mesh.settings import SettingsError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.kvcache", description=__doc__)
     KvCacheSettings.add_arguments(parser)
+    try:
+        settings = KvCacheSettings.from_namespace(parser.parse_args(argv))
+    except SettingsError as error:
+        parser.error(str(error))  # status 2 and the usage line, as for an unknown flag
     configure_logging("kvcache")
-    return run(KvCacheSettings.from_namespace(parser.parse_args(argv)))
+    return run(settings)
 
 
 if __name__ == "__main__":

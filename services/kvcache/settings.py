@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
@@ -65,6 +66,14 @@ class KvCacheSettings(ServiceSettings):
         parts = urlsplit(value)
         if parts.scheme not in ("redis", "resp") or not parts.hostname or not parts.port:
             raise ValueError(f"redis_url must look like redis://host:port, got {value!r}")
+        return value
+
+    @field_validator("lmcache_python")
+    @classmethod
+    def _check_lmcache_python(cls, value: Path | None) -> Path | None:
+        # Checked here so a wrong path is named as a setting, not met as Popen's traceback.
+        if value is not None and not (value.is_file() and os.access(value, os.X_OK)):
+            raise ValueError(f"lmcache_python must be an executable Python, got {str(value)!r}")
         return value
 
     @model_validator(mode="after")

@@ -11,10 +11,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.mesh.channels import GRPC_OPTIONS
+from services.mesh.errors import ServiceStartError
 
 logger = logging.getLogger(__name__)
 
 Registrar = Callable[[grpc.aio.Server], None]
+
+# gRPC sets SO_REUSEPORT by default, so a second server on a taken port binds too and the
+# kernel splits connections between the two; without it the second one fails to start.
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class GrpcServer:
@@ -24,7 +29,7 @@ class GrpcServer:
         self.service_name = service_name
         self.address = address
         self.grace_s = grace_s
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
@@ -40,9 +45,11 @@ class GrpcServer:
         await self.health.set(self.service_name, status)
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(self.address)
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.address}")
+        try:
+            self.port = self.server.add_insecure_port(self.address)
+        except RuntimeError:
+            raise ServiceStartError(f"{self.service_name} cannot listen on {self.address}: the port "
+                                    "is already in use, or the host is not this machine's") from None
         await self.server.start()
         logger.info("%s listening on %s", self.service_name, self.address)
 

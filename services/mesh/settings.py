@@ -12,7 +12,12 @@ import types
 import typing
 from typing import Any, Self
 
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SettingsError(ValueError):
+    """A flag or environment value that does not validate; the message names where it came from."""
 
 
 class ServiceSettings(BaseSettings):
@@ -35,8 +40,26 @@ class ServiceSettings(BaseSettings):
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> Self:
+        """The settings from these flags and the environment; SettingsError names each bad value's
+        flag or variable (pydantic's own error names only the field)."""
         given = {k: v for k, v in vars(namespace).items() if k in cls.model_fields}
-        return cls(**given)
+        try:
+            return cls(**given)
+        except ValidationError as error:
+            problems = [cls._describe_problem(problem, given) for problem in error.errors()]
+            raise SettingsError("; ".join(problems)) from None
+
+    @classmethod
+    def _describe_problem(cls, problem: Any, given: dict[str, object]) -> str:
+        location, message = problem["loc"], problem["msg"]
+        if not location or location[0] not in cls.model_fields:
+            return message  # a check across fields (a model validator)
+        name = str(location[0])
+        flag = "--" + name.replace("_", "-")
+        variable = (cls.model_config.get("env_prefix") or "") + name.upper()
+        if problem["type"] == "missing":
+            return f"{flag} (or {variable}) is required"
+        return f"{flag if name in given else variable}={problem.get('input')!r}: {message}"
 
     def to_args(self) -> list[str]:
         """The flags that reproduce these settings in a child process."""

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from services.mesh.logs import configure_logging
+from services.mesh.settings import SettingsError
 from services.ple_offload.grpc_io import prefer_polling_thread_io
 from services.ple_offload.settings import PleSettings
 
@@ -16,7 +17,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(prog="python -m services.ple_offload", description=__doc__)
     PleSettings.add_arguments(parser)
-    settings = PleSettings.from_namespace(parser.parse_args())
+    try:
+        settings = PleSettings.from_namespace(parser.parse_args())
+    except SettingsError as error:
+        parser.error(str(error))  # status 2 and the usage line, as for an unknown flag
     configure_logging("ple")
     asyncio.run(serve(settings))
 

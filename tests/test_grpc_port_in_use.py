@@ -1,0 +1,52 @@
+"""A gRPC service whose port is taken refuses to start instead of sharing the port."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.mesh.channels import wait_until_serving
+from services.mesh.errors import ServiceStartError
+from services.mesh.grpc_server import GrpcServer
+from tests.conftest import REPO_ROOT, engine_environment, free_port
+
+
+def test_second_server_on_a_taken_port_fails_to_start() -> None:
+    address = f"127.0.0.1:{free_port()}"
+
+    async def start_two() -> None:
+        first = GrpcServer("first", address)
+        await first.start()
+        try:
+            second = GrpcServer("second", address)
+            with pytest.raises(ServiceStartError, match=f"second cannot listen on {address}"):
+                await second.start()
+        finally:
+            await first.server.stop(None)
+
+    asyncio.run(start_two())
+
+
+def test_tokenizer_on_a_taken_port_exits_naming_it(embedded_model_path: Path) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(embedded_model_path),
+               "--port", str(port)]
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not wait_until_serving(f"127.0.0.1:{port}", timeout_s=2.0):
+            assert first.poll() is None and time.monotonic() < deadline, "first tokenizer did not serve"
+        second = subprocess.run(command, cwd=REPO_ROOT, env=engine_environment(),
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
