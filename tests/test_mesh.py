@@ -50,6 +50,17 @@ def test_chat_answers_and_streamed_deltas_join_to_the_same_text(client: openai.O
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt="Count to ten:", temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})  # type: ignore[typeddict-unknown-key]
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts)
+    assert counts[-1] == 12 and counts[0] < 12
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
 def test_completion_streamed_and_not_agree(client: openai.OpenAI) -> None:
     prompt = "The three primary colors are"
     full = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)

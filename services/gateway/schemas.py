@@ -115,6 +115,12 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def include_continuous_usage(self) -> bool:
+        """vLLM's extension: every chunk carries the usage so far (with include_usage only)."""
+        return self.include_usage and bool(self.stream_options and
+                                           self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)

@@ -67,7 +67,8 @@ async def create_chat_completion(body: ChatCompletionRequest,
     completion = _ChatCompletion(model.name, generation, parsers)
     await generation.start()
     if body.stream:
-        return StreamingResponse(sse_stream(completion.chunks(body.include_usage)),
+        return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
+                                                              body.include_continuous_usage)),
                                  media_type="text/event-stream")
     return JSONResponse(await completion.response())
 
@@ -130,7 +131,7 @@ class _ChatCompletion:
             return "tool_calls"
         return delta.finish_reason
 
-    async def chunks(self, include_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         for index in range(len(self.parsers)):
             yield sse_event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]))
@@ -138,10 +139,13 @@ class _ChatCompletion:
             message = self._parse(delta)
             if message.is_empty and not delta.logprobs and delta.finish_reason is None:
                 continue
-            yield sse_event(self._chunk([{
+            chunk = self._chunk([{
                 "index": delta.index, "delta": message.to_dict(),
                 "logprobs": _chat_logprobs(delta.logprobs) if delta.logprobs else None,
-                "finish_reason": self._finish_reason(delta)}]))
+                "finish_reason": self._finish_reason(delta)}])
+            if continuous_usage:
+                chunk["usage"] = usage_dict(self.generation.usage)
+            yield sse_event(chunk)
         if include_usage:
             yield sse_event(self._chunk([]) | {"usage": usage_dict(self.generation.usage)})
 

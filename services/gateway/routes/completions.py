@@ -48,7 +48,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
               if body.echo else None)
     completion = _Completion(model, body.n, generations, echoes)
     if body.stream:
-        return StreamingResponse(sse_stream(completion.chunks(body.include_usage)),
+        return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
+                                                              body.include_continuous_usage)),
                                  media_type="text/event-stream")
     return JSONResponse(await completion.response())
 
@@ -86,7 +87,7 @@ class _Completion:
                                          for i, c in g.usage.completion_tokens_by_choice.items()})
         return usage_dict(total)
 
-    async def chunks(self, include_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         for p, generation in enumerate(self.generations):
             echoed: set[int] = set()
             async for delta in generation.deltas():
@@ -94,10 +95,13 @@ class _Completion:
                 if self.echoes is not None and delta.index not in echoed:
                     echoed.add(delta.index)
                     text = self.echoes[p] + text
-                yield sse_event(self._object([{
+                chunk = self._object([{
                     "index": p * self.n + delta.index, "text": text,
                     "logprobs": _logprobs(delta.logprobs) if delta.logprobs else None,
-                    "finish_reason": delta.finish_reason}]))
+                    "finish_reason": delta.finish_reason}])
+                if continuous_usage:
+                    chunk["usage"] = self._usage()
+                yield sse_event(chunk)
         if include_usage:
             yield sse_event(self._object([]) | {"usage": self._usage()})
 
