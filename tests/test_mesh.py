@@ -186,6 +186,23 @@ def test_out_of_range_ids_and_bad_tool_choices_are_400_naming_the_field(
     assert param in reply.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800"}]', "messages"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]', "stop"),
+    ("completions", '"prompt": "a\\udfff"', "prompt"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field(mesh: RunningMesh, path: str, fields: str,
+                                                   param: str) -> None:
+    """JSON's escapes allow it, but it is not Unicode: it failed in the tokenizer (500), or in
+    the engine request's encoding after the reply had begun (a dropped connection)."""
+    body = f'{{"model": "{MODEL}", "max_tokens": 2, {fields}}}'.encode()
+    reply = httpx.post(f"{mesh.base_url}/{path}", content=body,
+                       headers={"content-type": "application/json"}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert "surrogate" in reply.json()["error"]["message"]
+
+
 def test_a_body_that_is_not_json_is_400_saying_so(mesh: RunningMesh) -> None:
     reply = httpx.post(f"{mesh.base_url}/chat/completions", content=b'{"model": ',
                        headers={"content-type": "application/json"}, timeout=60)

@@ -59,10 +59,45 @@ class StructuredOutputs(BaseModel):
         return self
 
 
+def _lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` (or key) that is not valid Unicode, if any."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = _lone_surrogate_at(key, path) or _lone_surrogate_at(
+                item, f"{path}.{key}" if path else str(key))
+            if where is not None:
+                return where
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            where = _lone_surrogate_at(item, f"{path}[{index}]")
+            if where is not None:
+                return where
+    return None
+
+
 class SamplingFields(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as vLLM's server does."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        # JSON lets "\ud800" through; such a string cannot be encoded for the tokenizer or the
+        # engine's protobuf, where it would fail as an internal error.
+        where = _lone_surrogate_at(body, "")
+        if where is not None:
+            param = where.split(".", 1)[0].split("[", 1)[0]
+            raise RequestFieldError(param, f"the lone UTF-16 surrogate in {where} is not valid Unicode")
+        return body
 
     model: str
     n: int = Field(1, ge=1, le=128)

@@ -73,7 +73,8 @@ def _parse_message(path: str, message: Any) -> ChatMessage:
     if reasoning is None:
         reasoning = _optional_str(path, message, "reasoning_content")
     if content is None and (role in _CONTENT_REQUIRED_ROLES or not (tool_calls or reasoning is not None)):
-        raise ChatRenderError(f"{path}.content", f"is required for a {role} message" +
+        article = "an" if role[:1] in "aeiou" else "a"
+        raise ChatRenderError(f"{path}.content", f"is required for {article} {role} message" +
                               (" without tool_calls" if role == "assistant" else ""))
     return ChatMessage(
         role=role,
