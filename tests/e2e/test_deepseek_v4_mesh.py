@@ -93,12 +93,13 @@ def test_prompts_use_deepseek_v4_encoding_with_the_tools_block(mesh: RunningMesh
 def test_streamed_tool_call_accumulates_in_the_openai_sdk(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=True,
                                             temperature=0, max_tokens=400)
-    reasoning, content, finish = [], [], None
+    reasoning, reasoning_by_vllm_name, content, finish = [], [], [], None
     calls: dict[int, dict[str, str]] = {}
     for chunk in stream:
         choice = chunk.choices[0]
         delta = choice.delta
         reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        reasoning_by_vllm_name.append(getattr(delta, "reasoning", None) or "")
         content.append(delta.content or "")
         for call in delta.tool_calls or []:
             entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
@@ -106,7 +107,7 @@ def test_streamed_tool_call_accumulates_in_the_openai_sdk(client: openai.OpenAI)
             entry["name"] += call.function.name or "" if call.function else ""
             entry["arguments"] += call.function.arguments or "" if call.function else ""
         finish = choice.finish_reason or finish
-    assert "".join(reasoning) == REASONING
+    assert "".join(reasoning) == "".join(reasoning_by_vllm_name) == REASONING
     assert "".join(content).strip() == CONTENT
     assert finish == "tool_calls"
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
@@ -120,6 +121,7 @@ def test_non_streamed_message_matches_the_stream(client: openai.OpenAI) -> None:
     assert reply.choices[0].finish_reason == "tool_calls"
     assert message.content.strip() == CONTENT
     assert message.model_extra.get("reasoning_content") == REASONING
+    assert message.model_extra.get("reasoning") == REASONING
     assert [c.function.name for c in message.tool_calls] == ["get_weather"]
     assert json.loads(message.tool_calls[0].function.arguments) == EXPECTED_ARGUMENTS
 

@@ -82,6 +82,7 @@ def test_no_thinking_reads_the_output_as_content() -> None:
     assert result.returncode == 0, result.stderr.decode()
     assert json.loads(result.stdout) == {
         "role": "assistant",
+        "reasoning": None,
         "reasoning_content": None,
         "content": "Just an answer.",
         "tool_calls": [],

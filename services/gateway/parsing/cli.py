@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.gateway.parsing.messages import AssistantMessage, MessageDelta
+from services.gateway.parsing.messages import AssistantMessage, MessageDelta, reasoning_fields
 from services.gateway.parsing.output_parser import ChatOutputParser
 from services.gateway.parsing.registry import REASONING_FORMATS, TOOL_CALL_FORMATS
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     message = AssistantMessage.from_deltas(deltas)
     printed = {
         "role": "assistant",
-        "reasoning_content": message.reasoning_content,
+        **reasoning_fields(message.reasoning_content),
         "content": message.content,
         "tool_calls": [call.to_dict() for call in message.tool_calls],
     }

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """The reasoning under both of its names: vLLM's `reasoning` and the `reasoning_content`
+    of DeepSeek's API (and of vLLM before 0.11), which clients still read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCallDelta:
     """One entry of `delta.tool_calls`: the first for a call carries id, type and name."""
@@ -54,7 +60,7 @@ class MessageDelta:
         """The `choices[i].delta` object of a chat.completion.chunk (empty fields left out)."""
         delta: dict[str, Any] = {}
         if self.reasoning_content is not None:
-            delta["reasoning_content"] = self.reasoning_content
+            delta |= reasoning_fields(self.reasoning_content)
         if self.content is not None:
             delta["content"] = self.content
         if self.tool_calls:
@@ -92,11 +98,8 @@ class AssistantMessage:
 
     def to_dict(self) -> dict[str, Any]:
         """`choices[i].message` of a chat.completion; `tool_calls` only when there are some."""
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": self.content,
-            "reasoning_content": self.reasoning_content,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": self.content,
+                                   **reasoning_fields(self.reasoning_content)}
         if self.tool_calls:
             message["tool_calls"] = [call.to_dict() for call in self.tool_calls]
         return message
