@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from pydantic import TypeAdapter
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -40,8 +41,13 @@ class EngineRecord:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> EngineRecord:
-        fields = json.loads(raw)
-        return cls(**{name: fields[name] for name in cls.__dataclass_fields__ if name in fields})
+        """ValueError for a value that is not a record (a broken write, another tool's key):
+        one such key must not stop a gateway from reading the others. Unknown fields are
+        ignored, so records of a newer engine still read."""
+        return _RECORD_ADAPTER.validate_json(raw)
+
+
+_RECORD_ADAPTER = TypeAdapter(EngineRecord)
 
 
 class EngineRegistration:

@@ -12,14 +12,7 @@ class ApiKeys:
 
     @classmethod
     def load(cls, keys: list[str], keys_file: str | None) -> ApiKeys:
-        """Keys file: one key a line; blank lines and lines starting with `#` are skipped."""
-        all_keys = list(keys)
-        if keys_file:
-            for line in Path(keys_file).read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    all_keys.append(line)
-        return cls(all_keys)
+        return cls([*keys, *(read_keys_file(keys_file) if keys_file else [])])
 
     @property
     def is_required(self) -> bool:
@@ -35,3 +28,9 @@ class ApiKeys:
         # Compare against every key so the time taken does not tell which one nearly matched.
         matches = [hmac.compare_digest(given, key) for key in self._keys]
         return any(matches)
+
+
+def read_keys_file(path: str) -> list[str]:
+    """One key a line; blank lines and lines starting with `#` are skipped."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]

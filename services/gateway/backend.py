@@ -97,10 +97,10 @@ class GatewayBackend:
 
     def pick_engine(self, session_key: str | None = None) -> EngineRoute:
         """The route of one engine request; the engine is chosen when the prompt is sent.
-        `session_key` (from `X-Session-Id`, `prompt_cache_key` or `user`) drives session
-        affinity; without it the `X-Session-Id` header is used."""
+        Session affinity follows the `X-Session-Id` header, else `session_key` (the request's
+        `prompt_cache_key` or `user`), as `docs/routing.md` says."""
         return EngineRoute(self.pool, self.router, self.metrics, self.settings,
-                           session_key or current_request_context().session_id)
+                           current_request_context().session_id or session_key)
 
     async def close(self) -> None:
         for task in self._tasks:

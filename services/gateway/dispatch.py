@@ -53,12 +53,14 @@ class EngineRoute:
         tried: set[str] = set()
         last_failure = "no engine is available"
         for attempt in range(self.settings.max_attempts):
-            if attempt:
-                self.metrics.retries.inc()
-                await asyncio.sleep(self.settings.retry_backoff_s * 2 ** (attempt - 1))
+            # Chosen before the backoff: with no engine left the answer is a 503 now, and
+            # only a call that is sent again counts as a retry.
             engine = self._choose(request, tried)
             if engine is None:
                 break
+            if attempt:
+                self.metrics.retries.inc()
+                await asyncio.sleep(self.settings.retry_backoff_s * 2 ** (attempt - 1))
             tried.add(engine.address)
             self.engine = engine
             opened, failure = await self._try(engine, request)

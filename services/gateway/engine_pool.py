@@ -104,8 +104,13 @@ class EnginePool:
     async def probe_health(self) -> None:
         """One round of health checks; a breaker past its open time is probed back."""
         engines = list(self.engines.values())
-        answers = await asyncio.gather(*(_probe(e) for e in engines))
-        for engine, serving in zip(engines, answers):
+        # An engine that leaves the pool during the round has its channel closed under its
+        # probe, which then raises; that must not end the round, nor the health-check task.
+        answers = await asyncio.gather(*(_probe(e) for e in engines), return_exceptions=True)
+        for engine, answer in zip(engines, answers):
+            if self.engines.get(engine.address) is not engine:
+                continue
+            serving = False if isinstance(answer, BaseException) else answer
             if serving is None:  # no answer in time
                 engine.num_slow_probes += 1
                 if engine.num_slow_probes < MAX_SLOW_PROBES:

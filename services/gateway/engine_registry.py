@@ -23,11 +23,24 @@ class RegistryWatcher:
         self.metrics = metrics
         self.poll_s = poll_s
         self._is_reachable = True
+        # Keys already reported as not holding a record: warned once, not every poll.
+        self._malformed_keys: set[bytes] = set()
 
     async def read(self) -> list[EngineRecord]:
         keys = [key async for key in self._redis.scan_iter(match=REGISTRY_KEY_PREFIX + "*")]
         values = await self._redis.mget(keys) if keys else []
-        return [EngineRecord.decode(v) for v in values if v is not None]
+        records, malformed_keys = [], set()
+        for key, value in zip(keys, values):
+            if value is None:  # expired between the scan and the read
+                continue
+            try:
+                records.append(EngineRecord.decode(value))
+            except ValueError as error:
+                malformed_keys.add(key)
+                if key not in self._malformed_keys:
+                    logger.warning("ignoring registry key %r, not an engine record: %s", key, error)
+        self._malformed_keys = malformed_keys
+        return records
 
     async def refresh(self) -> None:
         try:

