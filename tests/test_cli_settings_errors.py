@@ -26,6 +26,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
      "port and http_port must differ"),
     (["-m", "services.cli", "kvcache"], {"BACKPORT_KVCACHE_LMCACHE_PYTHON": "/nonexistent/python"},
      "BACKPORT_KVCACHE_LMCACHE_PYTHON='/nonexistent/python'"),
+    (["-m", "services.cli", "gateway", "--drain-timeout-s", "inf"], {}, "--drain-timeout-s='inf'"),
     (["-m", "services.ple_offload", "--grace-s", "soon"], {},
      "--table-path (or BACKPORT_PLE_TABLE_PATH) is required; --grace-s='soon'"),
 ])

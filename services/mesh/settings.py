@@ -21,7 +21,8 @@ class SettingsError(ValueError):
 
 
 class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(extra="forbid", validate_default=True)
+    # No setting means infinity: "inf" as a timeout or backoff would wait forever or fail in int().
+    model_config = SettingsConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
