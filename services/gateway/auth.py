@@ -24,7 +24,9 @@ class ApiKeys:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             return False
-        given = token.strip().encode()
+        # The header arrives decoded as latin-1 (HTTP's rule); encoding it back gives its bytes,
+        # so a key with non-ASCII characters matches when the client sends it as UTF-8.
+        given = token.strip().encode("latin-1")
         # Compare against every key so the time taken does not tell which one nearly matched.
         matches = [hmac.compare_digest(given, key) for key in self._keys]
         return any(matches)

@@ -1,0 +1,24 @@
+"""API keys against `Authorization` headers as the gateway receives them (decoded as latin-1)."""
+
+from __future__ import annotations
+
+from services.gateway.auth import ApiKeys
+
+
+def header(value: str) -> str:
+    """What the ASGI server hands over for a header the client sent as UTF-8."""
+    return value.encode().decode("latin-1")
+
+
+def test_a_key_matches_only_itself_under_the_bearer_scheme() -> None:
+    keys = ApiKeys(["sk-one", "sk-two"])
+    assert keys.allows(header("Bearer sk-two")) and keys.allows(header("bearer  sk-one "))
+    assert not keys.allows(header("Bearer sk-three"))
+    assert not keys.allows(header("Basic sk-one")) and not keys.allows(None)
+    assert ApiKeys([]).allows(None)
+
+
+def test_a_key_with_non_ascii_characters_matches_when_sent_as_utf8() -> None:
+    keys = ApiKeys(["clé-secrète"])
+    assert keys.allows(header("Bearer clé-secrète"))
+    assert not keys.allows(header("Bearer cle-secrete"))
