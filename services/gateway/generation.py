@@ -155,11 +155,18 @@ class Generation:
         if chunk.index in finished:
             return None
         self._count(chunk.index, chunk.completion_tokens, chunk.cached_prompt_tokens)
-        if chunk.token_ids:
-            self._observe_tokens(len(chunk.token_ids))
-        text = await self._detokenizer(chunk.index).step(list(chunk.token_ids)) if chunk.token_ids else ""
-        check = self._matcher(chunk.index).feed(text)
-        logprobs = await self._logprobs(chunk.logprobs) if chunk.logprobs else []
+        token_ids = list(chunk.token_ids)
+        if token_ids:
+            self._observe_tokens(len(token_ids))
+        token_texts = await self._token_texts(chunk.index, token_ids)
+        check = self._matcher(chunk.index).feed("".join(token_texts))
+        # A chunk can hold tokens generated after the one that completed a stop string (the
+        # engine merges outputs when it runs behind); as in vLLM, they are neither counted nor
+        # given logprobs.
+        num_kept = _num_tokens_reaching(token_texts, check.stop_end) if check.stopped else len(token_ids)
+        self.usage.completion_tokens_by_choice[chunk.index] -= len(token_ids) - num_kept
+        entries = list(chunk.logprobs[:num_kept])
+        logprobs = await self._logprobs(entries) if entries else []
         if check.stopped:
             return ChoiceDelta(chunk.index, check.text, logprobs, finish_reason="stop")
         if check.text or logprobs:
@@ -173,6 +180,16 @@ class Generation:
         tail = self._matcher(complete.index).flush()
         return ChoiceDelta(complete.index, tail,
                            finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"))
+
+    async def _token_texts(self, index: int, token_ids: list[int]) -> list[str]:
+        """The chunk's text, split by token where a stop string may need to know which
+        token completed it."""
+        if not token_ids:
+            return []
+        detokenizer = self._detokenizer(index)
+        if self._stop_strings and len(token_ids) > 1:
+            return await detokenizer.step_each(token_ids)
+        return [await detokenizer.step(token_ids)]
 
     def _observe_tokens(self, num_tokens: int) -> None:
         now = time.monotonic()
@@ -190,7 +207,8 @@ class Generation:
     def _detokenizer(self, index: int) -> StreamDetokenizer:
         if index not in self._detokenizers:
             self._detokenizers[index] = self.tokenizer.detokenizer(
-                skip_special_tokens=self._skip_special_tokens)
+                skip_special_tokens=self._skip_special_tokens,
+                prompt_token_ids=self.request.prompt_token_ids)
         return self._detokenizers[index]
 
     def _matcher(self, index: int) -> StopStringMatcher:
@@ -201,6 +219,16 @@ class Generation:
         texts = dict(zip(ids, await self.tokenizer.token_texts(ids)))
         return [TokenLogprob(texts[e.token_id], e.logprob, [(texts[t.token_id], t.logprob) for t in e.top])
                 for e in entries]
+
+
+def _num_tokens_reaching(token_texts: list[str], text_end: int) -> int:
+    """How many of the tokens it takes for their texts to reach `text_end` characters."""
+    num_chars = 0
+    for num_tokens, text in enumerate(token_texts, start=1):
+        num_chars += len(text)
+        if num_chars >= text_end:
+            return num_tokens
+    return len(token_texts)
 
 
 def _request_error(error: pb.GenerateError) -> Exception:

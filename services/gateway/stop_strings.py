@@ -9,6 +9,9 @@ from dataclasses import dataclass
 class StopCheck:
     text: str
     stopped: bool
+    # Where the stop string ends in the text just fed, which it always reaches into; 0 unless
+    # stopped. Tokens of that text past this point were generated after the stop.
+    stop_end: int = 0
 
 
 class StopStringMatcher:
@@ -31,11 +34,13 @@ class StopStringMatcher:
         if not self._stops:
             released, self._pending = self._pending, ""
             return StopCheck(released, False)
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
+        if found:
+            cut, stop_length = min(found)
             self.stopped = True
+            num_held = len(self._pending) - len(text)
             released, self._pending = self._pending[:cut], ""
-            return StopCheck(released, True)
+            return StopCheck(released, True, stop_end=cut + stop_length - num_held)
         keep = min(self._hold, len(self._pending))
         released = self._pending[:len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep:]

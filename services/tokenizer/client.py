@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -12,6 +13,9 @@ from backport.v1 import tokenizer_pb2_grpc
 from services.mesh.channels import open_channel
 
 TOKEN_TEXT_CACHE_SIZE = 65_536
+# Enough of the prompt's end that a sequence's first generated token decodes as a continuation;
+# the whole prompt would cost a long prompt's worth of decoding per choice.
+NUM_PROMPT_TOKENS_TO_PRIME = 8
 
 
 class TokenizerClient:
@@ -44,37 +48,67 @@ class TokenizerClient:
 
     async def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token decoded alone (for logprobs), cached since the vocabulary never changes."""
-        missing = sorted({t for t in token_ids if t not in self._token_texts})
+        # Taken before the call: the cache may be cleared while it runs, by this call or another.
+        texts = {t: self._token_texts[t] for t in token_ids if t in self._token_texts}
+        missing = sorted(set(token_ids) - texts.keys())
         if missing:
             reply = await self.stub.DecodeTokens(pb.DecodeTokensRequest(token_ids=missing))
+            decoded = dict(zip(missing, reply.texts))
+            texts |= decoded
             if len(self._token_texts) + len(missing) > TOKEN_TEXT_CACHE_SIZE:
                 self._token_texts.clear()
-            self._token_texts.update(zip(missing, reply.texts))
-        return [self._token_texts[t] for t in token_ids]
+            self._token_texts |= decoded
+        return [texts[t] for t in token_ids]
 
-    def detokenizer(self, *, skip_special_tokens: bool) -> StreamDetokenizer:
-        return StreamDetokenizer(self.stub, skip_special_tokens=skip_special_tokens)
+    def detokenizer(self, *, skip_special_tokens: bool,
+                    prompt_token_ids: Sequence[int]) -> StreamDetokenizer:
+        return StreamDetokenizer(self.stub, skip_special_tokens=skip_special_tokens,
+                                 prompt_token_ids=prompt_token_ids)
 
     async def close(self) -> None:
         await self.channel.close()
 
 
 class StreamDetokenizer:
-    """One sequence's incremental detokenization over a bidirectional stream."""
+    """One sequence's incremental detokenization over a bidirectional stream.
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, *, skip_special_tokens: bool) -> None:
+    The stream starts with the prompt's last tokens, whose text is dropped: sentencepiece-style
+    decoders strip the leading space of a sequence's first word, so a completion decoded on its
+    own would lose the space it starts with (" Paris" after "The capital of France is"). vLLM's
+    detokenizer is primed with the prompt for the same reason.
+    """
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, *, skip_special_tokens: bool,
+                 prompt_token_ids: Sequence[int]) -> None:
         self._stub = stub
         self._skip_special_tokens = skip_special_tokens
+        self._prompt_tail = list(prompt_token_ids[-NUM_PROMPT_TOKENS_TO_PRIME:])
         self._call: grpc.aio.StreamStreamCall | None = None
 
     async def step(self, token_ids: list[int]) -> str:
+        """The text these tokens make final."""
+        return (await self._exchange([token_ids]))[0]
+
+    async def step_each(self, token_ids: list[int]) -> list[str]:
+        """The text each token makes final, in one round trip: what a stop string needs to
+        tell which token completed it."""
+        return await self._exchange([[token_id] for token_id in token_ids])
+
+    async def _exchange(self, messages: list[list[int]]) -> list[str]:
+        num_priming = 0
         if self._call is None:
             self._call = self._stub.Detokenize()
-            request = pb.DetokenizeRequest(skip_special_tokens=self._skip_special_tokens,
-                                           token_ids=token_ids)
-        else:
-            request = pb.DetokenizeRequest(token_ids=token_ids)
-        await self._call.write(request)
+            await self._call.write(pb.DetokenizeRequest(skip_special_tokens=self._skip_special_tokens,
+                                                        token_ids=self._prompt_tail))
+            num_priming = 1
+        # Every message goes out before a reply is read: one round trip, priming included.
+        for token_ids in messages:
+            await self._call.write(pb.DetokenizeRequest(token_ids=token_ids))
+        texts = [await self._read() for _ in range(num_priming + len(messages))]
+        return texts[num_priming:]
+
+    async def _read(self) -> str:
+        assert self._call is not None
         reply = await self._call.read()
         if reply is grpc.aio.EOF:
             raise ConnectionError("the tokenizer service closed the detokenize stream")
