@@ -127,6 +127,19 @@ def test_logprobs_in_chat_and_completions(client: openai.OpenAI) -> None:
     assert "".join(logprobs.tokens) == completion.choices[0].text
 
 
+def test_completion_text_offsets_run_on_across_chunks_and_past_the_echo(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=6,
+                                      logprobs=1, echo=True)
+    offsets = whole.choices[0].logprobs.text_offset
+    tokens = whole.choices[0].logprobs.tokens
+    assert offsets[0] == len("Hello")
+    assert offsets == [len("Hello") + len("".join(tokens[:i])) for i in range(len(tokens))]
+    streamed = [offset for chunk in client.completions.create(
+        model=MODEL, prompt="Hello", temperature=0, max_tokens=6, logprobs=1, echo=True, stream=True)
+        if chunk.choices[0].logprobs for offset in chunk.choices[0].logprobs.text_offset]
+    assert streamed == offsets
+
+
 def test_finish_reason_length_counts_exactly_max_tokens(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
                                            max_completion_tokens=3)
@@ -228,7 +241,10 @@ def test_prompt_beyond_the_context_is_400_and_the_server_keeps_serving(client: o
     assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2).choices[0].text
 
 
-def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh) -> None:
+@pytest.mark.parametrize("prompt", ["Write a very long story.",
+                                    ["Write a very long story.", "Write another long story."]])
+def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh, prompt: str | list[str]) -> None:
+    """A batch's later prompt, whose stream had not begun, is aborted too."""
     from services.engine.client import EngineClient
 
     async def running_requests() -> int:
@@ -238,14 +254,13 @@ def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh) -> None:
         finally:
             await engine.close()
 
-    body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 1500,
-            "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{mesh.base_url}/completions", json=body) as reply:
             lines = reply.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert asyncio.run(running_requests()) == 1
+            assert asyncio.run(running_requests()) == (1 if isinstance(prompt, str) else 2)
     deadline = time.monotonic() + 1.0
     while asyncio.run(running_requests()) != 0:
         assert time.monotonic() < deadline, "engine still runs the abandoned request after 1 s"

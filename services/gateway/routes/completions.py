@@ -37,6 +37,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
             generate_request(body, prompt_ids, token_limit=body.token_limit,
                              num_logprobs=body.num_logprobs, constraint=constraint),
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens))
+    echoes = ([await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+              if body.echo else None)
     try:
         for generation in generations:
             await generation.start()
@@ -44,8 +46,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         for generation in generations:
             generation.cancel()
         raise
-    echoes = ([await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-              if body.echo else None)
     completion = _Completion(model, body.n, generations, echoes)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
@@ -88,46 +88,58 @@ class _Completion:
         return usage_dict(total)
 
     async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
-        for p, generation in enumerate(self.generations):
-            echoed: set[int] = set()
-            async for delta in generation.deltas():
-                text = delta.text
-                if self.echoes is not None and delta.index not in echoed:
-                    echoed.add(delta.index)
-                    text = self.echoes[p] + text
-                chunk = self._object([{
-                    "index": p * self.n + delta.index, "text": text,
-                    "logprobs": _logprobs(delta.logprobs) if delta.logprobs else None,
-                    "finish_reason": delta.finish_reason}])
-                if continuous_usage:
-                    chunk["usage"] = self._usage()
-                yield sse_event(chunk)
-        if include_usage:
-            yield sse_event(self._object([]) | {"usage": self._usage()})
+        try:
+            for p, generation in enumerate(self.generations):
+                echo = self.echoes[p] if self.echoes else ""
+                # Each choice's next token offset in its text: vLLM carries it across chunks.
+                positions: dict[int, int] = {}
+                async for delta in generation.deltas():
+                    text = delta.text
+                    if delta.index not in positions:
+                        positions[delta.index] = len(echo)
+                        text = echo + text
+                    logprobs = None
+                    if delta.logprobs:
+                        logprobs = _logprobs(delta.logprobs, positions[delta.index])
+                        positions[delta.index] += sum(len(e.token) for e in delta.logprobs)
+                    chunk = self._object([{"index": p * self.n + delta.index, "text": text,
+                                           "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+                    if continuous_usage:
+                        chunk["usage"] = self._usage()
+                    yield sse_event(chunk)
+            if include_usage:
+                yield sse_event(self._object([]) | {"usage": self._usage()})
+        finally:
+            self._cancel_all()
 
     async def response(self) -> dict[str, Any]:
         choices = []
-        for p, generation in enumerate(self.generations):
-            echo = self.echoes[p] if self.echoes else ""
-            choices += [{"index": p * self.n + i, "text": echo + choice.text,
-                         "logprobs": _logprobs(choice.logprobs) if choice.logprobs else None,
-                         "finish_reason": choice.finish_reason}
-                        for i, choice in enumerate(await generation.collect())]
+        try:
+            for p, generation in enumerate(self.generations):
+                echo = self.echoes[p] if self.echoes else ""
+                choices += [{"index": p * self.n + i, "text": echo + choice.text,
+                             "logprobs": _logprobs(choice.logprobs, len(echo)) if choice.logprobs else None,
+                             "finish_reason": choice.finish_reason}
+                            for i, choice in enumerate(await generation.collect())]
+        finally:
+            self._cancel_all()
         return self._object(choices) | {"usage": self._usage()}
+
+    def _cancel_all(self) -> None:
+        """A batch's later prompts run while the earlier are read: a client gone, or a prompt
+        failed, must not leave them running in the engines."""
+        for generation in self.generations:
+            generation.cancel()
 
     def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model.name, "choices": choices}
 
 
-def _logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries], "text_offset": _offsets(entries)}
-
-
-def _offsets(entries: list[TokenLogprob]) -> list[int]:
-    offsets, position = [], 0
+def _logprobs(entries: list[TokenLogprob], first_offset: int) -> dict[str, Any]:
+    offsets, position = [], first_offset
     for entry in entries:
         offsets.append(position)
         position += len(entry.token)
-    return offsets
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
