@@ -159,3 +159,17 @@ def test_sticky_effort_carries_a_sessions_first_effort_across_turns(client: open
         assert later.model_extra.get("reasoning_content") is None
         assert later.content == chat_mode.content
     assert turn("agent-2").model_extra.get("reasoning_content") == REASONING
+
+
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_object"}},
+    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": TOOLS},
+])
+def test_a_constrained_output_with_thinking_on_is_400_naming_the_way_out(
+        client: openai.OpenAI, constraint: dict[str, object]) -> None:
+    """The model thinks by default; vLLM would hold its reasoning to the constraint too."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8,
+                                       extra_body=constraint)
+    assert caught.value.body["param"] == next(k for k in constraint if k != "tools")
+    assert 'reasoning_effort: "none"' in caught.value.body["message"]
