@@ -208,7 +208,9 @@ def fake_engine_mesh(sentencepiece_tokenizer_folder: Path, sentencepiece_tokeniz
 
 
 def _wait_for_cancellations(engine: FakeEngineServicer, num_requests: int) -> None:
-    deadline = time.monotonic() + 5.0
+    # Well inside FAKE_GENERATION_S, after which a request not cancelled ends on its own; CI's
+    # two loaded cores once took longer than 5 s to see a cancellation arrive.
+    deadline = time.monotonic() + FAKE_GENERATION_S * 0.75
     while len(engine.cancelled_request_ids) < num_requests and time.monotonic() < deadline:
         time.sleep(0.05)
 
@@ -240,4 +242,4 @@ def test_tokens_after_a_stop_string_in_the_same_chunk_are_not_counted_nor_given_
     assert num_logprobs == [2, 2]
     assert chunks[-1].usage.completion_tokens == 4
     _wait_for_cancellations(fake_engine_mesh.engine, 2)
-    assert len(fake_engine_mesh.engine.cancelled_request_ids) == 2
+    assert len(fake_engine_mesh.engine.cancelled_request_ids) == 2, fake_engine_mesh.engine.cancelled_request_ids

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -87,7 +87,7 @@ class _Completion:
                                          for i, c in g.usage.completion_tokens_by_choice.items()})
         return usage_dict(total)
 
-    async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
         try:
             for p, generation in enumerate(self.generations):
                 echo = self.echoes[p] if self.echoes else ""
