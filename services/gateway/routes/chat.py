@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,6 +28,26 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 @router.post("/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest,
                                  request: Request) -> JSONResponse | StreamingResponse:
+    started = await start_chat_generation(body, request)
+    completion = _ChatCompletion(started.model_name, started.generation, started.parsers)
+    if body.stream:
+        return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
+                                                              body.include_continuous_usage)),
+                                 media_type="text/event-stream")
+    return JSONResponse(await completion.response())
+
+
+@dataclass(frozen=True, slots=True)
+class StartedChatGeneration:
+    """A chat request's generation, started, and the output parser of each of its choices."""
+
+    model_name: str
+    generation: Generation
+    parsers: list[ChatOutputParser | ForcedToolCallParser | None]
+
+
+async def start_chat_generation(body: ChatCompletionRequest, request: Request) -> StartedChatGeneration:
+    """Renders, checks and starts a chat request; the Responses API is served through it too."""
     backend = backend_of(request)
     model = check_model(backend, body.model)
     check_token_ids(model, body)
@@ -64,13 +85,8 @@ async def create_chat_completion(body: ChatCompletionRequest,
         skip_special_tokens=body.skip_special_tokens and not has_parser)
     parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
                for _ in range(body.n)]
-    completion = _ChatCompletion(model.name, generation, parsers)
     await generation.start()
-    if body.stream:
-        return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
-                                                              body.include_continuous_usage)),
-                                 media_type="text/event-stream")
-    return JSONResponse(await completion.response())
+    return StartedChatGeneration(model.name, generation, parsers)
 
 
 async def _template_kwargs(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
@@ -112,31 +128,18 @@ class _ChatCompletion:
         self.generation = generation
         self.parsers = parsers
 
-    def _parse(self, delta: ChoiceDelta) -> MessageDelta:
-        parser = self.parsers[delta.index]
-        if parser is None:
-            return MessageDelta(content=delta.text or None)
-        message = parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            tail = parser.finish()
-            message = MessageDelta(
-                reasoning_content=_join(message.reasoning_content, tail.reasoning_content),
-                content=_join(message.content, tail.content),
-                tool_calls=message.tool_calls + tail.tool_calls)
-        return message
-
     def _finish_reason(self, delta: ChoiceDelta) -> str | None:
         parser = self.parsers[delta.index]
         if delta.finish_reason == "stop" and parser is not None and parser.has_tool_calls:
             return "tool_calls"
         return delta.finish_reason
 
-    async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
         for index in range(len(self.parsers)):
             yield sse_event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]))
         async for delta in self.generation.deltas():
-            message = self._parse(delta)
+            message = parse_choice_delta(self.parsers[delta.index], delta)
             if message.is_empty and not delta.logprobs and delta.finish_reason is None:
                 continue
             chunk = self._chunk([{
@@ -171,6 +174,21 @@ class _ChatCompletion:
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model_name, "choices": choices}
+
+
+def parse_choice_delta(parser: ChatOutputParser | ForcedToolCallParser | None,
+                       delta: ChoiceDelta) -> MessageDelta:
+    """What a choice's text delta adds to its message; its last delta flushes the parser."""
+    if parser is None:
+        return MessageDelta(content=delta.text or None)
+    message = parser.feed(delta.text)
+    if delta.finish_reason is not None:
+        tail = parser.finish()
+        message = MessageDelta(
+            reasoning_content=_join(message.reasoning_content, tail.reasoning_content),
+            content=_join(message.content, tail.content),
+            tool_calls=message.tool_calls + tail.tool_calls)
+    return message
 
 
 def _join(first: str | None, second: str | None) -> str | None:

@@ -1,0 +1,253 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless, served on the chat path.
+
+The conversation is rendered as chat messages, generated and parsed exactly as a chat
+completion is (`start_chat_generation`); the parsed message is then shaped as output items: a
+`reasoning` item when the model reasoned, a `message` item when it wrote content, one
+`function_call` item per tool call. Streaming sends OpenAI's typed events, each with a
+`sequence_number` from 0, built by the same code that builds the non-streamed output, so a
+client that accumulates them gets the same items; `response.completed` (or `response.incomplete`
+when `max_output_tokens` cut the output) carries the whole response last.
+
+Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`
+is a 400 and there is no GET, DELETE or cancel of a response), `conversation`, `background`,
+`include`, `truncation`, built-in and custom tools (web search, file search, code interpreter,
+computer use, MCP, custom; only function tools), input parts other than text (images, files,
+audio), encrypted reasoning, reasoning summaries (the reasoning comes as `reasoning_text`
+content, `summary` stays empty), logprobs, and more than one output choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.errors import GatewayError, InvalidRequestError
+from services.gateway.generation import ChoiceDelta, UsageCounts
+from services.gateway.parsing import MessageDelta, ToolCallDelta
+from services.gateway.responses_request import ResponsesRequest, responses_param
+from services.gateway.routes.chat import StartedChatGeneration, parse_choice_delta, start_chat_generation
+from services.gateway.schemas import now
+from services.gateway.sse import sse_event
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["responses"])
+
+ItemStatus = Literal["completed", "incomplete"]
+
+
+@router.post("/responses", response_model=None)
+async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
+    try:
+        started = await start_chat_generation(body.chat_request(), request)
+    except InvalidRequestError as error:
+        # The chat path names its own fields; the client wrote ours.
+        param = responses_param(error.param)
+        message = error.message.replace(error.param, param) if error.param and param else error.message
+        raise type(error)(message, param=param) from error
+    response = _Response(body, started)
+    if body.stream:
+        return StreamingResponse(response.events(), media_type="text/event-stream")
+    return JSONResponse(await response.whole())
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """A response's output items, built from its message deltas.
+
+    `add` and `close` return the stream events announcing what they changed; a non-streamed
+    response drops them, so both ways of answering build their items the same way.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open_index: int | None = None  # the item that text or arguments deltas extend
+        self._output_index_by_call: dict[int, int] = {}
+
+    def add(self, delta: MessageDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta.reasoning_content:
+            events += self._add_text("reasoning", delta.reasoning_content)
+        if delta.content:
+            events += self._add_text("message", delta.content)
+        for call in delta.tool_calls:
+            events += self._add_call(call)
+        return events
+
+    def close(self, status: ItemStatus) -> list[dict[str, Any]]:
+        """Ends the open item; `status` is the status of the response, which that item shares."""
+        if self._open_index is None:
+            return []
+        index, self._open_index = self._open_index, None
+        item = self.items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "function_call":
+            item["status"] = status
+            events = [{"type": "response.function_call_arguments.done", **where,
+                       "arguments": item["arguments"]}]
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                item["status"] = status
+                events = [{"type": "response.output_text.done", **where, "content_index": 0,
+                           "text": part["text"], "logprobs": []}]
+            else:
+                events = [{"type": "response.reasoning_text.done", **where, "content_index": 0,
+                           "text": part["text"]}]
+            events.append({"type": "response.content_part.done", **where, "content_index": 0,
+                           "part": copy.deepcopy(part)})
+        events.append({"type": "response.output_item.done", "output_index": index,
+                       "item": copy.deepcopy(item)})
+        return events
+
+    def _add_text(self, kind: Literal["reasoning", "message"], text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open_index is None or self.items[self._open_index]["type"] != kind:
+            events += self.close("completed")
+            events += self._open_text_item(kind)
+        index = self._open_index
+        assert index is not None
+        item = self.items[index]
+        item["content"][0]["text"] += text
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0, "delta": text}
+        if kind == "message":
+            events.append({"type": "response.output_text.delta", **where, "logprobs": []})
+        else:
+            events.append({"type": "response.reasoning_text.delta", **where})
+        return events
+
+    def _open_text_item(self, kind: Literal["reasoning", "message"]) -> list[dict[str, Any]]:
+        if kind == "message":
+            item: dict[str, Any] = {"type": "message", "id": _new_id("msg"), "role": "assistant",
+                                    "status": "in_progress", "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        index = self._open(item)
+        events = [{"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(item)},
+                  {"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                   "content_index": 0, "part": copy.deepcopy(part)}]
+        item["content"].append(part)
+        return events
+
+    def _add_call(self, call: ToolCallDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if call.id is not None:  # a call's first delta
+            events += self.close("completed")
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.id,
+                    "name": call.name or "", "arguments": "", "status": "in_progress"}
+            self._output_index_by_call[call.index] = self._open(item)
+            events.append({"type": "response.output_item.added",
+                           "output_index": self._output_index_by_call[call.index],
+                           "item": copy.deepcopy(item)})
+        if call.arguments:
+            index = self._output_index_by_call[call.index]
+            item = self.items[index]
+            item["arguments"] += call.arguments
+            events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                           "output_index": index, "delta": call.arguments})
+        return events
+
+    def _open(self, item: dict[str, Any]) -> int:
+        self.items.append(item)
+        self._open_index = len(self.items) - 1
+        return self._open_index
+
+
+class _Response:
+    """Shapes one started chat generation as a `response` object or its stream of events."""
+
+    def __init__(self, body: ResponsesRequest, started: StartedChatGeneration) -> None:
+        self.id = _new_id("resp")
+        self.created_at = now()
+        self.body = body
+        self.model_name = started.model_name
+        self.generation = started.generation
+        self.parser = started.parsers[0]
+
+    async def whole(self) -> dict[str, Any]:
+        choice = (await self.generation.collect())[0]
+        output = OutputItems()
+        output.add(parse_choice_delta(self.parser, ChoiceDelta(0, choice.text,
+                                                                finish_reason=choice.finish_reason)))
+        status = _status(choice.finish_reason)
+        output.close(status)
+        return self._shape(status, output.items, self.generation.usage)
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        """The stream; an error once it has begun is an `error` event, and the stream ends."""
+        sequence_numbers = itertools.count()
+
+        def sse(event: dict[str, Any]) -> str:
+            event["sequence_number"] = next(sequence_numbers)
+            return f"event: {event['type']}\n{sse_event(event)}"
+
+        opening = self._shape("in_progress", [], None)
+        yield sse({"type": "response.created", "response": opening})
+        yield sse({"type": "response.in_progress", "response": opening})
+        output = OutputItems()
+        finish_reason: str | None = None
+        try:
+            # Closed as soon as the stream ends or the client goes: that aborts the engine request.
+            async with aclosing(self.generation.deltas()) as deltas:
+                async for delta in deltas:
+                    for event in output.add(parse_choice_delta(self.parser, delta)):
+                        yield sse(event)
+                    finish_reason = delta.finish_reason or finish_reason
+        except GatewayError as error:
+            yield sse({"type": "error", "code": error.code or error.type, "message": error.message,
+                       "param": error.param})
+            return
+        except Exception:
+            logger.exception("response stream failed")
+            yield sse({"type": "error", "code": "internal_error",
+                       "message": "internal error while streaming", "param": None})
+            return
+        status = _status(finish_reason)
+        for event in output.close(status):
+            yield sse(event)
+        yield sse({"type": f"response.{status}",
+                   "response": self._shape(status, output.items, self.generation.usage)})
+
+    def _shape(self, status: str, output: list[dict[str, Any]], usage: UsageCounts | None) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model_name, "output": copy.deepcopy(output),
+            "usage": _usage(usage) if usage is not None else None, "error": None,
+            "instructions": body.instructions,
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
+            "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str)
+                            else body.tool_choice.model_dump()),
+            "temperature": body.temperature, "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "text": body.text.model_dump(by_alias=True, exclude_none=True),
+            "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
+            "metadata": body.metadata or {}, "user": body.user, "store": False,
+        }
+
+
+def _status(finish_reason: str | None) -> ItemStatus:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _usage(usage: UsageCounts) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}

@@ -1,0 +1,141 @@
+"""`POST /v1/responses` through the mesh on the embedded model, with the official openai client
+and its stream helpers (the embedded model has no tool format: forced calls come from the
+constrained output)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import RunningMesh
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+# The question of tests/test_mesh.py, asked the way whose first tokens are no near tie.
+QUESTION = "What is the capital of France? Answer in one sentence."
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                               "properties": {"city": {"type": "string", "maxLength": 24}}}}
+CITY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "big"],
+               "properties": {"city": {"type": "string", "maxLength": 24}, "big": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def client(mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_string_input_answers(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=24,
+                                       instructions="You are a helpful assistant.", metadata={"k": "v"})
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert "Paris" in response.output_text
+    assert [item.type for item in response.output] == ["message"]
+    assert response.output[0].content[0].type == "output_text"
+    assert response.usage.input_tokens > 10 and response.usage.output_tokens > 0
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert response.instructions == "You are a helpful assistant." and response.metadata == {"k": "v"}
+    assert response.error is None
+
+
+def test_streamed_events_accumulate_to_the_non_streamed_output(client: openai.OpenAI) -> None:
+    asked: dict[str, Any] = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 24}
+    whole = client.responses.create(**asked)
+    events = list(client.responses.create(**asked, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed" and events[-1].response.status == "completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    with client.responses.stream(**asked) as stream:
+        snapshots = [e.snapshot for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert snapshots[-1] == whole.output_text == final.output_text
+    assert [item.type for item in final.output] == [item.type for item in whole.output]
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_max_output_tokens_makes_the_response_incomplete(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 4
+    assert response.output[0].status == "incomplete"
+    events = list(client.responses.create(model=MODEL, input=QUESTION, temperature=0,
+                                          max_output_tokens=4, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == response.output_text
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_named_function_choice_calls_it_and_streams_the_same_arguments(client: openai.OpenAI) -> None:
+    asked: dict[str, Any] = {
+        "model": MODEL, "input": "What is the weather in Paris?", "temperature": 0,
+        "max_output_tokens": 48, "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "name": "get_weather"}}
+    response = client.responses.create(**asked)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].status == "completed"
+    assert calls[0].call_id.startswith("call_")
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    assert response.tool_choice.name == "get_weather"
+    with client.responses.stream(**asked) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    streamed_calls = [item for item in final.output if item.type == "function_call"]
+    assert "".join(deltas) == streamed_calls[0].arguments == calls[0].arguments
+
+
+def test_function_call_items_and_their_output_render_and_answer(client: openai.OpenAI) -> None:
+    conversation: list[Any] = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "I should look it up."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 degrees."},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "So, is it warm there?"}]}]
+    response = client.responses.create(model=MODEL, input=conversation, tools=[WEATHER_TOOL],
+                                       temperature=0, max_output_tokens=24)
+    assert response.output_text.strip()
+    assert response.usage.input_tokens > 30
+
+
+def test_a_json_schema_text_format_gives_json_of_that_schema(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=MODEL, input="Name the capital of France and say if it is big.", temperature=0,
+        max_output_tokens=64,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA, "strict": True}})
+    answer = json.loads(response.output_text)
+    assert set(answer) == {"city", "big"} and isinstance(answer["big"], bool)
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"max_output_tokens": 4000}, "max_output_tokens"),
+])
+def test_bad_inputs_are_400_naming_the_field(mesh: RunningMesh, fields: dict[str, Any], param: str) -> None:
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 2} | fields
+    reply = httpx.post(f"{mesh.base_url}/responses", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", reply.text
+    assert param in error["message"]
+
+
+def test_previous_response_id_says_responses_are_not_stored(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
+    assert "not stored" in caught.value.body["message"]

@@ -1,0 +1,143 @@
+"""The Responses request body read as a chat completion request, and output items built from
+message deltas (pure Python)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from openai import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter, ValidationError
+
+from services.gateway.errors import InvalidRequestError, RequestFieldError
+from services.gateway.parsing import MessageDelta, ToolCallDelta
+from services.gateway.responses_request import ResponsesRequest, responses_param
+from services.gateway.routes.responses import OutputItems
+
+STREAM_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}
+
+
+def request(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi"} | fields)
+
+
+def test_instructions_and_a_string_input_are_a_system_and_a_user_message() -> None:
+    assert request(instructions="Be brief.").chat_messages() == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+def test_items_become_chat_messages_as_vllm_joins_them() -> None:
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "sun"}]},
+        {"role": "assistant", "content": "Rain in Oslo, sun in Rome."},
+    ]
+    assert request(input=items).chat_messages() == [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "reasoning": "Look it up.",
+         "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "c2", "content": "sun"},
+        {"role": "assistant", "content": "Rain in Oslo, sun in Rome."},
+    ]
+
+
+def test_a_reasoning_summary_stands_in_for_absent_content() -> None:
+    items = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "gist"}]}]
+    assert request(input=items).chat_messages()[-1] == {"role": "assistant", "content": None,
+                                                        "reasoning": "gist"}
+
+
+def test_the_chat_request_carries_tools_choice_format_effort_and_limit() -> None:
+    chat = request(tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},
+                   parallel_tool_calls=False, reasoning={"effort": "low"}, max_output_tokens=7,
+                   temperature=0.5, top_p=0.9,
+                   text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+                   ).chat_request()
+    assert chat.tools == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object"}, "strict": True}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat.parallel_tool_calls is False and chat.reasoning_effort == "low"
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.n) == (7, 0.5, 0.9, 1)
+    assert chat.response_format is not None and chat.response_format.json_schema is not None
+    assert chat.response_format.json_schema.schema_ == {"type": "object"}
+    assert request(text={"format": {"type": "json_object"}}).chat_request().response_format.type == "json_object"
+    assert request(text={"format": {"type": "text"}}).chat_request().response_format is None
+
+
+@pytest.mark.parametrize(("fields", "param", "problem"), [
+    ({"input": [{"type": "computer_call"}]}, "input", "unsupported item type 'computer_call'"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "..."}]}, "input", "encrypted"),
+    ({"input": []}, "input", "empty"),
+    ({"tools": [{"type": "file_search"}]}, "tools", "only function tools"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice", "'other'"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text", "needs a schema"),
+])
+def test_bad_fields_are_refused_by_name(fields: dict[str, Any], param: str, problem: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        request(**fields)
+    cause = caught.value.errors()[0]["ctx"]["error"]
+    assert isinstance(cause, RequestFieldError) and cause.param == param and problem in str(cause)
+
+
+def test_a_lone_surrogate_is_refused_naming_input() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        request(input=[{"role": "user", "content": "a\ud800"}]).chat_request()
+    assert caught.value.param == "input" and "surrogate" in caught.value.message
+
+
+def test_chat_fields_in_errors_are_renamed_to_responses_fields() -> None:
+    assert responses_param("messages[2].content") == "input[2].content"
+    assert responses_param("max_tokens") == "max_output_tokens"
+    assert responses_param("response_format") == "text"
+    assert responses_param("tool_choice") == "tool_choice"
+    assert responses_param(None) is None
+
+
+
+def test_streamed_events_accumulate_in_the_openai_client_to_the_output_items() -> None:
+    """Reasoning, text and two calls through the client's own stream state (the embedded
+    model of the mesh tests never reasons)."""
+    output = OutputItems()
+    deltas = [MessageDelta(reasoning_content="Think"), MessageDelta(reasoning_content=" more."),
+              MessageDelta(content="Calling"), MessageDelta(content=" tools."),
+              MessageDelta(tool_calls=[ToolCallDelta(0, "call_a", "function", "f", '{"x": ')]),
+              MessageDelta(tool_calls=[ToolCallDelta(0, arguments="1}")]),
+              MessageDelta(tool_calls=[ToolCallDelta(1, "call_b", "function", "g", "{}")])]
+    item_events = [event for delta in deltas for event in output.add(delta)] + output.close("completed")
+    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m", "output": [],
+                "status": "in_progress", "tools": [], "tool_choice": "auto", "parallel_tool_calls": True}
+    events = [{"type": "response.created", "response": response}, *item_events,
+              {"type": "response.completed",
+               "response": response | {"output": output.items, "status": "completed"}}]
+    state = ResponseStreamState(input_tools=[], text_format=omit)
+    fired = [fired for number, event in enumerate(events) for fired in state.handle_event(
+        STREAM_EVENT.validate_python(event | {"sequence_number": number}))]
+
+    assert [item["type"] for item in output.items] == ["reasoning", "message", "function_call", "function_call"]
+    assert output.items[0]["content"] == [{"type": "reasoning_text", "text": "Think more."}]
+    assert [(i["call_id"], i["arguments"], i["status"]) for i in output.items[2:]] == [
+        ("call_a", '{"x": 1}', "completed"), ("call_b", "{}", "completed")]
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == output.items
+    text_deltas = [e for e in fired if e.type == "response.output_text.delta"]
+    assert text_deltas[-1].snapshot == "Calling tools."
+    assert fired[-1].type == "response.completed"
+    assert [item.model_dump(exclude_none=True) for item in fired[-1].response.output] == output.items
