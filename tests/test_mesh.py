@@ -224,6 +224,28 @@ def test_a_body_that_is_not_json_is_400_saying_so(mesh: RunningMesh) -> None:
     assert reply.json()["error"]["param"] is None
 
 
+def test_tokenize_counts_what_completions_and_chat_send_and_detokenize_inverts_it(
+        mesh: RunningMesh, client: openai.OpenAI) -> None:
+    root = mesh.base_url.removesuffix("/v1")
+    prompt = "The capital of France is"
+    tokenized = httpx.post(f"{root}/tokenize", json={"model": MODEL, "prompt": prompt,
+                                                     "return_token_strs": True}, timeout=60).json()
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert tokenized["count"] == len(tokenized["tokens"]) == completion.usage.prompt_tokens
+    assert "".join(tokenized["token_strs"]) == prompt and tokenized["max_model_len"] > 0
+    detokenized = httpx.post(f"{root}/detokenize", json={"tokens": tokenized["tokens"]}, timeout=60)
+    assert detokenized.json() == {"prompt": prompt}
+    chat_count = httpx.post(f"{root}/tokenize", json={"messages": QUESTION}, timeout=60).json()["count"]
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert chat_count == chat.usage.prompt_tokens
+    assert httpx.post(f"{root}/tokenize", json={"model": "other", "prompt": "x"},
+                      timeout=60).status_code == 404
+    refused = httpx.post(f"{root}/detokenize", json={"tokens": [1, 10**6]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    refused = httpx.post(f"{root}/tokenize", json={"messages": []}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
 def test_retrieves_the_served_model_and_404s_another(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError) as caught:

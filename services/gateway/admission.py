@@ -18,6 +18,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_context import RequestContext, set_request_context
 
 GUARDED_PREFIX = "/v1/"
+# vLLM leaves its extension endpoints open; they cost tokenizer time, so they take a key here.
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 ENGINE_HEADER = b"x-backport-engine"
 
 
@@ -39,7 +41,8 @@ class AdmissionMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+        if scope["type"] != "http" or not (scope["path"].startswith(GUARDED_PREFIX)
+                                           or scope["path"] in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
         started_at = time.monotonic()

@@ -12,7 +12,7 @@ from services.gateway.auth import ApiKeys
 from services.gateway.backend import GatewayBackend
 from services.gateway.errors import install_error_handlers
 from services.gateway.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
-from services.gateway.routes import chat, completions, models, responses
+from services.gateway.routes import chat, completions, models, responses, tokenize
 from services.gateway.settings import GatewaySettings
 
 
@@ -37,7 +37,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                        traffic=app.state.traffic, metrics=metrics,
                        expose_engine_header=settings.expose_engine_header)
     install_error_handlers(app)
-    for router in (models.router, chat.router, completions.router, responses.router):
+    for router in (models.router, chat.router, completions.router, responses.router, tokenize.router):
         app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)

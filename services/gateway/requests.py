@@ -42,15 +42,16 @@ def check_context(model: ServedModel, num_prompt_tokens: int, token_limit: int |
 def check_token_ids(model: ServedModel, body: SamplingFields,
                     prompts: list[list[int]] | None = None) -> None:
     """Token ids the client wrote itself must lie in the model's vocabulary."""
-    named = [("stop_token_ids", body.stop_token_ids),
-             ("logit_bias", [int(token) for token in body.logit_bias or {}]),
-             ("prompt", [i for prompt in prompts or [] for i in prompt])]
-    for param, ids in named:
-        outside = sorted({i for i in ids if i >= model.vocab_size})
-        if outside:
-            raise InvalidRequestError(
-                f"{param}: token ids {outside[:8]} lie outside the vocabulary of "
-                f"{model.vocab_size} tokens", param=param)
+    check_in_vocabulary(model, "stop_token_ids", body.stop_token_ids)
+    check_in_vocabulary(model, "logit_bias", [int(token) for token in body.logit_bias or {}])
+    check_in_vocabulary(model, "prompt", [i for prompt in prompts or [] for i in prompt])
+
+
+def check_in_vocabulary(model: ServedModel, param: str, token_ids: list[int]) -> None:
+    outside = sorted({i for i in token_ids if i >= model.vocab_size})
+    if outside:
+        raise InvalidRequestError(f"{param}: token ids {outside[:8]} lie outside the vocabulary "
+                                  f"of {model.vocab_size} tokens", param=param)
 
 
 @dataclass(frozen=True, slots=True)

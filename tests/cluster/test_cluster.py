@@ -156,6 +156,9 @@ def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster)
         assert reply.status_code == 401
         assert reply.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{cluster.base_url}/models").status_code == 401
+    root = cluster.base_url.removesuffix("/v1")
+    assert httpx.post(f"{root}/tokenize", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(f"{root}/tokenize", json={"prompt": "hi"}, headers=cluster.headers()).status_code == 200
     assert httpx.get(cluster.health_url).status_code == 200
     ok = httpx.get(f"{cluster.base_url}/models", headers=cluster.headers())
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL

@@ -51,19 +51,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
     backend = backend_of(request)
     model = check_model(backend, body.model)
     check_token_ids(model, body)
-    template_kwargs, is_thinking = await _template_kwargs(backend, model, body, request)
-    try:
-        rendered = await backend.tokenizer.render_chat(
-            body.messages, body.tools, template_kwargs,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message)
-    except grpc.aio.AioRpcError as error:
-        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            details = error.details() or "invalid messages"
-            raise InvalidRequestError(
-                details, param="tools" if details.startswith("tools") else "messages") from error
-        raise
-    prompt_ids = list(rendered.token_ids)
+    prompt_ids, is_thinking = await render_chat_prompt(backend, model, body, request)
     check_context(model, len(prompt_ids), body.token_limit, prompt_param="messages",
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     forced_tools = ForcedToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -87,6 +75,24 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
                for _ in range(body.n)]
     await generation.start()
     return StartedChatGeneration(model.name, generation, parsers)
+
+
+async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
+                             request: Request) -> tuple[list[int], bool]:
+    """The prompt's token ids as the chat request renders, and whether it opens a reasoning block."""
+    template_kwargs, is_thinking = await _template_kwargs(backend, model, body, request)
+    try:
+        rendered = await backend.tokenizer.render_chat(
+            body.messages, body.tools, template_kwargs,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message)
+    except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            details = error.details() or "invalid messages"
+            raise InvalidRequestError(
+                details, param="tools" if details.startswith("tools") else "messages") from error
+        raise
+    return list(rendered.token_ids), is_thinking
 
 
 async def _template_kwargs(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
