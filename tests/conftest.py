@@ -133,6 +133,24 @@ def wait_for_http_ok(url: str, timeout_s: float,
     raise TimeoutError(f"{url} did not answer 200 in {timeout_s} s")
 
 
+def wait_for_grpc_serving(address: str, timeout_s: float, process: subprocess.Popen[bytes],
+                          log_path: Path | None = None) -> None:
+    """Returns once the gRPC health service at `address` answers SERVING. TimeoutError after
+    `timeout_s`; ProcessExitedError as soon as `process` (the server) has exited. Either error
+    ends with the tail of the server's log, when given."""
+    from services.mesh.channels import wait_until_serving  # grpc: not for the bare kernel machines
+
+    def log_tail() -> str:
+        return "\n" + log_path.read_text(errors="replace")[-4000:] if log_path is not None else ""
+
+    deadline = time.monotonic() + timeout_s
+    while not wait_until_serving(address, timeout_s=1.0):
+        if process.poll() is not None:
+            raise ProcessExitedError(f"{process.args!r} exited with {process.returncode}{log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} did not serve in {timeout_s} s{log_tail()}")
+
+
 def stop_mesh(mesh: RunningMesh, timeout_s: float = 60.0) -> None:
     if mesh.process.poll() is None:
         mesh.process.terminate()

@@ -11,16 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
 from services.engine.client import EngineClient
 from tests.cluster.processes import kill_group, metric, scrape, start_engine
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for_grpc_serving
 
 START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 512
@@ -32,10 +30,6 @@ class RunningEngine:
     process: subprocess.Popen[bytes]
     address: str
     metrics_url: str
-    log_path: Path
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +38,9 @@ def engine(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
     log_path = tmp_path_factory.mktemp("engine") / "engine.log"
     process = start_engine(embedded_model_path, port, log_path, *ENGINE_ARGS,
                            "--metrics-port", str(metrics_port))
-    running = RunningEngine(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics",
-                            log_path)
+    running = RunningEngine(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
     try:
-        wait_until_serving(running)
+        wait_for_grpc_serving(running.address, START_TIMEOUT_S, process, log_path)
         yield running
     finally:
         # SIGTERM first: killed outright, vLLM leaves its socket files behind.
@@ -57,22 +50,6 @@ def engine(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
         finally:
             kill_group(process)
             process.wait()
-
-
-def wait_until_serving(engine: RunningEngine) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(engine.address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert engine.process.poll() is None, engine.log_tail()
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"the engine did not serve in {START_TIMEOUT_S} s:\n{engine.log_tail()}")
 
 
 def generate(address: str, request_id: str, prompt_token_ids: list[int],

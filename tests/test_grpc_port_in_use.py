@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from services.mesh.channels import wait_until_serving
 from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_server import GrpcServer
-from tests.conftest import REPO_ROOT, engine_environment, free_port
+from tests.conftest import REPO_ROOT, engine_environment, free_port, wait_for_grpc_serving
 
 
 def test_second_server_on_a_taken_port_fails_to_start() -> None:
@@ -39,9 +37,7 @@ def test_tokenizer_on_a_taken_port_exits_naming_it(embedded_model_path: Path) ->
     first = subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not wait_until_serving(f"127.0.0.1:{port}", timeout_s=2.0):
-            assert first.poll() is None and time.monotonic() < deadline, "first tokenizer did not serve"
+        wait_for_grpc_serving(f"127.0.0.1:{port}", 120, first)
         second = subprocess.run(command, cwd=REPO_ROOT, env=engine_environment(),
                                 capture_output=True, text=True, timeout=120)
         assert second.returncode == 1, second.stderr[-2000:]

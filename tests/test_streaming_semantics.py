@@ -27,10 +27,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
 from backport.v1 import engine_pb2_grpc
-from services.mesh.channels import is_serving
 from services.tokenizer.client import TOKEN_TEXT_CACHE_SIZE, TokenizerClient
-from tests.cluster.processes import kill_group
-from tests.conftest import REPO_ROOT, ProcessExitedError, engine_environment, free_port, wait_for_http_ok
+from tests.cluster.processes import kill_group, start_tokenizer
+from tests.conftest import (REPO_ROOT, ProcessExitedError, engine_environment, free_port,
+                            wait_for_grpc_serving, wait_for_http_ok)
 
 START_TIMEOUT_S = 120.0
 # A word-level vocabulary whose words carry sentencepiece's "▁" space marker, as Llama-2's and
@@ -62,31 +62,14 @@ def sentencepiece_tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer_address(sentencepiece_tokenizer_folder: Path) -> Iterator[str]:
     port = free_port()
-    with (sentencepiece_tokenizer_folder / "tokenizer.log").open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "tokenizer",
-             "--model", str(sentencepiece_tokenizer_folder), "--port", str(port)],
-            cwd=REPO_ROOT, env=engine_environment(), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    address = f"127.0.0.1:{port}"
+    process = start_tokenizer(sentencepiece_tokenizer_folder, port,
+                              sentencepiece_tokenizer_folder / "tokenizer.log")
     try:
-        asyncio.run(_wait_until_serving(address, process))
-        yield address
+        wait_for_grpc_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process)
+        yield f"127.0.0.1:{port}"
     finally:
         kill_group(process)
         process.wait()
-
-
-async def _wait_until_serving(address: str, process: subprocess.Popen[bytes]) -> None:
-    client = TokenizerClient(address)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not await is_serving(client.channel, timeout_s=1.0):
-            assert process.poll() is None, f"the tokenizer service exited with {process.returncode}"
-            assert time.monotonic() < deadline, f"the tokenizer service did not serve in {START_TIMEOUT_S} s"
-            await asyncio.sleep(0.3)
-    finally:
-        await client.close()
 
 
 def test_a_completion_keeps_the_space_before_its_first_word(sentencepiece_tokenizer_address: str) -> None:
@@ -131,8 +114,9 @@ def test_token_texts_stay_right_when_the_cache_of_them_fills(sentencepiece_token
 # What the fake engine generates for every choice, in one chunk: " Paris. The capital".
 SCRIPTED_TOKEN_IDS = [SENTENCEPIECE_VOCAB[word] for word in ("▁Paris", ".", "▁The", "▁capital")]
 FAKE_MODEL = "fake-sentencepiece"
-# How long the fake engine keeps a request open after its chunk unless the gateway cancels it.
-FAKE_GENERATION_S = 20.0
+# How long the fake engine keeps a request open after its chunk unless the gateway cancels it:
+# long enough that a loaded CI machine never mistakes slowness for a request left running.
+FAKE_GENERATION_S = 60.0
 
 
 class FakeEngineServicer(engine_pb2_grpc.EngineServicer):
@@ -208,8 +192,7 @@ def fake_engine_mesh(sentencepiece_tokenizer_folder: Path, sentencepiece_tokeniz
 
 
 def _wait_for_cancellations(engine: FakeEngineServicer, num_requests: int) -> None:
-    # Well inside FAKE_GENERATION_S, after which a request not cancelled ends on its own; CI's
-    # two loaded cores once took longer than 5 s to see a cancellation arrive.
+    # Well inside FAKE_GENERATION_S, after which a request not cancelled ends on its own.
     deadline = time.monotonic() + FAKE_GENERATION_S * 0.75
     while len(engine.cancelled_request_ids) < num_requests and time.monotonic() < deadline:
         time.sleep(0.05)

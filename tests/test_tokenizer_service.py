@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.tokenizer.client import TokenizerClient
-from tests.cluster.processes import kill_group
-from tests.conftest import REPO_ROOT, engine_environment, free_port
+from tests.cluster.processes import kill_group, start_tokenizer
+from tests.conftest import free_port, wait_for_grpc_serving
 
 START_TIMEOUT_S = 120.0
 
@@ -25,34 +21,13 @@ def tokenizer_address(embedded_model_path: Path,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log_path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(embedded_model_path),
-             "--port", str(port)], cwd=REPO_ROOT, env=engine_environment(), stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"127.0.0.1:{port}"
+    process = start_tokenizer(embedded_model_path, port, log_path)
     try:
-        _wait_until_serving(address, process, log_path)
-        yield address
+        wait_for_grpc_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process, log_path)
+        yield f"127.0.0.1:{port}"
     finally:
         kill_group(process)
         process.wait()
-
-
-def _wait_until_serving(address: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log_path.read_text(errors="replace")[-4000:]
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(f"the tokenizer service did not serve in {START_TIMEOUT_S} s")
 
 
 def render_error(address: str, template_kwargs: dict[str, object]) -> grpc.aio.AioRpcError:

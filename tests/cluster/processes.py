@@ -76,6 +76,15 @@ def start_engine(model: Path, port: int, log_path: Path, *args: str) -> subproce
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_tokenizer(model: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    """A standalone tokenizer service in its own process group."""
+    command = [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(model),
+               "--port", str(port)]
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def kill_group(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(process.pid, sig)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from services.mesh.channels import wait_until_serving
-from tests.cluster.processes import kill_group, start_engine
+from tests.cluster.processes import kill_group, start_engine, start_tokenizer
 from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment, free_port,
                             wait_for_http_ok)
 
@@ -38,11 +38,7 @@ def backends(embedded_model_path: Path,
     log_dir = tmp_path_factory.mktemp("gateway-backends")
     tokenizer_port = free_port()
     engine_ports = [free_port(), free_port()]
-    with (log_dir / "tokenizer.log").open("wb") as log:
-        tokenizer = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(embedded_model_path),
-             "--port", str(tokenizer_port)], cwd=REPO_ROOT, env=engine_environment(), stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+    tokenizer = start_tokenizer(embedded_model_path, tokenizer_port, log_dir / "tokenizer.log")
     engines = [start_engine(embedded_model_path, port, log_dir / f"engine-{port}.log", *ENGINE_ARGS)
                for port in engine_ports]
     running = Backends([f"127.0.0.1:{port}" for port in engine_ports],
