@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -88,6 +89,15 @@ def install_error_handlers(app: FastAPI) -> None:
         param = ".".join(part for part in location if not part[:1].isupper() and "[" not in part)
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(error_body(message, "invalid_request_error", param or None), status_code=400)
+
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def mesh_call_error(request: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
+        # Engine calls handle their own failures (retry, then 503); a gRPC error that reaches
+        # here is the tokenizer service's. Answered here, not by the catch-all below, the
+        # client keeps its connection: Starlette re-raises what the catch-all answers.
+        logger.warning("tokenizer service call failed: %s %s", error.code().name, error.details())
+        unavailable = ServiceUnavailableError(f"the tokenizer service failed: {error.code().name}")
+        return JSONResponse(unavailable.body(), status_code=unavailable.status)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:

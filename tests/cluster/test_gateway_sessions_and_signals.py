@@ -19,7 +19,7 @@ import pytest
 from services.mesh.channels import wait_until_serving
 from tests.cluster.processes import kill_group, start_engine, start_tokenizer
 from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment, free_port,
-                            wait_for_http_ok)
+                            wait_for_grpc_serving, wait_for_http_ok)
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-gib", "0.5")
@@ -132,3 +132,23 @@ def test_a_second_sigterm_stops_a_draining_gateway_at_once(start_gateway: StartG
         gateway.process.wait(timeout=15)
     except subprocess.TimeoutExpired:
         pytest.fail("a draining gateway kept running 15 s after a second SIGTERM")
+
+
+def test_a_tokenizer_service_gone_is_a_503_and_the_connection_stays_usable(
+        embedded_model_path: Path, start_gateway: StartGateway, tmp_path: Path) -> None:
+    """Its gRPC failure reached the client as a 500 and then a dropped keep-alive connection."""
+    port = free_port()
+    log_path = tmp_path / "tokenizer.log"
+    tokenizer = start_tokenizer(embedded_model_path, port, log_path)
+    try:
+        wait_for_grpc_serving(f"127.0.0.1:{port}", MESH_START_TIMEOUT_S, tokenizer, log_path)
+        gateway = start_gateway("--tokenizer", f"127.0.0.1:{port}")
+    finally:
+        kill_group(tokenizer)
+        tokenizer.wait()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    with httpx.Client(timeout=60) as http:
+        for _ in range(2):  # the second on the first one's connection
+            reply = http.post(f"{gateway.base_url}/chat/completions", json=body)
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"]["message"].startswith("the tokenizer service failed")
