@@ -17,7 +17,7 @@ from services.gateway.engine_registry import RegistryWatcher
 from services.gateway.errors import ServiceUnavailableError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.reasoning_effort import (InMemorySessionEffortStore, RedisSessionEffortStore,
-                                                SessionEffortStore)
+                                                SessionEffortStore, session_key)
 from services.gateway.request_context import current_request_context
 from services.gateway.routing import Router
 from services.gateway.settings import DEFAULT_ENGINE, GatewaySettings
@@ -95,12 +95,14 @@ class GatewayBackend:
             raise ServiceUnavailableError("the gateway is still connecting to the mesh")
         return self.model
 
-    def pick_engine(self, session_key: str | None = None) -> EngineRoute:
+    def pick_engine(self, *, prompt_cache_key: str | None = None,
+                    user: str | None = None) -> EngineRoute:
         """The route of one engine request; the engine is chosen when the prompt is sent.
-        Session affinity follows the `X-Session-Id` header, else `session_key` (the request's
-        `prompt_cache_key` or `user`), as `docs/routing.md` says."""
-        return EngineRoute(self.pool, self.router, self.metrics, self.settings,
-                           current_request_context().session_id or session_key)
+        Session affinity follows the session key, as sticky effort does: the `X-Session-Id`
+        header, else `prompt_cache_key`, else `user` (`docs/routing.md`)."""
+        session = session_key(session_id=current_request_context().session_id,
+                              prompt_cache_key=prompt_cache_key, user=user)
+        return EngineRoute(self.pool, self.router, self.metrics, self.settings, session)
 
     async def close(self) -> None:
         for task in self._tasks:

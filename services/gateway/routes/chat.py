@@ -63,8 +63,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
             'turn thinking off (reasoning_effort: "none")', param=constraint.param)
     has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
     generation = Generation(
-        backend.pick_engine(session_key(session_id=request.headers.get("x-session-id"),
-                                        prompt_cache_key=body.prompt_cache_key, user=body.user)),
+        backend.pick_engine(prompt_cache_key=body.prompt_cache_key, user=body.user),
         backend.tokenizer,
         generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs,
                          constraint=constraint),

@@ -33,7 +33,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         check_context(model, len(prompt_ids), body.token_limit, prompt_param="prompt",
                       limit_param="max_tokens")
         generations.append(Generation(
-            backend.pick_engine(body.user), backend.tokenizer,
+            backend.pick_engine(user=body.user), backend.tokenizer,
             generate_request(body, prompt_ids, token_limit=body.token_limit,
                              num_logprobs=body.num_logprobs, constraint=constraint),
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens))
