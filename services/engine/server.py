@@ -44,9 +44,7 @@ async def serve(settings: EngineSettings) -> None:
         engine.shutdown()
         return
     # From here the loop takes the signals: one before the server serves stops it at once.
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.request_stop)
+    server.stop_on_signals()
     kv_event_collection = asyncio.create_task(kv_events.run()) if kv_events is not None else None
     watcher: asyncio.Task[None] | None = None
     try:

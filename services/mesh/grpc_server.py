@@ -56,11 +56,15 @@ class GrpcServer:
     def request_stop(self) -> None:
         self._stopping.set()
 
-    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serves until SIGTERM/SIGINT, then drains: NOT_SERVING, `on_stop`, graceful stop."""
+    def stop_on_signals(self) -> None:
+        """From now on SIGTERM/SIGINT ask this server to stop (a drain once it serves)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+
+    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serves until SIGTERM/SIGINT, then drains: NOT_SERVING, `on_stop`, graceful stop."""
+        self.stop_on_signals()
         await self.set_serving(True)
         await self._stopping.wait()
         logger.info("%s stopping", self.service_name)
