@@ -17,7 +17,7 @@ import pytest
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
 from services.engine.client import EngineClient
-from tests.cluster.processes import kill_group, metric, scrape, start_engine
+from tests.cluster.processes import kill_group, metric, scrape, start_engine, stop_service
 from tests.conftest import free_port, wait_for_grpc_serving
 
 START_TIMEOUT_S = 600.0
@@ -43,13 +43,7 @@ def engine(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
         wait_for_grpc_serving(running.address, START_TIMEOUT_S, process, log_path)
         yield running
     finally:
-        # SIGTERM first: killed outright, vLLM leaves its socket files behind.
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        finally:
-            kill_group(process)
-            process.wait()
+        stop_service(process)
 
 
 def generate(address: str, request_id: str, prompt_token_ids: list[int],

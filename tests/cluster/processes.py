@@ -92,6 +92,22 @@ def kill_group(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> N
         pass
 
 
+def stop_service(process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL of its group if it is still there after `timeout_s`.
+
+    A fixture's engine is stopped this way: killed outright, vLLM leaves its shared-memory
+    queues and semaphores (`/dev/shm/psm_*`, `sem.mp-*`) and its socket files behind.
+    """
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        kill_group(process)
+        process.wait()
+
+
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:

@@ -26,7 +26,7 @@ from services.engine.registry import REGISTRY_KEY_PREFIX
 from services.gateway.routing import prefix_key, rendezvous_order
 from tests.cluster.processes import (RedisServer, StreamRecord, http_ok, in_threads, kill_group,
                                      metric, redis_server_binary, scrape, start_engine,
-                                     stream_completion)
+                                     stop_service, stream_completion)
 from tests.conftest import REPO_ROOT, engine_environment, free_port
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -119,8 +119,8 @@ def cluster(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
             except subprocess.TimeoutExpired:
                 kill_group(launcher)
         kill_group(launcher)
-        kill_group(engine_c)
-        engine_c.wait()
+        if engine_c.poll() is None:
+            stop_service(engine_c)
         redis.stop()
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from services.mesh.channels import wait_until_serving
-from tests.cluster.processes import kill_group, start_engine, start_tokenizer
+from tests.cluster.processes import kill_group, start_engine, start_tokenizer, stop_service
 from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment, free_port,
                             wait_for_grpc_serving, wait_for_http_ok)
 
@@ -49,8 +49,7 @@ def backends(embedded_model_path: Path,
         yield running
     finally:
         for process in [tokenizer, *engines]:
-            kill_group(process)
-            process.wait()
+            stop_service(process)
 
 
 @dataclass
