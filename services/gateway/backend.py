@@ -45,7 +45,7 @@ class GatewayBackend:
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.tokenizer = TokenizerClient(settings.tokenizer)
+        self.tokenizer = TokenizerClient(settings.tokenizer, timeout_s=settings.tokenizer_timeout_s)
         self.pool = EnginePool(settings)
         static_engines = settings.engine or ([] if settings.redis_url else [DEFAULT_ENGINE])
         for address in static_engines:

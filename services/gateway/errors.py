@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.tokenizer.client import TokenizerTimeoutError
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +50,12 @@ class ServiceUnavailableError(GatewayError):
     status, type = 503, "service_unavailable"
 
 
+class UpstreamTimeoutError(GatewayError):
+    """A service the gateway needs took longer than its deadline to answer."""
+
+    status, type = 504, "timeout_error"
+
+
 class EngineFailedError(GatewayError):
     """The engine failed a request it had accepted."""
 
@@ -65,6 +73,17 @@ class RequestFieldError(ValueError):
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def tokenizer_failure(error: grpc.aio.AioRpcError | TokenizerTimeoutError) -> GatewayError:
+    """A failed tokenizer-service call as the client sees it. Past its deadline it is a 504, not
+    a 503: the service is up but hung or overloaded, not unreachable, and the status tells an
+    operator which; OpenAI's clients retry both."""
+    if isinstance(error, TokenizerTimeoutError):
+        logger.warning("%s", error)
+        return UpstreamTimeoutError(str(error))
+    logger.warning("tokenizer service call failed: %s %s", error.code().name, error.details())
+    return ServiceUnavailableError(f"the tokenizer service failed: {error.code().name}")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -91,13 +110,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, "invalid_request_error", param or None), status_code=400)
 
     @app.exception_handler(grpc.aio.AioRpcError)
-    async def mesh_call_error(request: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
+    @app.exception_handler(TokenizerTimeoutError)
+    async def tokenizer_call_error(request: Request,
+                                   error: grpc.aio.AioRpcError | TokenizerTimeoutError) -> JSONResponse:
         # Engine calls handle their own failures (retry, then 503); a gRPC error that reaches
         # here is the tokenizer service's. Answered here, not by the catch-all below, the
         # client keeps its connection: Starlette re-raises what the catch-all answers.
-        logger.warning("tokenizer service call failed: %s %s", error.code().name, error.details())
-        unavailable = ServiceUnavailableError(f"the tokenizer service failed: {error.code().name}")
-        return JSONResponse(unavailable.body(), status_code=unavailable.status)
+        failure = tokenizer_failure(error)
+        return JSONResponse(failure.body(), status_code=failure.status)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:

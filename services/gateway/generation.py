@@ -13,10 +13,11 @@ import grpc
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
 from services.gateway.dispatch import EngineRoute
-from services.gateway.errors import EngineFailedError, InvalidRequestError, ServiceUnavailableError
+from services.gateway.errors import (EngineFailedError, InvalidRequestError, ServiceUnavailableError,
+                                     tokenizer_failure)
 from services.gateway.request_context import current_request_context
 from services.gateway.stop_strings import StopStringMatcher
-from services.tokenizer.client import StreamDetokenizer, TokenizerClient
+from services.tokenizer.client import StreamDetokenizer, TokenizerClient, TokenizerTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,12 @@ class Generation:
         try:
             while response is not None:
                 if response.WhichOneof("response") == "chunk":
-                    delta = await self._on_chunk(response.chunk, finished)
+                    try:
+                        delta = await self._on_chunk(response.chunk, finished)
+                    except (grpc.aio.AioRpcError, TokenizerTimeoutError) as error:
+                        # Only the tokenizer service is called there. As a GatewayError it
+                        # ends a started stream with an error event, as an engine failure does.
+                        raise tokenizer_failure(error) from error
                 else:
                     delta = self._on_complete(response.complete, finished)
                 if delta is not None:

@@ -17,6 +17,12 @@ class GatewaySettings(ServiceSettings):
                               description=f"engine gRPC address host:port (default {DEFAULT_ENGINE} "
                                           "unless engines come from the Redis registry)")
     tokenizer: str = Field("127.0.0.1:50052", description="tokenizer gRPC address host:port")
+    # A chat template over a long conversation (or a long prompt's encoding) can take seconds on
+    # a busy CPU; 30 s is far past that, yet a hung tokenizer service fails its requests long
+    # before an OpenAI client's own 600 s timeout would.
+    tokenizer_timeout_s: float = Field(30.0, gt=0, description="deadline of each tokenizer-service "
+                                                               "call a request makes (and of each "
+                                                               "streamed detokenize step)")
     served_model_name: str | None = Field(None, description="model name for clients "
                                                             "(default: the engine's)")
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,9 +19,21 @@ TOKEN_TEXT_CACHE_SIZE = 65_536
 NUM_PROMPT_TOKENS_TO_PRIME = 8
 
 
+class TokenizerTimeoutError(TimeoutError):
+    """The tokenizer service did not answer a call, or a detokenize step, within its deadline."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        super().__init__(f"the tokenizer service did not answer in {timeout_s:g} s"
+                         if timeout_s is not None else "the tokenizer service did not answer")
+
+
 class TokenizerClient:
-    def __init__(self, address: str) -> None:
+    """`timeout_s` bounds each call and each detokenize step's round trip (None: no deadline):
+    a hung service must fail the requests that need it, not hold them."""
+
+    def __init__(self, address: str, *, timeout_s: float | None = None) -> None:
         self.address = address
+        self.timeout_s = timeout_s
         self.channel = open_channel(address)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
         self._token_texts: dict[int, str] = {}
@@ -35,15 +48,16 @@ class TokenizerClient:
             messages=[_struct(m) for m in messages], tools=[_struct(t) for t in tools or []],
             template_kwargs=_struct(template_kwargs), add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message)
-        return await self.stub.RenderChat(request)
+        return await self._call(self.stub.RenderChat, request)
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        reply = await self.stub.Encode(pb.EncodeRequest(text=text, add_special_tokens=add_special_tokens))
+        reply = await self._call(self.stub.Encode, pb.EncodeRequest(
+            text=text, add_special_tokens=add_special_tokens))
         return list(reply.token_ids)
 
     async def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str:
-        reply = await self.stub.Decode(pb.DecodeRequest(token_ids=token_ids,
-                                                        skip_special_tokens=skip_special_tokens))
+        reply = await self._call(self.stub.Decode, pb.DecodeRequest(
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens))
         return reply.text
 
     async def token_texts(self, token_ids: list[int]) -> list[str]:
@@ -52,7 +66,7 @@ class TokenizerClient:
         texts = {t: self._token_texts[t] for t in token_ids if t in self._token_texts}
         missing = sorted(set(token_ids) - texts.keys())
         if missing:
-            reply = await self.stub.DecodeTokens(pb.DecodeTokensRequest(token_ids=missing))
+            reply = await self._call(self.stub.DecodeTokens, pb.DecodeTokensRequest(token_ids=missing))
             decoded = dict(zip(missing, reply.texts))
             texts |= decoded
             if len(self._token_texts) + len(missing) > TOKEN_TEXT_CACHE_SIZE:
@@ -63,10 +77,18 @@ class TokenizerClient:
     def detokenizer(self, *, skip_special_tokens: bool,
                     prompt_token_ids: Sequence[int]) -> StreamDetokenizer:
         return StreamDetokenizer(self.stub, skip_special_tokens=skip_special_tokens,
-                                 prompt_token_ids=prompt_token_ids)
+                                 prompt_token_ids=prompt_token_ids, timeout_s=self.timeout_s)
 
     async def close(self) -> None:
         await self.channel.close()
+
+    async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TokenizerTimeoutError(self.timeout_s) from error
+            raise
 
 
 class StreamDetokenizer:
@@ -79,8 +101,9 @@ class StreamDetokenizer:
     """
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, *, skip_special_tokens: bool,
-                 prompt_token_ids: Sequence[int]) -> None:
+                 prompt_token_ids: Sequence[int], timeout_s: float | None = None) -> None:
         self._stub = stub
+        self._timeout_s = timeout_s
         self._skip_special_tokens = skip_special_tokens
         self._prompt_tail = list(prompt_token_ids[-NUM_PROMPT_TOKENS_TO_PRIME:])
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -95,6 +118,16 @@ class StreamDetokenizer:
         return await self._exchange([[token_id] for token_id in token_ids])
 
     async def _exchange(self, messages: list[list[int]]) -> list[str]:
+        # The stream lives as long as the generation, so its deadline is per round trip.
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._round_trip(messages)
+        except TimeoutError:
+            # A late reply would be read as the next step's: the stream cannot go on.
+            await self.close()
+            raise TokenizerTimeoutError(self._timeout_s) from None
+
+    async def _round_trip(self, messages: list[list[int]]) -> list[str]:
         num_priming = 0
         if self._call is None:
             self._call = self._stub.Detokenize()
