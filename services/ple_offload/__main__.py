@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import sys
 
+from services.mesh.errors import ServiceStartError
 from services.mesh.logs import configure_logging
 from services.mesh.settings import SettingsError
 from services.ple_offload.grpc_io import prefer_polling_thread_io
@@ -22,7 +25,12 @@ def main() -> None:
     except SettingsError as error:
         parser.error(str(error))  # status 2 and the usage line, as for an unknown flag
     configure_logging("ple")
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except ServiceStartError as error:
+        # One line, as `backport ple` reports it: the message names the cause.
+        logging.getLogger("services.ple_offload").error("%s", error)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

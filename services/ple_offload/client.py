@@ -34,6 +34,14 @@ if TYPE_CHECKING:  # torch is imported only by engines that gather on a GPU
 logger = logging.getLogger(__name__)
 
 _REATTACH_POLL_S = 0.2
+# How often an attached client looks whether the service closed its segment.
+_CLOSED_POLL_S = 0.5
+# Rows, spread over the table, that a reattach compares with the ones first served.
+_PROBE_ROWS = 64
+# A gather over gRPC of more rows than this goes as several lookups. Each lookup gets the
+# whole rpc_timeout_s, the service holds two copies of one part at a time rather than of
+# the whole gather, and no reply comes near grpc's 256 MiB message limit.
+_MAX_LOOKUP_BYTES = 32 * 2**20
 
 
 class PleTableClient:
@@ -66,9 +74,14 @@ class PleTableClient:
         self._cuda_device: torch.device | None = None
         self._cuda_table: CudaHostTable | None = None
         self.cuda_unavailable_reason: str | None = None
+        self._is_closed = threading.Event()
+        self._closed_segment_watcher: threading.Thread | None = None
         try:
             self.info = self._wait_for_table(connect_timeout_s)
-            self._attach_shared_memory()
+            self._attach(self._open_segment(self.info))
+            self._probe_ids = np.linspace(0, self.info.num_rows - 1,
+                                          min(_PROBE_ROWS, self.info.num_rows)).astype(np.int64)
+            self._probe_rows = self._gather_once(self._probe_ids)
         except BaseException:
             self.close()  # the channel and its threads, which the caller never gets to close
             raise
@@ -154,6 +167,9 @@ class PleTableClient:
         return self._gather_cuda_once(row_ids, valid_start, end)
 
     def close(self) -> None:
+        self._is_closed.set()
+        if self._closed_segment_watcher is not None:
+            self._closed_segment_watcher.join()
         with self._lock:
             self._detach()
         if self._lookup_streams is not None:
@@ -213,17 +229,32 @@ class PleTableClient:
         reader = self._reader
         if reader is not None:
             return reader.gather(row_ids)
-        flat = np.ascontiguousarray(row_ids, dtype="<i8")
-        request = ple_pb2.LookupRequest(row_ids_le_i64=flat.tobytes())
+        flat = np.ascontiguousarray(row_ids, dtype="<i8").reshape(-1)
+        row_bytes = self.info.row_bytes
+        rows_per_lookup = max(1, _MAX_LOOKUP_BYTES // row_bytes)
+        if flat.size <= rows_per_lookup:
+            rows = self._lookup_rows(flat, self.info.generation)  # a view of the reply
+        else:
+            rows = np.empty(flat.size * row_bytes, np.uint8)
+            for start in range(0, flat.size, rows_per_lookup):
+                part = flat[start:start + rows_per_lookup]
+                rows[start * row_bytes:(start + part.size) * row_bytes] = self._lookup_rows(
+                    part, self.info.generation)
+        return rows.reshape(*np.shape(row_ids), row_bytes)
+
+    def _lookup_rows(self, flat_ids: np.ndarray, generation: int) -> np.ndarray:
+        """Rows for little-endian int64 `flat_ids` from the service's table `generation`,
+        flat uint8."""
+        request = ple_pb2.LookupRequest(row_ids_le_i64=flat_ids.tobytes())
         try:
             reply = self._request_rows(request)
         except grpc.RpcError as exc:
             raise _rpc_error(self.address, exc) from exc
-        generation, rows = decode_lookup_reply(reply)
-        if generation != self.info.generation:
+        served_generation, rows = decode_lookup_reply(reply)
+        if served_generation != generation:
             raise TableClosedError(f"PLE service at {self.address} restarted (generation "
-                                   f"{self.info.generation:x} -> {generation:x})")
-        return rows.reshape(*np.shape(row_ids), self.info.row_bytes)
+                                   f"{generation:x} -> {served_generation:x})")
+        return rows
 
     def _request_rows(self, request: ple_pb2.LookupRequest) -> bytes:
         """LookupResponse wire bytes over LookupStream, or unary Lookup once the service
@@ -249,6 +280,8 @@ class PleTableClient:
             if self.info.generation != lost_generation:
                 return  # another thread already reattached
             self._detach()
+            if self._lookup_streams is not None:
+                self._lookup_streams.close_idle()
             deadline = time.monotonic() + self.reattach_timeout_s
             while True:
                 try:
@@ -266,11 +299,34 @@ class PleTableClient:
                         f"{self.reattach_timeout_s:g} s after: {cause}") from cause
                 time.sleep(_REATTACH_POLL_S)
             _check_same_table(self.info, info, self.address)
+            reader = self._open_segment(info)
+            try:
+                # Before the new table is used: until then other threads' gathers wait here.
+                # A refused table leaves the lost generation, so the next gather checks again.
+                self._check_same_rows(info, reader)
+            except BaseException:
+                if reader is not None:
+                    reader.close()
+                raise
             self.info = info
-            self._attach_shared_memory()
+            self._attach(reader)
             self._register_cuda()
             logger.info("reattached to PLE table at %s (generation %x, %s)", self.address,
                         info.generation, "shared memory" if self.is_local else "gRPC")
+
+    def _check_same_rows(self, info: ple_pb2.TableInfo, reader: SharedTableReader | None) -> None:
+        """Raises TableUnavailableError when the table `info` (mapped by `reader`, if local)
+        differs from the first one at the probe rows. The fingerprint covers only the files'
+        headers, which a table exported again with the same shapes (new weights) keeps."""
+        try:
+            rows = (reader.gather(self._probe_ids) if reader is not None
+                    else self._lookup_rows(self._probe_ids, info.generation))
+        except TableClosedError as exc:  # it restarted again; the next gather reattaches
+            raise TableUnavailableError(f"PLE service at {self.address}: {exc}") from exc
+        if not np.array_equal(rows.reshape(self._probe_rows.shape), self._probe_rows):
+            raise TableUnavailableError(
+                f"PLE service at {self.address} came back serving a different table "
+                f"({info.tensor_name}: the same header, other rows); restart the engine")
 
     def _wait_for_table(self, timeout_s: float) -> ple_pb2.TableInfo:
         deadline = time.monotonic() + timeout_s
@@ -289,25 +345,50 @@ class PleTableClient:
         except grpc.RpcError as exc:
             raise _rpc_error(self.address, exc) from exc
 
-    def _attach_shared_memory(self) -> None:
-        """Maps the service's segment when it is on this machine and is the same generation."""
+    def _open_segment(self, info: ple_pb2.TableInfo) -> SharedTableReader | None:
+        """The segment of table `info` mapped, when it is on this machine and is that
+        generation; None means gRPC."""
         if not self.allow_shared_memory:
-            return
+            return None
         try:
-            reader = SharedTableReader(self.info.shm_name, shm_dir=Path(self.info.shm_dir or SHM_DIR),
+            reader = SharedTableReader(info.shm_name, shm_dir=Path(info.shm_dir or SHM_DIR),
                                        gather_threads=self.gather_threads)
         except PleError:
-            return  # not on this machine (or not yet visible): use gRPC
-        if (reader.generation != self.info.generation
-                or reader.header.header_sha256 != self.info.header_sha256):
+            return None  # not on this machine (or not yet visible)
+        if (reader.generation != info.generation
+                or reader.header.header_sha256 != info.header_sha256):
             reader.close()  # another service's segment by the same name
-            return
+            return None
+        return reader
+
+    def _attach(self, reader: SharedTableReader | None) -> None:
+        """Gathers from `reader` from now on (gRPC when None)."""
         self._reader = reader
+        if reader is not None and self._closed_segment_watcher is None:
+            self._closed_segment_watcher = threading.Thread(
+                target=self._unmap_closed_segments, name="ple-closed-segment-watcher",
+                daemon=True)
+            self._closed_segment_watcher.start()
+
+    def _unmap_closed_segments(self) -> None:
+        """Unmaps a segment soon after its service closes it, instead of at the next gather,
+        which an idle engine may not make for hours: a closed segment's memory stays taken
+        while any process maps it, so a restarted service could find no room for its copy.
+        The next gather reattaches."""
+        while not self._is_closed.wait(_CLOSED_POLL_S):
+            reader = self._reader
+            if reader is None or reader.is_live():
+                continue
+            with self._lock:
+                if self._reader is reader:
+                    logger.info("PLE table at %s: its service closed %s; unmapped it",
+                                self.address, reader.path)
+                    self._detach()
 
 
 def _check_same_table(old: ple_pb2.TableInfo, new: ple_pb2.TableInfo, address: str) -> None:
-    if (old.header_sha256, old.num_rows, old.row_bytes, old.dtype) != (
-            new.header_sha256, new.num_rows, new.row_bytes, new.dtype):
+    if (old.header_sha256, old.num_rows, old.row_bytes, old.dtype, old.scale) != (
+            new.header_sha256, new.num_rows, new.row_bytes, new.dtype, new.scale):
         raise TableUnavailableError(
             f"PLE service at {address} came back serving a different table "
             f"({new.tensor_name}, sha256 {new.header_sha256.hex()[:16]}); restart the engine")

@@ -68,6 +68,12 @@ class LookupStreams:
         Closing the channel afterwards cancels whatever the service has not ended."""
         with self._lock:
             self._is_closed = True
+        self.close_idle()
+
+    def close_idle(self) -> None:
+        """Half-closes every idle stream, so the next lookups open new ones: after the
+        service restarted, each idle stream is dead and would fail one lookup."""
+        with self._lock:
             idle, self._idle = self._idle, []
         for stream in idle:
             stream.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from backport.v1 import ple_pb2
 
+from services.mesh.channels import MAX_MESSAGE_BYTES
 from services.ple_offload.row_gather import take_checked_rows
 
 _SERVICE = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
@@ -19,6 +20,13 @@ _GENERATION_TAG = 2 << 3 | 1
 _ROWS_TAG = 1 << 3 | 2
 _GENERATION_END = 9  # the tag byte and 8 little-endian bytes
 _MAX_VARINT_BYTES = 10
+_MAX_HEAD_BYTES = _GENERATION_END + 1 + _MAX_VARINT_BYTES
+
+
+def max_rows_per_reply(row_bytes: int) -> int:
+    """The most rows one LookupResponse carries: grpc fails a message over the mesh's
+    MAX_MESSAGE_BYTES (256 MiB, about 1.6 M rows of 160 B), on both ends."""
+    return max(1, (MAX_MESSAGE_BYTES - _MAX_HEAD_BYTES) // row_bytes)
 
 
 def encode_lookup_reply(rows: np.ndarray, ids: np.ndarray, generation: int) -> bytes:

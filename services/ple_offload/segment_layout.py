@@ -89,8 +89,9 @@ def write_state(segment: mmap.mmap, state: SegmentState) -> None:
 
 def segment_path(shm_name: str, shm_dir: Path = SHM_DIR) -> Path:
     """Where the segment lives: /dev/shm, or another tmpfs (one mounted with huge pages)."""
-    if not shm_name or "/" in shm_name:
-        raise ValueError(f"shared-memory name {shm_name!r} must be non-empty and contain no '/'")
+    if shm_name in ("", ".", "..") or "/" in shm_name:
+        raise ValueError(f"shared-memory name {shm_name!r} must be a file name: not empty, "
+                         "'.' or '..', and no '/'")
     return shm_dir / shm_name
 
 

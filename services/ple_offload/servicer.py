@@ -10,8 +10,9 @@ import grpc
 import numpy as np
 from backport.v1 import ple_pb2
 
+from services.mesh.channels import MAX_MESSAGE_BYTES
 from services.ple_offload.errors import RowIdError
-from services.ple_offload.lookup_wire import encode_lookup_reply
+from services.ple_offload.lookup_wire import encode_lookup_reply, max_rows_per_reply
 from services.ple_offload.row_gather import check_row_ids
 from services.ple_offload.table_segment import TableSegment
 
@@ -104,7 +105,8 @@ class PleOffloadServicer:
     async def _reply(self, request: ple_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> bytes:
         """The serialized LookupResponse to `request`, or the call aborted with
-        UNAVAILABLE (table not ready) or INVALID_ARGUMENT (bad ids)."""
+        UNAVAILABLE (table not ready), INVALID_ARGUMENT (bad ids) or RESOURCE_EXHAUSTED
+        (a reply over grpc's message limit)."""
         rows = self._segment.rows
         if rows is None or not self._segment.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE table is not loaded")
@@ -113,6 +115,14 @@ class PleOffloadServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "row_ids_le_i64 must hold whole little-endian int64 values")
         ids = np.frombuffer(packed_ids, dtype="<i8")
+        max_rows = max_rows_per_reply(rows.shape[1])
+        if ids.size > max_rows:
+            # Refused before gathering: grpc would fail the reply only once it was built
+            # (and log the failure as a servicer error), after gigabytes of copying.
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a lookup of {ids.size} rows of {rows.shape[1]} B exceeds the "
+                f"{MAX_MESSAGE_BYTES} B message limit; send at most {max_rows} rows a request")
         try:
             check_row_ids(ids, rows.shape[0])
         except RowIdError as exc:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.mesh.settings import ServiceSettings
+from services.ple_offload.segment_layout import segment_path
 from services.ple_offload.table_format import RowDtype, TableExpectation
 
 
@@ -33,6 +35,38 @@ class PleSettings(ServiceSettings):
     cpus: list[int] = Field(
         default_factory=list, description="CPUs the service and all its threads run on; a CPU "
         "of its own shortens LookupStream's tail (docs/ple.md); default: any")
+
+    # Checked here, so a bad value stops the service with its flag's name (status 2) before
+    # it reads the table, instead of a traceback once it gets to use the value.
+    @field_validator("expect_dtype")
+    @classmethod
+    def _known_dtype(cls, name: str | None) -> str | None:
+        if name is not None:
+            RowDtype.from_setting(name)
+        return name
+
+    @field_validator("shm_name")
+    @classmethod
+    def _usable_shm_name(cls, name: str) -> str:
+        segment_path(name)
+        return name
+
+    @field_validator("shm_dir")
+    @classmethod
+    def _existing_shm_dir(cls, shm_dir: Path) -> Path:
+        """Made absolute: `Describe` hands the folder to engines, whose working directory
+        is not the service's."""
+        if not shm_dir.is_dir():
+            raise ValueError(f"{shm_dir} is not a folder (mount the tmpfs first)")
+        # abspath, not resolve(): a symlinked folder keeps the name engines are told to mount.
+        return Path(os.path.abspath(shm_dir))
+
+    @field_validator("expect_header_sha256")
+    @classmethod
+    def _sha256_hex(cls, digest: str | None) -> str | None:
+        if digest is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+            raise ValueError("a SHA-256 is 64 hex digits (the service prints it at every start)")
+        return digest
 
     @field_validator("cpus")
     @classmethod

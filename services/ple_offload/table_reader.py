@@ -117,6 +117,12 @@ class SharedTableReader:
         check `gather` makes), for readers of the rows that do not go through `gather`."""
         self._live_rows()
 
+    def is_live(self) -> bool:
+        """False once the service has stopped or restarted, or this reader was closed."""
+        rows = self._rows  # held, so a `close` on another thread cannot unmap under the check
+        return rows is not None and self._mmap[
+            STATE_OFFSET:STATE_OFFSET + STATE_AND_GENERATION_BYTES] == self._ready
+
     def huge_page_bytes(self) -> int:
         """Bytes of the table this process maps with huge pages (of the pages touched so
         far): 0 means every row gather pays a 4 KiB-page TLB miss."""

@@ -8,6 +8,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,9 @@ from services.ple_offload.table_format import TableSource
 logger = logging.getLogger(__name__)
 
 _COPY_CHUNK_BYTES = 64 * 1024 * 1024
+# How long `create` waits for engines to let go of an earlier table's memory.
+_ROOM_WAIT_S = 10.0
+_ROOM_POLL_S = 0.1
 
 ProgressCallback = Callable[[int], None]
 
@@ -59,10 +63,7 @@ class TableSegment:
         """Creates the segment and reserves its memory, replacing a stale one by that name."""
         _retire_stale_segment(self.path)
         size = self.header.segment_bytes
-        free = os.statvfs(self.path.parent)
-        if free.f_bavail * free.f_frsize < size:
-            raise OSError(f"{self.path.parent} has {free.f_bavail * free.f_frsize} bytes free; "
-                          f"the table needs {size}")
+        _wait_for_room(self.path.parent, size)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -158,6 +159,34 @@ class TableSegment:
     def _set_state(self, state: SegmentState) -> None:
         assert self._mmap is not None
         write_state(self._mmap, state)
+
+
+def _wait_for_room(folder: Path, size: int) -> None:
+    """Returns once `folder` has `size` bytes free. A segment closed a moment ago (by the
+    previous service, or retired just now) keeps its memory until the last engine unmaps
+    it, which engines do within about a second (`PleTableClient`): on a tmpfs sized for one
+    table, a restart waits for that instead of failing. A tmpfs too small for the table
+    fails at once."""
+    stats = os.statvfs(folder)
+    if stats.f_blocks * stats.f_frsize < size:
+        raise OSError(f"{folder} holds {stats.f_blocks * stats.f_frsize} bytes in all; the "
+                      f"table needs {size} (mount it larger, e.g. docker --shm-size)")
+    deadline = time.monotonic() + _ROOM_WAIT_S
+    is_waiting = False
+    while (free := _free_bytes(folder)) < size:
+        if time.monotonic() >= deadline:
+            raise OSError(f"{folder} has {free} bytes free; the table needs {size} (what else "
+                          "is there, or an earlier table's segment that a process still maps)")
+        if not is_waiting:
+            logger.info("%s has %d bytes free, the table needs %d: waiting up to %g s for "
+                        "engines to unmap an earlier table", folder, free, size, _ROOM_WAIT_S)
+            is_waiting = True
+        time.sleep(_ROOM_POLL_S)
+
+
+def _free_bytes(folder: Path) -> int:
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
 
 
 def _retire_stale_segment(path: os.PathLike[str]) -> None:

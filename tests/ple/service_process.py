@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -65,26 +66,33 @@ class ServiceProcess:
         self.entry = entry
         self.extra_env = extra_env or {}
         self.process: subprocess.Popen[str] | None = None
+        self._output: str | None = None  # what it printed, once stopped
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+        self._output = None
         self.process = subprocess.Popen(
             service_command(self.table_path, "--address", self.address, "--shm-name",
                             self.shm_name, "--grace-s", "1", *self.extra_args, entry=self.entry),
             cwd=REPO_ROOT, env=service_env() | self.extra_env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
-        if not wait_until_serving(self.address, timeout_s):
-            output = self.stop()
-            raise RuntimeError(f"PLE service did not start:\n{output}")
-        return self
+        deadline = time.monotonic() + timeout_s
+        # A second at a time, so a service that exits is reported at once, not at the deadline.
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if wait_until_serving(self.address, 1.0):
+                return self
+        output = self.stop()
+        raise RuntimeError(f"PLE service did not start:\n{output}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> str:
-        """Signals the service, waits for it and returns everything it printed."""
+        """Signals the service, waits for it and returns everything it printed. Stopping
+        it again returns the same."""
         if self.process is None:
             return ""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        output, _ = self.process.communicate(timeout=timeout_s)
-        return output
+        if self._output is None:
+            if self.process.poll() is None:
+                self.process.send_signal(sig)
+            self._output, _ = self.process.communicate(timeout=timeout_s)
+        return self._output
 
     @property
     def pid(self) -> int:

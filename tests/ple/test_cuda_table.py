@@ -5,6 +5,7 @@ registration dropped and made again when the service restarts. Skips without CUD
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -135,4 +136,34 @@ def test_restart_unregisters_then_reattach_registers_again(small_fp8_table: Tabl
         client.close()
         for service in services:
             service.stop()
+    assert not host_registered(last_address, device)
+
+
+def test_an_idle_client_unregisters_a_closed_segment(small_fp8_table: TableFile,
+                                                     device: torch.device) -> None:
+    """The driver pins the registered pages: an engine that makes no gather after the
+    service stopped must still let them go (before, they stayed pinned until its next
+    gather), and the next gather registers the successor's table."""
+    table = small_fp8_table
+    ids = np.arange(64 * HEADS).reshape(64, HEADS)
+    gpu_ids = torch.from_numpy(ids).to(device)
+    first = ServiceProcess(table.path).start()
+    client = PleTableClient(first.address, reattach_timeout_s=30.0)
+    second = ServiceProcess(table.path, shm_name=first.shm_name, port=first.port)
+    try:
+        assert client.enable_cuda(device), client.cuda_unavailable_reason
+        old_address = _registered(client, device)
+        assert np.array_equal(client.gather_cuda(gpu_ids).cpu().numpy(), table.rows[ids])
+        first.stop(signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while host_registered(old_address, device) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not host_registered(old_address, device), "the closed table stayed pinned"
+        second.start()
+        assert np.array_equal(client.gather_cuda(gpu_ids).cpu().numpy(), table.rows[ids])
+        last_address = _registered(client, device)
+    finally:
+        client.close()
+        first.stop()
+        second.stop()
     assert not host_registered(last_address, device)

@@ -76,6 +76,6 @@ def test_a_service_without_lookup_stream_gets_unary_lookups(
             assert np.array_equal(client.gather(ids), TABLE_ROWS[ids])
     finally:
         client.close()
-    # One stream attempt, then only unary lookups: no reattach (no second Describe) and
-    # no stream asked for again.
-    assert log.methods == [DESCRIBE_METHOD, LOOKUP_STREAM_METHOD] + [LOOKUP_METHOD] * 3
+    # One stream attempt (the client's probe rows at construction), then only unary
+    # lookups: no reattach (no second Describe) and no stream asked for again.
+    assert log.methods == [DESCRIBE_METHOD, LOOKUP_STREAM_METHOD] + [LOOKUP_METHOD] * 4

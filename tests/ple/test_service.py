@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from services.ple_offload.client import PleTableClient
 from services.ple_offload.errors import RowIdError, TableClosedError, TableUnavailableError
+from services.ple_offload.table_format import find_table
 from services.ple_offload.table_reader import SharedTableReader
 from tests.conftest import free_port
 from tests.ple.service_process import (
@@ -27,7 +29,7 @@ from tests.ple.service_process import (
     service_env,
     unique_shm_name,
 )
-from tests.ple.table_files import TableFile
+from tests.ple.table_files import TableFile, random_rows, write_sparse_table, write_table
 
 HEADS = 16
 BATCH_TOKENS = (1, 64, 2048)  # 2048 x 16 rows takes the multi-threaded gather
@@ -123,6 +125,67 @@ def test_close_ends_every_lookup_stream(small_fp8_table: TableFile) -> None:
         assert not left, f"threads still running after close(): {sorted(t.name for t in left)}"
 
 
+def _leave_idle_streams(client: PleTableClient, ids: np.ndarray) -> int:
+    """Gathers from NUM_CALLERS threads at once until they have left several LookupStreams
+    idle; returns how many."""
+    streams = client._lookup_streams
+    assert streams is not None
+    barrier = threading.Barrier(NUM_CALLERS)
+
+    def gather_together(_: int) -> np.ndarray:
+        barrier.wait()
+        return client.gather(ids)
+
+    with ThreadPoolExecutor(NUM_CALLERS) as pool:
+        for _ in range(5):
+            list(pool.map(gather_together, range(NUM_CALLERS)))
+            if len(streams._idle) > 1:
+                break
+    return len(streams._idle)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_restart_leaves_no_dead_stream_for_the_next_gather(small_fp8_table: TableFile,
+                                                             sig: signal.Signals) -> None:
+    """Every idle LookupStream dies with the service. After a restart the first gather
+    reattaches and must then not retry on another dead stream: before, a client with four
+    idle streams failed three gathers in a row with UNAVAILABLE."""
+    table = small_fp8_table
+    ids = np.arange(2048 * HEADS).reshape(2048, HEADS)
+    first = ServiceProcess(table.path).start()
+    client = PleTableClient(first.address, allow_shared_memory=False, reattach_timeout_s=30.0)
+    second = ServiceProcess(table.path, shm_name=first.shm_name, port=first.port)
+    try:
+        assert _leave_idle_streams(client, ids) > 1, "the callers never overlapped"
+        first.stop(sig)
+        second.start()
+        assert np.array_equal(client.gather(ids), table.rows[ids])
+    finally:
+        client.close()
+        first.stop()
+        second.stop()
+
+
+def test_a_taken_address_stops_the_service_before_it_loads(tmp_path: Path) -> None:
+    """The service listens before it copies the table: a taken port fails at once, not after
+    minutes of loading tens of GiB (and while holding them)."""
+    table_path = tmp_path / "sparse.safetensors"
+    write_sparse_table(table_path, 4_000_000, 320)  # 1.2 GiB
+    shm_name = unique_shm_name()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = subprocess.run(
+            service_command(table_path, "--address", f"127.0.0.1:{taken.getsockname()[1]}",
+                            "--shm-name", shm_name),
+            cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "cannot listen on" in result.stderr, result.stderr
+    assert f"ready in /dev/shm/{shm_name}" not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not Path("/dev/shm", shm_name).exists()
+
+
 def test_a_hung_service_fails_lookups_instead_of_hanging(small_fp8_table: TableFile) -> None:
     """A stopped (SIGSTOP) service answers nothing: a gather over an open stream fails
     within 2 x rpc_timeout_s plus the reattach wait, and works again once it resumes."""
@@ -211,6 +274,36 @@ def test_segment_of_a_killed_service_is_retired_by_the_next_one(small_fp8_table:
     assert not _segment_exists(successor)
 
 
+def test_a_restart_on_other_rows_under_the_same_header_is_refused(tmp_path: Path) -> None:
+    """The file changed between start and restart (new weights, same shapes): the header
+    fingerprint is the same, the rows are not. Before, attached engines went on with the new
+    rows under their old weights and fp8 scale, without a word."""
+    shape = (20_000, 160)
+    paths = [tmp_path / "before.safetensors", tmp_path / "after.safetensors"]
+    tables = [write_table(path, random_rows(*shape, seed=seed), safetensors_dtype="F8_E4M3",
+                          scale=0.5) for path, seed in zip(paths, (21, 22))]
+    assert find_table(paths[0], None).header_sha256 == find_table(paths[1], None).header_sha256
+    ids = np.arange(64 * HEADS).reshape(64, HEADS)
+    first = ServiceProcess(paths[0]).start()
+    clients = [PleTableClient(first.address, reattach_timeout_s=30.0),
+               PleTableClient(first.address, allow_shared_memory=False, reattach_timeout_s=30.0)]
+    second = ServiceProcess(paths[1], shm_name=first.shm_name, port=first.port)
+    try:
+        for client in clients:
+            assert np.array_equal(client.gather(ids), tables[0].rows[ids])
+        first.stop(signal.SIGTERM)
+        second.start()
+        for client in clients:
+            for _ in range(2):  # and again: a refused table is not taken on the next gather
+                with pytest.raises(TableUnavailableError, match="different table"):
+                    client.gather(ids)
+    finally:
+        for client in clients:
+            client.close()
+        first.stop()
+        second.stop()
+
+
 def test_a_second_service_by_the_same_name_leaves_the_running_one_alone(
         small_fp8_table: TableFile) -> None:
     """Only a dead service's segment is retired: the running one holds a lock on its own,
@@ -225,8 +318,9 @@ def test_a_second_service_by_the_same_name_leaves_the_running_one_alone(
             service_command(table.path, "--address", f"127.0.0.1:{free_port()}",
                             "--shm-name", running.shm_name),
             cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=60)
-        assert second.returncode != 0
+        assert second.returncode == 1
         assert "belongs to a PLE service that is still running" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr, second.stderr
         assert np.array_equal(client.gather(ids), table.rows[ids])
         assert client.is_local and client.info.generation == generation
     finally:
