@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -10,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.parsing.argument_typing import (
+    RawArgument,
     ToolSchemas,
     ValueEncoding,
+    arguments_json,
     declared_types,
     type_value,
 )
@@ -49,6 +52,9 @@ NULLABLE_INTEGER = {"type": ["integer", "null"]}
         ("1e999", "unknown", NUMBER, "1e999"),
         ("NaN", "json", NUMBER, "NaN"),
         ("True", "unknown", BOOLEAN, True),
+        ("1", "unknown", BOOLEAN, True),  # as vLLM reads it; was the integer 1
+        ("0", "text", BOOLEAN, False),
+        ("1", "unknown", {"type": ["integer", "boolean"]}, 1),
         ("false", "json", BOOLEAN, False),
         ("null", "unknown", NULLABLE_INTEGER, None),
         ("None", "unknown", NULLABLE_INTEGER, None),
@@ -135,3 +141,71 @@ def test_any_text_types_to_strict_json_without_raising(
     value = type_value(text, encoding, schema)
 
     assert json.loads(json.dumps(value, allow_nan=False)) == value
+
+
+def test_a_long_digit_run_that_is_not_a_number_types_in_linear_time() -> None:
+    text = "1" * 30_000 + "x"
+    started = time.perf_counter()
+    value = type_value(text, "unknown", NUMBER)
+    elapsed_s = time.perf_counter() - started
+
+    assert value == text
+    assert elapsed_s < 5.0  # the ambiguous pattern took minutes
+
+
+def test_lone_surrogates_go_out_escaped_and_everything_else_verbatim() -> None:
+    """A `\\ud83d` escape without its pair decodes to a lone surrogate, which UTF-8 cannot carry:
+    the gateway's response failed to encode (a 500, or a stream cut off)."""
+    value = type_value('"\\ud83d and \\ud83d\\ude00 caf\\u00e9"', "json", STRING)
+    assert value == "\ud83d and \U0001f600 caf\u00e9"
+
+    text = arguments_json({"s": value, "\udc00key": ["\udfff"]})
+
+    text.encode("utf-8")  # what sending the response does
+    assert json.loads(text) == {"s": value, "\udc00key": ["\udfff"]}
+    assert "\U0001f600 caf\u00e9" in text
+
+
+SEARCH_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {"properties": {"query": STRING, "limit": INTEGER}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "text", "encoding"),
+    [
+        ("arguments", '{"query": "cats", "limit": "3"}', "text"),
+        ("input", '{"query": "cats", "limit": 3}', "json"),
+        ("arguments", '"{\\"query\\": \\"cats\\", \\"limit\\": 3}"', "json"),
+    ],
+)
+def test_arguments_wrapped_in_one_undeclared_parameter_are_unwrapped(
+    wrapper: str, text: str, encoding: ValueEncoding
+) -> None:
+    # vLLM unwraps these for DeepSeek-V4 (`_unwrap_wrapper_args`).
+    schemas = ToolSchemas(SEARCH_TOOL)
+    typed = schemas.type_arguments("search", [RawArgument(wrapper, text, encoding)])
+
+    assert typed == {"query": "cats", "limit": 3}
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        [RawArgument("arguments", '{"query": "cats", "other": 1}')],  # a key the tool lacks
+        [RawArgument("arguments", '{"query": "cats"}'), RawArgument("limit", "3")],
+        [RawArgument("arguments", "[1, 2]")],
+        [RawArgument("payload", '{"query": "cats"}')],
+    ],
+)
+def test_anything_else_named_like_a_wrapper_is_left_alone(arguments: list[RawArgument]) -> None:
+    schemas = ToolSchemas(SEARCH_TOOL)
+    typed = schemas.type_arguments("search", arguments)
+
+    assert list(typed) == [argument.name for argument in arguments]

@@ -256,3 +256,42 @@ def test_assistant_turns_rendered_by_vllm_encoder_parse_back(thinking_mode: str)
     assert message.reasoning_content == (assistant["reasoning"] if is_thinking else None)
     assert message.content == assistant["content"]
     assert arguments_of(message) == list(zip(["write_file", "search"], arguments, strict=True))
+
+
+def test_an_invoke_missing_its_closing_tag_ends_where_the_next_invoke_begins() -> None:
+    output = (
+        f'<{DSML}tool_calls>\n<{DSML}invoke name="write_file">\n'
+        f"{_parameter('path', 'a.txt', True)}\n"
+        f'<{DSML}invoke name="search">\n'
+        f"{_parameter('query', 'b', True)}\n</{DSML}invoke>\n</{DSML}tool_calls>"
+    )
+    message = parse_every_way(output, tools=TOOLS, thinking=False, **DEEPSEEK)
+
+    # Was one write_file call holding both calls' parameters (vLLM's parser merges them too).
+    assert arguments_of(message) == [("write_file", {"path": "a.txt"}), ("search", {"query": "b"})]
+
+
+
+def _single_search_call(parameters: str) -> str:
+    return (
+        f'<{DSML}tool_calls>\n<{DSML}invoke name="search">\n{parameters}\n'
+        f"</{DSML}invoke>\n</{DSML}tool_calls>"
+    )
+
+
+def test_a_lone_surrogate_escape_in_an_argument_still_gives_a_sendable_message() -> None:
+    filters = '{"emoji": "\\ud83d", "pair": "\\ud83d\\ude00"}'
+    output = _single_search_call(_parameter("filters", filters, False))
+    message = parse_every_way(output, tools=TOOLS, thinking=False, **DEEPSEEK)
+
+    # The gateway sends the message as UTF-8 JSON; this raised UnicodeEncodeError (a 500).
+    json.dumps(message.to_dict(), ensure_ascii=False).encode("utf-8")
+    assert arguments_of(message) == [("search", {"filters": {"emoji": "\ud83d", "pair": "😀"}})]
+
+
+def test_arguments_wrapped_in_an_arguments_parameter_are_unwrapped_as_vllm_does() -> None:
+    wrapped = '{"query": "cats", "limit": "3"}'
+    output = _single_search_call(_parameter("arguments", wrapped, False))
+    message = parse_every_way(output, tools=TOOLS, thinking=False, **DEEPSEEK)
+
+    assert arguments_of(message) == [("search", {"query": "cats", "limit": 3})]

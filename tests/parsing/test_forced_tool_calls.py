@@ -81,3 +81,23 @@ def test_required_output_that_is_not_a_list_of_calls_comes_back_as_text(output: 
     deltas, message = _run(choice, [output])
     assert message.tool_calls == [] and message.content == (output or None)
     assert AssistantMessage.from_deltas(deltas) == message
+
+
+def test_required_output_nested_past_the_recursion_limit_comes_back_as_text() -> None:
+    """A `[[[[` loop cut by max_tokens: json.loads raised RecursionError (a 500)."""
+    output = '[{"name": "get_weather", "parameters": {"city": ' + "[" * 5000
+    choice = ForcedToolChoice.of(TOOLS, "required", None)
+    assert choice is not None
+    deltas, message = _run(choice, [output])
+    assert message.tool_calls == [] and message.content == output
+    assert AssistantMessage.from_deltas(deltas) == message
+
+
+def test_required_call_with_a_lone_surrogate_escape_is_sendable() -> None:
+    output = '[{"name": "get_weather", "parameters": {"city": "Paris \\ud83d"}}]'
+    choice = ForcedToolChoice.of(TOOLS, "required", None)
+    assert choice is not None
+    _, message = _run(choice, [output])
+    # The gateway sends the message as UTF-8 JSON; this raised UnicodeEncodeError (a 500).
+    json.dumps(message.to_dict(), ensure_ascii=False).encode("utf-8")
+    assert [json.loads(call.arguments) for call in message.tool_calls] == [{"city": "Paris \ud83d"}]

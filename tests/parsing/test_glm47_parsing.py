@@ -146,3 +146,16 @@ def test_a_call_with_no_name_is_dropped() -> None:
 
     assert message.content == "Hi."
     assert not message.has_tool_calls
+
+
+def test_a_call_to_a_tool_the_request_did_not_declare_is_dropped_as_vllm_does() -> None:
+    output = (
+        "Let me check.<tool_call>read_file" + _arg("path", "a.txt") + "</tool_call>"
+        "<tool_call>run_shell" + _arg("command", "ls") + "</tool_call>"
+    )
+    message = parse_every_way(output, tools=TOOLS, thinking=False, **GLM)
+
+    # vLLM's glm47 parser validates names against the tools (`validate_tool_names=True`).
+    assert message.content == "Let me check."
+    assert arguments_of(message) == [("run_shell", {"command": "ls"})]
+    assert [call.id for call in message.tool_calls] == ["call_0"]

@@ -51,3 +51,45 @@ def test_one_character_deltas_stay_fast(name: str) -> None:
         assert message.content == "Answer." + "<" * (NUM_CHARS - 1)
     else:
         assert message.content == "Answer."
+
+
+# Degenerate markup inside one closed call: tags that never close, as a looping model or a value
+# quoting the format writes them. Parsing the call must not retry each tag against the rest.
+# Each case: family, output, the calls expected (none of the tags makes an argument).
+UNCLOSED_MARKUP_CALLS = {
+    "glm47 keys and values without closing tags": (
+        "glm47",
+        "<tool_call>write" + "<arg_key>k</arg_key><arg_value>v" * 1000 + "</tool_call>",
+        ["write"],
+    ),
+    "glm47 keys without closing tags": (
+        "glm47",
+        "<tool_call>write" + "<arg_key>k" * 40_000 + "</tool_call>",
+        ["write"],
+    ),
+    "qwen3_xml parameter heads without >": (
+        "qwen3_xml",
+        "<tool_call>\n<function=write>\n" + "<parameter=k" * 40_000 + "</function>\n</tool_call>",
+        ["write"],
+    ),
+    "qwen3_xml function heads without >": (
+        "qwen3_xml",
+        "<tool_call>\n" + "<function=write" * 40_000 + "</tool_call>",
+        [],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNCLOSED_MARKUP_CALLS))
+def test_a_call_full_of_unclosed_tags_parses_in_linear_time(name: str) -> None:
+    family, text, expected_names = UNCLOSED_MARKUP_CALLS[name]
+    parser = ChatOutputParser(family)
+    started = time.perf_counter()
+    parser.feed(text)
+    parser.finish()
+    elapsed_s = time.perf_counter() - started
+
+    assert elapsed_s < TIME_LIMIT_S
+    calls = parser.message().tool_calls
+    assert [call.name for call in calls] == expected_names
+    assert all(json.loads(call.arguments) == {} for call in calls)

@@ -14,6 +14,15 @@ from services.gateway.parsing import (
     ChatOutputParser,
     UnknownParserError,
 )
+from tests.parsing.model_outputs import (
+    FAMILIES,
+    REASONING_PARSER_OF,
+    ExpectedCall,
+    ExpectedMessage,
+    render_output,
+    tools_for,
+)
+from tests.parsing.streaming_harness import arguments_of, parse_every_way
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,6 +65,26 @@ def test_tool_calls_not_allowed_are_consumed_but_not_released() -> None:
     assert parser.message().content == "Sure."
     assert not parser.has_tool_calls
     assert not any(delta.tool_calls for delta in deltas)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_with_parallel_tool_calls_off_only_the_first_call_is_released(family: str) -> None:
+    # vLLM keeps the call of index 0 whatever the tool_choice (`maybe_filter_parallel_tool_calls`).
+    calls = (ExpectedCall("get_weather", {"city": "Paris"}), ExpectedCall("get_time", {}))
+    output = render_output(
+        family, ExpectedMessage(content="Two calls.", calls=calls), think_style="chat"
+    )
+    options = {
+        "tool_call_parser": family,
+        "reasoning_parser": REASONING_PARSER_OF[family],
+        "tools": tools_for(calls),
+    }
+
+    message = parse_every_way(output, allow_parallel_tool_calls=False, **options)
+
+    assert message.content == "Two calls."
+    assert arguments_of(message) == [("get_weather", {"city": "Paris"})]
+    assert len(parse_every_way(output, **options).tool_calls) == 2
 
 
 def test_importing_the_parsers_pulls_in_no_torch_vllm_or_transformers() -> None:

@@ -147,3 +147,16 @@ def test_cut_inside_a_parameter_value_releases_no_call() -> None:
 
     assert message.content == "Creating the page and notifying the server."
     assert not message.has_tool_calls
+
+
+def test_hermes_json_nested_past_the_recursion_limit_is_no_call_and_no_error() -> None:
+    output = (
+        'Calling.<tool_call>\n{"name": "http_request", "arguments": {"body": '
+        + "[" * 100_000
+        + "}}\n</tool_call>"
+    )
+    message = parse_every_way(output, tools=TOOLS, thinking=False, **QWEN)
+
+    # json.loads raised RecursionError, which escaped the parser (a 500).
+    assert message.content == "Calling."
+    assert not message.has_tool_calls

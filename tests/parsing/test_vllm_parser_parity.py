@@ -18,7 +18,13 @@ from services.gateway.parsing import AssistantMessage, parse_output
 from tests.parsing import test_deepseek_v4_parsing as deepseek_cases
 from tests.parsing import test_glm47_parsing as glm_cases
 from tests.parsing import test_qwen3_xml_parsing as qwen_cases
-from tests.parsing.model_outputs import ExpectedCall, ExpectedMessage, render_output, tools_for
+from tests.parsing.model_outputs import (
+    DSML,
+    ExpectedCall,
+    ExpectedMessage,
+    render_output,
+    tools_for,
+)
 
 vllm_parsers = {
     "deepseek_v4": pytest.importorskip("vllm.parser.deepseek_v4").DeepSeekV4Parser,
@@ -116,3 +122,40 @@ GENERATED_ARGUMENTS: list[dict[str, Any]] = [
 def test_same_message_as_vllm_parser(family: str) -> None:
     for text, tools in _corpus(family):
         assert _comparable(_ours(family, text, tools)) == _vllm_parse(family, text, tools), text
+
+
+def _tool(name: str, properties: dict[str, Any]) -> dict[str, Any]:
+    parameters = {"type": "object", "properties": properties}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+_QUIRK_TOOLS = [
+    _tool("search", {"query": {"type": "string"}, "limit": {"type": "integer"}}),
+    _tool("toggle", {"on": {"type": "boolean"}, "force": {"type": "boolean"}}),
+]
+QUIRKS: dict[str, list[str]] = {
+    "deepseek_v4": [
+        # Whole arguments object inside one undeclared `arguments` parameter.
+        f'Look it up.</think><{DSML}tool_calls>\n<{DSML}invoke name="search">\n'
+        f'<{DSML}parameter name="arguments" string="false">{{"query": "cats", "limit": 3}}'
+        f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>",
+    ],
+    "glm47": [
+        # A tool the request did not declare, then one it did.
+        "Go.</think><tool_call>fetch<arg_key>url</arg_key><arg_value>x</arg_value></tool_call>"
+        "<tool_call>toggle<arg_key>on</arg_key><arg_value>1</arg_value></tool_call>",
+    ],
+    "qwen3_xml": [
+        # 1 and 0 for booleans.
+        "Go.</think><tool_call>\n<function=toggle>\n<parameter=on>\n1\n</parameter>\n"
+        "<parameter=force>\n0\n</parameter>\n</function>\n</tool_call>",
+    ],
+}
+
+
+@pytest.mark.parametrize("family", sorted(vllm_parsers))
+def test_same_typed_calls_as_vllm_on_model_quirks(family: str) -> None:
+    # Compared as JSON text: 1 == True in Python, not to a client's schema.
+    for text in QUIRKS[family]:
+        ours = json.dumps(_comparable(_ours(family, text, _QUIRK_TOOLS)))
+        assert ours == json.dumps(_vllm_parse(family, text, _QUIRK_TOOLS)), text

@@ -3,8 +3,9 @@
 The markup formats carry every value as text. The schema decides what it becomes: a `string`
 parameter keeps its text verbatim ("007" stays "007"), an `integer` parameter "3" becomes 3,
 `number`, `boolean`, `null`, `object` and `array` are read as JSON (Python-literal spellings such
-as `True` or `{'a': 1}` are accepted too, since models produce them). A parameter the schema
-does not know is read as JSON when it parses and kept as text otherwise.
+as `True` or `{'a': 1}` are accepted too, since models produce them, and `1`/`0` for a boolean, as
+vLLM reads them). A parameter the schema does not know is read as JSON when it parses and kept as
+text otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ ValueEncoding = Literal["text", "json", "unknown"]
 
 _NON_STRING_TYPES = ("integer", "number", "boolean", "null", "object", "array")
 _FAILED = object()
+# Parameters a model sometimes wraps the whole arguments object in (see `_unwrapped`).
+_WRAPPER_NAMES = ("arguments", "input")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +56,52 @@ class ToolSchemas:
         schema = self._properties.get(tool_name, {}).get(parameter)
         return schema if isinstance(schema, Mapping) else None
 
+    def declares(self, tool_name: str) -> bool:
+        """Whether the request's tools include `tool_name`; True when the request gave none."""
+        return not self._properties or tool_name in self._properties
+
     def type_arguments(self, tool_name: str, arguments: Sequence[RawArgument]) -> dict[str, Any]:
         return {
             argument.name: type_value(
                 argument.text, argument.encoding, self.parameter_schema(tool_name, argument.name)
             )
-            for argument in arguments
+            for argument in self._unwrapped(tool_name, arguments)
         }
+
+    def _unwrapped(
+        self, tool_name: str, arguments: Sequence[RawArgument]
+    ) -> Sequence[RawArgument]:
+        """The arguments inside an `arguments` or `input` parameter that the tool does not have.
+
+        Models sometimes put the whole arguments object in one such parameter (vLLM unwraps it
+        for DeepSeek-V4 too); it is taken out only when every key inside is the tool's own.
+        """
+        properties = self._properties.get(tool_name)
+        if not properties or len(arguments) != 1:
+            return arguments
+        wrapper = arguments[0]
+        if wrapper.name not in _WRAPPER_NAMES or wrapper.name in properties:
+            return arguments
+        inner = _loads_json(wrapper.text)
+        if isinstance(inner, str):  # the object written as a JSON string
+            inner = _loads_json(inner)
+        if not isinstance(inner, dict) or not inner.keys() <= properties.keys():
+            return arguments
+        return tuple(
+            RawArgument(name, json.dumps(value, ensure_ascii=False), "json")
+            for name, value in inner.items()
+        )
+
+
+def arguments_json(arguments: Any) -> str:
+    """A tool call's typed arguments as the JSON text sent to the client.
+
+    Non-ASCII characters stay as they are, except lone surrogates: a `\\ud83d` escape the model
+    wrote without its pair decodes to one, and UTF-8 cannot carry it, so the whole response
+    would fail to encode. It goes out escaped again, which is the same JSON value.
+    """
+    text = json.dumps(arguments, ensure_ascii=False)
+    return _LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 def declared_types(schema: Mapping[str, Any] | None) -> frozenset[str]:
@@ -154,8 +197,10 @@ def _loads_json(text: str) -> Any:
 
 
 # Spellings JSON rejects but a model writing a number means as one: "007", "+3", ".5", "1.".
+# Each digit run can be matched one way only: with `\d+\.?\d*` a long run of digits that
+# fails to match at its end is retried at every split point (quadratic time).
 _LOOSE_INTEGER = re.compile(r"[-+]?\d+")
-_LOOSE_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_LOOSE_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def _to_integer(text: str) -> Any:
@@ -185,7 +230,7 @@ def _to_number(text: str) -> Any:
 
 
 def _to_boolean(text: str) -> Any:
-    return {"true": True, "false": False}.get(text.lower(), _FAILED)
+    return {"true": True, "false": False, "1": True, "0": False}.get(text.lower(), _FAILED)
 
 
 def _to_null(text: str) -> Any:

@@ -13,7 +13,8 @@ with a newline between elements::
 `string="true"` means the value is the text as written; `string="false"` means it is JSON.
 The attribute is sometimes missing (then: JSON when it parses, else text), the block tag is
 sometimes spelt `<｜DSML｜toolcalls>` or `<｜DSML｜tool>`, and an `invoke` sometimes comes without
-the block or without its closing tag before `</｜DSML｜tool_calls>`; all are accepted.
+the block or without its closing tag (before `</｜DSML｜tool_calls>` or the next `invoke`); all are
+accepted.
 In the prompt the assistant turn is `reasoning</think>content` + `\\n\\n` + block + EOS, so the
 block ends the turn.
 """
@@ -69,4 +70,5 @@ DSML_FORMAT = ToolCallFormat(
     block_starts=(BLOCK_START, f"<{_DSML}toolcalls>", f"<{_DSML}tool>"),
     block_ends=(BLOCK_END,),
     terminators=(END_OF_SENTENCE, USER_TURN),
+    call_restarts=(INVOKE_START,),
 )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.parsing.argument_typing import arguments_json
 from services.gateway.parsing.messages import AssistantMessage, MessageDelta, ToolCall, ToolCallDelta
 from services.gateway.parsing.output_parser import new_call_id
 
@@ -94,7 +95,7 @@ class ForcedToolCallParser:
             self._message = AssistantMessage(content=text or None)
             return MessageDelta(content=text or None)
         self._message = AssistantMessage(tool_calls=[
-            ToolCall(self._make_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+            ToolCall(self._make_call_id(), name, arguments_json(arguments))
             for name, arguments in calls])
         return MessageDelta(tool_calls=[
             ToolCallDelta(index, call.id, "function", call.name, call.arguments)
@@ -108,7 +109,7 @@ def _calls_in(text: str) -> list[tuple[str, Any]] | None:
     """The (name, arguments) pairs of a "required" choice's JSON array; None if it is not one."""
     try:
         entries = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting (a loop cut short) raises the latter
         return None
     if not isinstance(entries, list) or not all(
             isinstance(e, dict) and isinstance(e.get("name"), str) and "parameters" in e

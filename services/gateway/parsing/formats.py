@@ -35,7 +35,10 @@ class ToolCallFormat:
     """Markers of one tool-call dialect and the parser of one complete call.
 
     `parse_call` receives the call's text from its opening marker up to (not including) the
-    closing marker and returns None when the text is not a usable call.
+    closing marker and returns None when the text is not a usable call. `call_restarts` are
+    opening markers that, met inside a call, end it and begin the next (the model left the
+    closing tag out). `drops_undeclared_tools`: a call to a tool the request did not declare is
+    dropped instead of released (vLLM's choice for GLM).
     """
 
     name: str
@@ -45,6 +48,8 @@ class ToolCallFormat:
     block_starts: tuple[str, ...] = ()
     block_ends: tuple[str, ...] = ()
     terminators: tuple[str, ...] = ()
+    call_restarts: tuple[str, ...] = ()
+    drops_undeclared_tools: bool = False
 
     @property
     def stray_markup(self) -> tuple[str, ...]:

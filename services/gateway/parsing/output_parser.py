@@ -12,7 +12,8 @@ Rules that hold for every format:
 - A tool call is released only once its closing tag has arrived: its first delta carries index,
   id, type and name, the next its complete arguments (a JSON object, values typed by the tool
   schema). A call cut off by `max_tokens` is never sent, so the stream and the final message
-  agree and no client ever executes half a call.
+  agree and no client ever executes half a call. With parallel tool calls off, only the first
+  call is released (vLLM keeps only index 0).
 - Tool calls end the turn: text between and after calls is dropped, as the templates never put
   any there.
 - Leading and trailing whitespace of each reasoning or content stretch is dropped (the
@@ -24,13 +25,12 @@ Rules that hold for every format:
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, auto
 from typing import Any
 
-from services.gateway.parsing.argument_typing import ToolSchemas
+from services.gateway.parsing.argument_typing import ToolSchemas, arguments_json
 from services.gateway.parsing.formats import ReasoningFormat, ToolCallFormat
 from services.gateway.parsing.markers import MarkerSet
 from services.gateway.parsing.messages import (
@@ -99,6 +99,7 @@ def _marker_table(
             **ends_turn,
         },
         _Mode.IN_CALL: {
+            **dict.fromkeys(tools.call_restarts if tools else (), _Action.OPEN_CALL),
             **dict.fromkeys(tools.call_ends if tools else (), _Action.CLOSE_CALL),
             **ends_turn,
         },
@@ -120,8 +121,9 @@ class ChatOutputParser:
     `thinking=True` means the prompt ended with `<think>`, so the output starts inside the
     reasoning; it has no effect without a reasoning parser. `allow_tool_calls=False` (a request
     without tools, or `tool_choice: "none"`) still consumes tool-call markup, so none leaks into
-    the content, but releases no call. Call `feed` with each new piece of text, `finish` once at
-    the end of the stream, then `message()` for the final message.
+    the content, but releases no call; `allow_parallel_tool_calls=False` (the request's
+    `parallel_tool_calls: false`) releases the first call only. Call `feed` with each new piece
+    of text, `finish` once at the end of the stream, then `message()` for the final message.
     """
 
     def __init__(
@@ -132,8 +134,10 @@ class ChatOutputParser:
         thinking: bool = False,
         make_call_id: Callable[[], str] = new_call_id,
         allow_tool_calls: bool = True,
+        allow_parallel_tool_calls: bool = True,
     ) -> None:
         self._allow_tool_calls = allow_tool_calls
+        self._allow_parallel_tool_calls = allow_parallel_tool_calls
         self._tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
         reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
         self._actions = _marker_table(reasoning, self._tool_format)
@@ -243,6 +247,8 @@ class ChatOutputParser:
         elif action is _Action.OPEN_BLOCK:
             self._mode = _Mode.BETWEEN_CALLS
         elif action is _Action.OPEN_CALL:
+            if self._mode is _Mode.IN_CALL:  # a restart: the previous call lacks its closing tag
+                self._release_call(delta)
             self._mode = _Mode.IN_CALL
             self._call_parts = [marker]
         elif action is _Action.CLOSE_CALL:
@@ -258,9 +264,11 @@ class ChatOutputParser:
         self._call_parts = []
         if parsed is None or not self._allow_tool_calls:
             return
-        arguments = json.dumps(
-            self._schemas.type_arguments(parsed.name, parsed.arguments), ensure_ascii=False
-        )
+        if self._tool_calls and not self._allow_parallel_tool_calls:
+            return
+        if self._tool_format.drops_undeclared_tools and not self._schemas.declares(parsed.name):
+            return
+        arguments = arguments_json(self._schemas.type_arguments(parsed.name, parsed.arguments))
         call = ToolCall(id=self._make_call_id(), name=parsed.name, arguments=arguments)
         index = len(self._tool_calls)
         self._tool_calls.append(call)
@@ -279,10 +287,17 @@ def parse_output(
     thinking: bool = False,
     make_call_id: Callable[[], str] = new_call_id,
     allow_tool_calls: bool = True,
+    allow_parallel_tool_calls: bool = True,
 ) -> AssistantMessage:
     """The final message for a complete (non-streamed) output."""
     parser = ChatOutputParser(
-        tool_call_parser, reasoning_parser, tools, thinking, make_call_id, allow_tool_calls
+        tool_call_parser,
+        reasoning_parser,
+        tools,
+        thinking,
+        make_call_id,
+        allow_tool_calls,
+        allow_parallel_tool_calls,
     )
     parser.feed(text)
     parser.finish()

@@ -35,9 +35,11 @@ CALL_END = "</tool_call>"
 FUNCTION_START = "<function="
 FUNCTION_END = "</function>"
 
-_FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
+# Names stop at `<` too: otherwise each of many unclosed `<function=` or `<parameter=` heads
+# scans to the end of the call (quadratic time); no name contains one.
+_FUNCTION_HEAD = re.compile(r"<function=([^<>\n]*)>")
 _PARAMETER = re.compile(
-    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
+    r"<parameter=([^<>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
 )
 
 
@@ -49,7 +51,7 @@ def _trim_template_newlines(value: str) -> str:
 def _parse_hermes_json(text: str) -> ParsedCall | None:
     try:
         call = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting raises the latter
         return None
     if (
         not isinstance(call, Mapping)
@@ -61,7 +63,7 @@ def _parse_hermes_json(text: str) -> ParsedCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, Mapping):
         return None

@@ -119,7 +119,8 @@ def _output_parser(backend: GatewayBackend, body: ChatCompletionRequest,
     return ChatOutputParser(tool_call_parser=settings.tool_call_parser,
                             reasoning_parser=settings.reasoning_parser, tools=body.tools,
                             thinking=is_thinking,
-                            allow_tool_calls=bool(body.tools) and body.tool_choice != "none")
+                            allow_tool_calls=bool(body.tools) and body.tool_choice != "none",
+                            allow_parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
 class _ChatCompletion:
