@@ -49,15 +49,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.metrics.requests_in_flight.dec()
                 self.metrics.generate_requests.labels(outcome).inc()
 
+        num_finished = 0
         try:
             # Closing this generator (the client cancelled) closes `updates`, which aborts in vLLM.
             async for update in updates:
                 yield _chunk(update)
                 if update.finish_reason is not None:
-                    # Settled before the last message: a client that has it may cancel, or
-                    # read the metrics, at once; after the yield this generator may not
-                    # resume before it does.
-                    settle("finished")
+                    num_finished += 1
+                    # The call runs until its last choice finishes (n > 1 choices end apart).
+                    # Settled before that choice's last message: a client that has it may
+                    # cancel, or read the metrics, at once; after the yield this generator
+                    # may not resume before it does.
+                    if num_finished == sampling.n:
+                        settle("finished")
                     yield _complete(update)
         except InvalidRequestError as error:
             settle("invalid")

@@ -1,4 +1,5 @@
-"""Who gets into the API: API keys (401), draining (503); counts what is inside.
+"""Who gets into the API: API keys (401), draining (503); counts what is inside, and cancels
+what its client left before the response began.
 
 A pure ASGI middleware, so that streamed responses count as in flight until their last byte.
 `/health` and `/metrics` stay open: load balancers and scrapers carry no keys.
@@ -13,6 +14,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.auth import ApiKeys
+from services.gateway.disconnect import call_until_client_leaves
 from services.gateway.errors import GatewayError, ServiceUnavailableError, UnauthorizedError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_context import RequestContext, set_request_context
@@ -21,6 +23,9 @@ GUARDED_PREFIX = "/v1/"
 # vLLM leaves its extension endpoints open; they cost tokenizer time, so they take a key here.
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 ENGINE_HEADER = b"x-backport-engine"
+# nginx's status for a request whose client closed the connection before the response began;
+# it is only counted, never sent.
+CLIENT_CLOSED_REQUEST = 499
 
 
 class Traffic:
@@ -72,7 +77,8 @@ class AdmissionMiddleware:
         self.traffic.num_in_flight += 1
         self.metrics.requests_in_flight.inc()
         try:
-            await self.app(scope, receive, send_with_status)
+            if await call_until_client_leaves(self.app, scope, receive, send_with_status):
+                status = CLIENT_CLOSED_REQUEST
         finally:
             self.traffic.num_in_flight -= 1
             self.metrics.requests_in_flight.dec()
