@@ -18,8 +18,9 @@ from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
 MODEL = "SmolLM2-135M-Instruct-bf16"
 # Long enough that an abandoned request still runs seconds after its client left (the
 # embedded model makes 20-100 tokens a second here), short enough to end by teardown.
-ABANDONED_MAX_TOKENS = 600
-ABORT_DEADLINE_S = 3.0
+ABANDONED_MAX_TOKENS = 1500
+# Room for a loaded CI host; the abandoned requests would run for 15 s and more.
+ABORT_DEADLINE_S = 5.0
 LONG_STORY = {"type": "object", "additionalProperties": False, "required": ["story"],
               "properties": {"story": {"type": "string", "minLength": 4000}}}
 
