@@ -119,9 +119,11 @@ class SharedTableReader:
 
     def is_live(self) -> bool:
         """False once the service has stopped or restarted, or this reader was closed."""
-        rows = self._rows  # held, so a `close` on another thread cannot unmap under the check
-        return rows is not None and self._mmap[
-            STATE_OFFSET:STATE_OFFSET + STATE_AND_GENERATION_BYTES] == self._ready
+        try:
+            self._live_rows()
+        except TableClosedError:
+            return False
+        return True
 
     def huge_page_bytes(self) -> int:
         """Bytes of the table this process maps with huge pages (of the pages touched so
