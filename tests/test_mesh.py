@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from backport.v1 import engine_pb2 as pb
+from tests.cluster.processes import engine_num_running
 from tests.conftest import RunningMesh, stop_mesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -267,24 +268,15 @@ def test_prompt_beyond_the_context_is_400_and_the_server_keeps_serving(client: o
                                     ["Write a very long story.", "Write another long story."]])
 def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh, prompt: str | list[str]) -> None:
     """A batch's later prompt, whose stream had not begun, is aborted too."""
-    from services.engine.client import EngineClient
-
-    async def running_requests() -> int:
-        engine = EngineClient(mesh.engine_address)
-        try:
-            return (await engine.loads()).num_running
-        finally:
-            await engine.close()
-
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{mesh.base_url}/completions", json=body) as reply:
             lines = reply.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert asyncio.run(running_requests()) == (1 if isinstance(prompt, str) else 2)
+            assert engine_num_running(mesh.engine_address) == (1 if isinstance(prompt, str) else 2)
     deadline = time.monotonic() + 1.0
-    while asyncio.run(running_requests()) != 0:
+    while engine_num_running(mesh.engine_address) != 0:
         assert time.monotonic() < deadline, "engine still runs the abandoned request after 1 s"
         time.sleep(0.05)
 

@@ -8,7 +8,6 @@ its tokenizer service frozen with SIGSTOP. The deadline comes from the environme
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from tests.cluster.processes import child_pid, engine_num_running
 from tests.conftest import REPO_ROOT, RunningMesh, start_mesh, stop_mesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -47,7 +47,7 @@ def deadline_mesh(embedded_model_path: Path,
 
 @pytest.fixture
 def tokenizer_pid(deadline_mesh: RunningMesh) -> int:
-    return _child_pid(deadline_mesh.process.pid, "tokenizer")
+    return child_pid(deadline_mesh.process.pid, "services.cli", "tokenizer")
 
 
 @contextmanager
@@ -122,7 +122,7 @@ def test_a_stream_stalled_mid_way_ends_with_an_error_event_and_aborts_the_engine
             for payload in payloads:  # until text arrives: the detokenize stream is open
                 if json.loads(payload)["choices"][0]["delta"].get("content"):
                     break
-            assert _num_running(deadline_mesh) == 1
+            assert engine_num_running(deadline_mesh.engine_address) == 1
             with frozen(tokenizer_pid):
                 started = time.monotonic()
                 rest = list(payloads)
@@ -141,37 +141,10 @@ def test_a_stream_stalled_mid_way_ends_with_an_error_event_and_aborts_the_engine
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def _num_running(mesh: RunningMesh) -> int:
-    from services.engine.client import EngineClient  # grpc: imported by the tests that need it
-
-    async def loads() -> int:
-        engine = EngineClient(mesh.engine_address)
-        try:
-            return (await engine.loads()).num_running
-        finally:
-            await engine.close()
-
-    return asyncio.run(loads())
-
-
 def _num_running_after(mesh: RunningMesh, seconds: float) -> int:
     """The engine's running requests once they reach 0, or after `seconds`."""
     deadline = time.monotonic() + seconds
-    while (num_running := _num_running(mesh)) and time.monotonic() < deadline:
+    while (num_running := engine_num_running(mesh.engine_address)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return num_running
 
-
-def _child_pid(parent: int, command: str) -> int:
-    """The pid of `parent`'s child running `backport <command>`."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit():
-                continue
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and args[1:4] == ["-m", "services.cli", command]:
-            return int(entry.name)
-    raise LookupError(f"no `backport {command}` under pid {parent}")

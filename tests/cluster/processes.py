@@ -108,6 +108,37 @@ def stop_service(process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> N
         process.wait()
 
 
+def child_pid(parent: int, *words: str) -> int:
+    """The pid of `parent`'s child whose command line holds `words` in that order."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and any(args[i:i + len(words)] == list(words) for i in range(len(args))):
+            return int(entry.name)
+    raise LookupError(f"no child of {parent} with {words}")
+
+
+def engine_num_running(address: str) -> int:
+    """The requests the engine at `address` is running, from its own `GetLoads`."""
+    import asyncio
+
+    from services.engine.client import EngineClient
+
+    async def loads() -> int:
+        engine = EngineClient(address)
+        try:
+            return (await engine.loads()).num_running
+        finally:
+            await engine.close()
+
+    return asyncio.run(loads())
+
+
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:

@@ -8,7 +8,6 @@ kill -9 of C, SIGTERM drain of B, SIGTERM drain of the gateway.
 from __future__ import annotations
 
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -24,8 +23,8 @@ import redis
 
 from services.engine.registry import REGISTRY_KEY_PREFIX
 from services.gateway.routing import prefix_key, rendezvous_order
-from tests.cluster.processes import (RedisServer, StreamRecord, http_ok, in_threads, kill_group,
-                                     metric, redis_server_binary, scrape, start_engine,
+from tests.cluster.processes import (RedisServer, StreamRecord, child_pid, http_ok, in_threads,
+                                     kill_group, metric, redis_server_binary, scrape, start_engine,
                                      stop_service, stream_completion)
 from tests.conftest import REPO_ROOT, engine_environment, free_port
 
@@ -61,17 +60,7 @@ class Cluster:
 
     def child_pid(self, *words: str) -> int:
         """The launcher's child whose command line holds `words` in that order."""
-        for entry in Path("/proc").iterdir():
-            try:
-                if not entry.name.isdigit():
-                    continue
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent == self.launcher.pid and _contains_run(args, words):
-                return int(entry.name)
-        raise LookupError(f"no child with {words}")
+        return child_pid(self.launcher.pid, *words)
 
     def log_tail(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in self.log_dir.glob("*.log"))
@@ -388,10 +377,6 @@ def test_sigterm_to_the_gateway_refuses_new_requests_and_finishes_open_streams(
     while _is_running(gateway):
         assert time.monotonic() < deadline, "gateway did not exit after draining"
         time.sleep(0.1)
-
-
-def _contains_run(args: list[str], words: tuple[str, ...]) -> bool:
-    return any(args[i:i + len(words)] == list(words) for i in range(len(args)))
 
 
 def _is_running(pid: int) -> bool:
