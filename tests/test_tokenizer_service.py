@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -68,3 +68,44 @@ def test_the_service_still_renders_after_a_rejected_request(tokenizer_address: s
             await client.close()
 
     assert len(asyncio.run(render())) > 3
+
+
+
+LONG_TOKEN_IDS = [1_000 + i % 40_000 for i in range(2_000_000)]
+LONG_TEXT = " ".join(f"word{i} of a long prompt" for i in range(60_000))
+
+
+async def decode_long(client: TokenizerClient) -> int:
+    return len(await client.decode(LONG_TOKEN_IDS, skip_special_tokens=True))
+
+
+async def encode_long(client: TokenizerClient) -> int:
+    return len(await client.encode(LONG_TEXT, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("long_call", [decode_long, encode_long])
+def test_a_long_call_leaves_other_streams_answered(
+        tokenizer_address: str, long_call: Callable[[TokenizerClient], Awaitable[int]]) -> None:
+    # Each long call takes the service over half a second. The tokenizers library held the GIL
+    # through it, on the event loop or on a worker thread alike, and so held every other call
+    # that long: a streaming request's detokenize steps too.
+    async def count_steps_during_a_long_call() -> int:
+        client = TokenizerClient(tokenizer_address)
+        stream = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+        try:
+            await stream.step([1_000])
+            long_call_done = asyncio.ensure_future(long_call(client))
+            # Past the time the service takes to receive and parse the request.
+            await asyncio.sleep(0.2)
+            num_steps = 0
+            while not long_call_done.done():
+                await stream.step([1_000])
+                num_steps += 1
+            assert await long_call_done > 100_000
+            return num_steps
+        finally:
+            await stream.close()
+            await client.close()
+
+    # A step takes about a millisecond; one held behind the long call would end it.
+    assert asyncio.run(count_steps_during_a_long_call()) >= 10

@@ -12,6 +12,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.tokenizer.chat_formats import ChatRenderer, chat_renderer_for
 
+# About a millisecond of decoding. Longer lists go to `decode_batch`, which lets go of the GIL
+# while it works (`decode` holds it), so that a worker thread decoding them leaves the event
+# loop running; shorter ones decode faster one by one than spread over its threads
+# (8 tokens: 0.11 ms against 0.46 ms).
+LONG_DECODE_NUM_TOKENS = 1024
+
 
 class TokenizerCore:
     """One model's tokenizer and chat format."""
@@ -40,12 +46,19 @@ class TokenizerCore:
         return prompt, self.encode(prompt, add_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_batch` of one text costs what `encode` does, and it lets go of the GIL: the
+        # service encodes on a worker thread, and `encode` would hold its event loop anyway
+        # (a million tokens take 1.6 s).
+        return self.fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str:
-        return self.fast.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        # One sequence costs `decode_batch` no more than `decode`, and it lets go of the GIL.
+        return self.fast.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_each(self, token_ids: list[int]) -> list[str]:
+        if len(token_ids) > LONG_DECODE_NUM_TOKENS:
+            return self.fast.decode_batch([[token_id] for token_id in token_ids],
+                                          skip_special_tokens=False)
         return [self.fast.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
 
     def detokenizer(self, *, skip_special_tokens: bool) -> StreamingDetokenizer:
