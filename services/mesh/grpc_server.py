@@ -53,6 +53,10 @@ class GrpcServer:
         await self.server.start()
         logger.info("%s listening on %s", self.service_name, self.address)
 
+    async def stop_now(self) -> None:
+        """Stops without a drain, cancelling calls in progress; nothing to do once stopped."""
+        await self.server.stop(None)
+
     def request_stop(self) -> None:
         self._stopping.set()
 

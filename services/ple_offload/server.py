@@ -68,7 +68,7 @@ async def serve(settings: PleSettings) -> None:
 
         await server.serve_until_signal(on_stop=close_for_readers)
     finally:
-        await server.server.stop(None)  # stopped already, unless the startup failed
+        await server.stop_now()  # stopped already, unless the startup failed
         segment.unmap()
 
 
