@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.conftest import RunningMesh
 
@@ -21,6 +23,9 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The w
                                "properties": {"city": {"type": "string", "maxLength": 24}}}}
 CITY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "big"],
                "properties": {"city": {"type": "string", "maxLength": 24}, "big": {"type": "boolean"}}}
+
+
+STREAM_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
@@ -116,23 +121,68 @@ def test_a_json_schema_text_format_gives_json_of_that_schema(client: openai.Open
     assert response.text.format.type == "json_schema"
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
-    ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
-    ({"max_output_tokens": 4000}, "max_output_tokens"),
+@pytest.mark.parametrize("fields", [
+    {"input": QUESTION},
+    {"input": "What is the weather in Paris?", "tools": [WEATHER_TOOL], "tool_choice": "required",
+     "max_output_tokens": 48},
 ])
-def test_bad_inputs_are_400_naming_the_field(mesh: RunningMesh, fields: dict[str, Any], param: str) -> None:
+def test_the_response_and_its_events_validate_as_the_client_types(mesh: RunningMesh,
+                                                                  fields: dict[str, Any]) -> None:
+    """Strictly: the client itself builds its models without validating, so a required field
+    missing there only shows as None where a user reads an int."""
+    body = {"model": MODEL, "temperature": 0, "max_output_tokens": 8} | fields
+    whole = httpx.post(f"{mesh.base_url}/responses", json=body, timeout=60)
+    Response.model_validate(whole.json())
+    with httpx.stream("POST", f"{mesh.base_url}/responses", json=body | {"stream": True},
+                      timeout=60) as reply:
+        events = [STREAM_EVENT.validate_json(line.removeprefix("data: "))
+                  for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.input_tokens_details.cache_write_tokens == 0
+
+
+@pytest.mark.parametrize(("fields", "param", "problem"), [
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input", "unsupported item type"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input", "input[0].call_id"),
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "call_9", "output": "x"}]},
+     "input", "input[1]: no function_call item before it has call_id 'call_9'"),
+    ({"input": None}, "input", "a string or a list of input items"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id", "not stored"),
+    ({"conversation": "conv_123"}, "conversation", "not stored"),
+    ({"conversation": {"id": "conv_123"}}, "conversation", "not stored"),
+    ({"background": True}, "background", "nothing is stored"),
+    ({"prompt": {"id": "pmpt_123"}}, "prompt", "stored prompts"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "logprobs are not supported"),
+    ({"include": ["reasoning.everything"]}, "include", "unknown value 'reasoning.everything'"),
+    ({"truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice",
+     "'get_time'"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+     "tool_choice", "got type 'allowed_tools'"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function"}}, "tool_choice", "without a name"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a schema"),
+    # Schemas only the engine's grammar compiler refuses.
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text", "wat"),
+    ({"tools": [WEATHER_TOOL | {"parameters": {"type": "wat"}}], "tool_choice": "required"},
+     "tool_choice", "wat"),
+    ({"max_output_tokens": 4000}, "max_output_tokens", "maximum context length"),
+    # Only echoed back: the response could not be encoded.
+    ({"metadata": {"k": "\ud800"}}, "metadata", "surrogate"),
+    ({"metadata": {"k": "\ud800"}, "stream": True}, "metadata", "surrogate"),
+])
+def test_bad_inputs_are_400_naming_the_field(mesh: RunningMesh, fields: dict[str, Any], param: str,
+                                             problem: str) -> None:
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 2} | fields
-    reply = httpx.post(f"{mesh.base_url}/responses", json=body, timeout=60)
+    # ASCII JSON: a lone surrogate escaped, as a client's JSON encoder sends it.
+    reply = httpx.post(f"{mesh.base_url}/responses", content=json.dumps(body),
+                       headers={"content-type": "application/json"}, timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", reply.text
-    assert param in error["message"]
+    assert param in error["message"] and problem in error["message"], reply.text
 
 
 def test_previous_response_id_says_responses_are_not_stored(client: openai.OpenAI) -> None:

@@ -11,7 +11,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from services.gateway.errors import InvalidRequestError, RequestFieldError
+from services.gateway.errors import RequestFieldError
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.responses_request import ResponsesRequest, responses_param
 from services.gateway.routes.responses import OutputItems
@@ -98,10 +98,16 @@ def test_bad_fields_are_refused_by_name(fields: dict[str, Any], param: str, prob
     assert isinstance(cause, RequestFieldError) and cause.param == param and problem in str(cause)
 
 
-def test_a_lone_surrogate_is_refused_naming_input() -> None:
-    with pytest.raises(InvalidRequestError) as caught:
-        request(input=[{"role": "user", "content": "a\ud800"}]).chat_request()
-    assert caught.value.param == "input" and "surrogate" in caught.value.message
+@pytest.mark.parametrize(("fields", "param", "where"), [
+    ({"input": [{"role": "user", "content": "a\ud800"}]}, "input", "input[0].content"),
+    ({"metadata": {"k": "\ud800"}}, "metadata", "metadata.k"),  # echoed back, never sent on
+])
+def test_a_lone_surrogate_is_refused_naming_its_field(fields: dict[str, Any], param: str, where: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        request(**fields)
+    cause = caught.value.errors()[0]["ctx"]["error"]
+    assert isinstance(cause, RequestFieldError) and cause.param == param
+    assert f"surrogate in {where} " in str(cause)
 
 
 def test_chat_fields_in_errors_are_renamed_to_responses_fields() -> None:

@@ -16,11 +16,26 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
                       field_validator, model_validator)
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError
-from services.gateway.schemas import ChatCompletionRequest
+from services.gateway.schemas import ChatCompletionRequest, check_valid_unicode
 
 # Chat request fields a Responses field turns into, for errors the chat path raises.
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                      "response_format": "text", "reasoning_effort": "reasoning"}
+
+# Fields that need a response or conversation stored (or a stored prompt), which a stateless
+# server cannot serve: answering without them would silently drop what they refer to.
+_STATEFUL_FIELDS = {
+    "previous_response_id": "responses are not stored here; send the whole conversation in input",
+    "conversation": "conversations are not stored here; send the whole conversation in input",
+    "background": "background responses are stored to be polled, and nothing is stored here",
+    "prompt": "stored prompts are not supported; send instructions and input",
+}
+# `include` values OpenAI defines for output this server never makes (built-in tool results,
+# image urls, encrypted reasoning): asking for them changes nothing, as for a model without them.
+_UNMADE_INCLUDES = frozenset({
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+    "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.action.sources",
+    "web_search_call.results"})
 
 
 def responses_param(chat_param: str | None) -> str | None:
@@ -166,12 +181,32 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     prompt_cache_key: str | None = None
-    previous_response_id: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        # The whole body, not only what the chat request carries on: fields only echoed back
+        # (`metadata`) would fail as the response is encoded, a 500 or a stream cut short.
+        check_valid_unicode(body)
+        return body
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stateless(cls, body: Any) -> Any:
+        given = body if isinstance(body, dict) else {}
+        for name, problem in _STATEFUL_FIELDS.items():
+            if given.get(name) not in (None, False):
+                raise RequestFieldError(name, problem)
+        return body
 
     @field_validator("input", mode="before")
     @classmethod
     def _known_items(cls, value: Any) -> Any:
         # Checked before the union: pydantic's report for a bad tag names neither field nor item.
+        if not isinstance(value, str | list):
+            raise RequestFieldError("input", "must be a string or a list of input items")
         if isinstance(value, list):
             if not value:
                 raise RequestFieldError("input", "must not be an empty list")
@@ -195,11 +230,37 @@ class ResponsesRequest(BaseModel):
                                                  f"got type {kind!r}")
         return value
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        # Checked by hand: pydantic's report for the union names only the strings.
+        is_named_function = (isinstance(value, dict) and value.get("type") == "function"
+                             and isinstance(value.get("name"), str))
+        if value in ("none", "auto", "required") or is_named_function:
+            return value
+        if not isinstance(value, dict):
+            got = repr(value)
+        elif value.get("type") == "function":
+            got = "a function choice without a name"
+        else:
+            got = f"type {value.get('type')!r}"
+        raise RequestFieldError("tool_choice", '"none", "auto", "required" or {"type": "function", '
+                                               f'"name": ...}} are supported, got {got}')
+
+    @field_validator("include")
+    @classmethod
+    def _makeable_includes(cls, values: list[str] | None) -> list[str] | None:
+        for index, value in enumerate(values or []):
+            if value == "message.output_text.logprobs":
+                raise RequestFieldError("include", f"include[{index}]: logprobs are not supported")
+            if value not in _UNMADE_INCLUDES:
+                raise RequestFieldError("include", f"include[{index}]: unknown value {value!r}")
+        return values
+
     @model_validator(mode="after")
     def _servable(self) -> ResponsesRequest:
-        if self.previous_response_id is not None:
-            raise RequestFieldError("previous_response_id",
-                                    "responses are not stored here; send the whole conversation in input")
+        if isinstance(self.input, list):
+            _check_call_outputs(self.input)
         if self.tool_choice not in ("none", "auto") and not self.tools:
             raise RequestFieldError("tool_choice", "forcing a call needs tools")
         if isinstance(self.tool_choice, NamedFunctionChoice) and self.tool_choice.name not in {
@@ -244,7 +305,8 @@ class ResponsesRequest(BaseModel):
         try:
             return ChatCompletionRequest.model_validate(fields)
         except ValidationError as error:
-            # Our own checks leave little for the chat request's to find: a lone surrogate.
+            # Our own checks leave the chat request's nothing known to find; should the two
+            # differ, the client still gets a 400 naming its own field.
             first = error.errors()[0]
             cause = first.get("ctx", {}).get("error")
             chat_param = cause.param if isinstance(cause, RequestFieldError) else ".".join(
@@ -252,6 +314,19 @@ class ResponsesRequest(BaseModel):
             problem = str(cause).removeprefix(f"{chat_param}: ") if cause else first["msg"]
             param = responses_param(chat_param)
             raise InvalidRequestError(f"{param}: {problem}", param=param) from error
+
+
+def _check_call_outputs(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
+                        ) -> None:
+    """Each `function_call_output` answers a `function_call` item before it, as OpenAI requires:
+    a chat template would render an answer to no call, or fail on it."""
+    call_ids: set[str] = set()
+    for index, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            call_ids.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in call_ids:
+            raise RequestFieldError("input", f"input[{index}]: no function_call item before it has "
+                                             f"call_id {item.call_id!r}")
 
 
 def _chat_message(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,

@@ -83,6 +83,18 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
     return None
 
 
+def check_valid_unicode(body: Any) -> None:
+    """Refuses a lone UTF-16 surrogate anywhere in a request body, naming its top field.
+
+    JSON lets "\\ud800" through; such a string cannot be encoded for the tokenizer, the engine's
+    protobuf or a JSON response echoing it, where it would fail as an internal error.
+    """
+    where = _lone_surrogate_at(body, "")
+    if where is not None:
+        param = where.split(".", 1)[0].split("[", 1)[0]
+        raise RequestFieldError(param, f"the lone UTF-16 surrogate in {where} is not valid Unicode")
+
+
 class SamplingFields(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as vLLM's server does."""
 
@@ -91,12 +103,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, body: Any) -> Any:
-        # JSON lets "\ud800" through; such a string cannot be encoded for the tokenizer or the
-        # engine's protobuf, where it would fail as an internal error.
-        where = _lone_surrogate_at(body, "")
-        if where is not None:
-            param = where.split(".", 1)[0].split("[", 1)[0]
-            raise RequestFieldError(param, f"the lone UTF-16 surrogate in {where} is not valid Unicode")
+        check_valid_unicode(body)
         return body
 
     model: str

@@ -72,7 +72,14 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
         skip_special_tokens=body.skip_special_tokens and not has_parser)
     parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
                for _ in range(body.n)]
-    await generation.start()
+    try:
+        await generation.start()
+    except InvalidRequestError as error:
+        if constraint is None or error.param is not None:
+            raise
+        # What the engine refuses of a request the gateway checked is the constraint it could
+        # not compile; the client wrote the field that asked for it.
+        raise InvalidRequestError(f"{constraint.param}: {error.message}", param=constraint.param) from error
     return StartedChatGeneration(model.name, generation, parsers)
 
 

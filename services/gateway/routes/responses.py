@@ -6,14 +6,17 @@ completion is (`start_chat_generation`); the parsed message is then shaped as ou
 `function_call` item per tool call. Streaming sends OpenAI's typed events, each with a
 `sequence_number` from 0, built by the same code that builds the non-streamed output, so a
 client that accumulates them gets the same items; `response.completed` (or `response.incomplete`
-when `max_output_tokens` cut the output) carries the whole response last.
+when `max_output_tokens` cut the output) carries the whole response last. A stream that fails
+once begun sends an `error` event, then `response.failed` with the output so far.
 
-Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`
-is a 400 and there is no GET, DELETE or cancel of a response), `conversation`, `background`,
-`include`, `truncation`, built-in and custom tools (web search, file search, code interpreter,
-computer use, MCP, custom; only function tools), input parts other than text (images, files,
-audio), encrypted reasoning, reasoning summaries (the reasoning comes as `reasoning_text`
-content, `summary` stays empty), logprobs, and more than one output choice.
+Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`,
+`conversation`, `background` and stored `prompt`s are a 400, and there is no GET, DELETE or cancel
+of a response), `truncation: "auto"` (an input beyond the context is a 400 either way), built-in
+and custom tools (web search, file search, code interpreter, computer use, MCP, custom; only
+function tools), input parts other than text (images, files, audio), encrypted reasoning,
+reasoning summaries (the reasoning comes as `reasoning_text` content, `summary` stays empty),
+logprobs (`include` asking for them is a 400; values naming output never made here are
+accepted), and more than one output choice.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 ItemStatus = Literal["completed", "incomplete"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
 @router.post("/responses", response_model=None)
@@ -199,6 +203,7 @@ class _Response:
         yield sse({"type": "response.in_progress", "response": opening})
         output = OutputItems()
         finish_reason: str | None = None
+        failure: dict[str, Any] | None = None  # the `error` event, when the stream fails
         try:
             # Closed as soon as the stream ends or the client goes: that aborts the engine request.
             async with aclosing(self.generation.deltas()) as deltas:
@@ -207,13 +212,19 @@ class _Response:
                         yield sse(event)
                     finish_reason = delta.finish_reason or finish_reason
         except GatewayError as error:
-            yield sse({"type": "error", "code": error.code or error.type, "message": error.message,
-                       "param": error.param})
-            return
+            failure = {"type": "error", "code": error.code or error.type, "message": error.message,
+                       "param": error.param}
         except Exception:
             logger.exception("response stream failed")
-            yield sse({"type": "error", "code": "internal_error",
-                       "message": "internal error while streaming", "param": None})
+            failure = {"type": "error", "code": "internal_error",
+                       "message": "internal error while streaming", "param": None}
+        if failure is not None:
+            # The `error` event says what went wrong; `response.failed` ends the response's
+            # lifecycle, as a stream's last event must, with what was generated before it.
+            yield sse(failure)
+            yield sse({"type": "response.failed", "response": self._shape(
+                "failed", output.items, self.generation.usage,
+                error={"code": "server_error", "message": failure["message"]})})
             return
         status = _status(finish_reason)
         for event in output.close(status):
@@ -221,13 +232,14 @@ class _Response:
         yield sse({"type": f"response.{status}",
                    "response": self._shape(status, output.items, self.generation.usage)})
 
-    def _shape(self, status: str, output: list[dict[str, Any]], usage: UsageCounts | None) -> dict[str, Any]:
+    def _shape(self, status: ResponseStatus, output: list[dict[str, Any]], usage: UsageCounts | None,
+               *, error: dict[str, str] | None = None) -> dict[str, Any]:
         body = self.body
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": self.model_name, "output": copy.deepcopy(output),
-            "usage": _usage(usage) if usage is not None else None, "error": None,
+            "usage": _usage(usage) if usage is not None else None, "error": error,
             "instructions": body.instructions,
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str)
@@ -237,6 +249,7 @@ class _Response:
             "parallel_tool_calls": body.parallel_tool_calls,
             "text": body.text.model_dump(by_alias=True, exclude_none=True),
             "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
+            "truncation": body.truncation or "disabled",
             "metadata": body.metadata or {}, "user": body.user, "store": False,
         }
 
@@ -247,7 +260,8 @@ def _status(finish_reason: str | None) -> ItemStatus:
 
 def _usage(usage: UsageCounts) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            # OpenAI counts writes to caches a request asks for; the prefix cache here is implicit.
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
