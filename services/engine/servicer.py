@@ -13,7 +13,7 @@ from backport.v1 import engine_pb2 as pb
 from services.engine.kv_events import KvEventCollector, WatchEnded, block_hash_u64
 from services.engine.metrics import EngineMetrics
 from services.engine.vllm_engine import (ChoiceUpdate, InvalidRequestError, OutputConstraint,
-                                         SamplingRequest, VllmEngine)
+                                         SamplingRequest, TokenLogprob, VllmEngine)
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ def sampling_request_from_proto(p: pb.SamplingParams) -> SamplingRequest:
         n=p.n or 1, temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
         min_p=opt("min_p"), seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=p.min_tokens,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=opt("logprobs"),
+        prompt_logprobs=opt("prompt_logprobs"),
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=opt("repetition_penalty"), logit_bias=dict(p.logit_bias),
         constraint=_constraint_from_proto(p.structured_output))
@@ -153,11 +154,15 @@ def _constraint_from_proto(p: pb.StructuredOutput) -> OutputConstraint | None:
 def _chunk(update: ChoiceUpdate) -> pb.GenerateResponse:
     return pb.GenerateResponse(chunk=pb.GenerateChunk(
         index=update.index, token_ids=update.token_ids,
-        logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                  top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                  for lp in update.logprobs],
+        logprobs=[_token_logprob(lp) for lp in update.logprobs],
         prompt_tokens=update.prompt_tokens, completion_tokens=update.completion_tokens,
-        cached_prompt_tokens=update.cached_prompt_tokens))
+        cached_prompt_tokens=update.cached_prompt_tokens,
+        prompt_logprobs=[_token_logprob(lp) for lp in update.prompt_logprobs or []]))
+
+
+def _token_logprob(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                           top=[pb.TopLogprob(token_id=t, logprob=v, rank=r) for t, v, r in lp.top])
 
 
 def _complete(update: ChoiceUpdate) -> pb.GenerateResponse:

@@ -54,6 +54,8 @@ class SamplingRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Set: each prompt token's logprob and rank, plus this many top alternatives.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -71,9 +73,13 @@ class OutputConstraint:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
+    """A token's logprob and vocabulary rank (1 is the most likely), and the top alternatives
+    at its position as (token id, logprob, rank), most likely first; they may include it."""
+
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]
+    rank: int
+    top: list[tuple[int, float, int]]
 
 
 @dataclass(slots=True)
@@ -88,6 +94,8 @@ class ChoiceUpdate:
     cached_prompt_tokens: int
     finish_reason: str | None = None
     stop_token_id: int | None = None
+    # Once a call, when asked for: the prompt's tokens from the second on, scored.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,15 +207,22 @@ class VllmEngine:
         params = self._sampling_params(sampling, len(prompt_token_ids))
         self._num_in_flight += 1
         completion_tokens: dict[int, int] = {}
+        # vLLM hands the prompt's logprobs over once, with the output that ends the prefill.
+        unsent_prompt_logprobs: list[TokenLogprob] | None = None
         try:
             stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
                                        params, request_id)
             async for output in stream:
+                if output.prompt_logprobs and sampling.prompt_logprobs is not None:
+                    unsent_prompt_logprobs = _prompt_logprobs(
+                        prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs)
                 for completion in output.outputs:
                     done = completion_tokens.get(completion.index, 0) + len(completion.token_ids)
                     completion_tokens[completion.index] = done
-                    yield _choice_update(completion, len(prompt_token_ids), done,
-                                         output.num_cached_tokens or 0, sampling.logprobs or 0)
+                    update = _choice_update(completion, len(prompt_token_ids), done,
+                                            output.num_cached_tokens or 0, sampling.logprobs or 0)
+                    update.prompt_logprobs, unsent_prompt_logprobs = unsent_prompt_logprobs, None
+                    yield update
         except VLLMClientError as error:
             # vLLM's own verdict on the request (a token id outside the vocabulary, a
             # logprobs count past its limit); it wraps anything else in EngineGenerateError.
@@ -217,11 +232,12 @@ class VllmEngine:
 
     def _sampling_params(self, s: SamplingRequest, prompt_len: int) -> SamplingParams:
         assert self.info is not None
+        if s.max_tokens is not None and s.max_tokens > self.info.max_model_len:
+            raise InvalidRequestError(f"max_tokens is {s.max_tokens}, more than the model's "
+                                      f"context of {self.info.max_model_len} tokens")
+        # Past the room the prompt leaves, an output would not fit the context: cut to it, as
+        # vLLM's server does, since clients send one limit for prompts of every length.
         room = self.info.max_model_len - prompt_len
-        if s.max_tokens is not None and s.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens is {s.max_tokens}, but the prompt has {prompt_len} tokens and the "
-                f"model's context is {self.info.max_model_len} tokens")
         chosen = {name: value for name, value in (
             ("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k),
             ("min_p", s.min_p), ("repetition_penalty", s.repetition_penalty)) if value is not None}
@@ -230,9 +246,9 @@ class VllmEngine:
         try:
             return SamplingParams(
                 **(defaults | chosen), n=s.n, seed=s.seed,
-                max_tokens=s.max_tokens if s.max_tokens is not None else room,
+                max_tokens=min(s.max_tokens, room) if s.max_tokens is not None else room,
                 min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-                ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+                ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 logit_bias=dict(s.logit_bias) or None,
                 structured_outputs=(StructuredOutputsParams(**{s.constraint.kind: s.constraint.value})
@@ -264,11 +280,22 @@ def _choice_update(completion: CompletionOutput, prompt_tokens: int, completion_
                         finish_reason=completion.finish_reason, stop_token_id=stop_token_id)
 
 
+def _prompt_logprobs(prompt_token_ids: list[int], scored: list[dict[int, Logprob] | None],
+                     num_top: int) -> list[TokenLogprob]:
+    """vLLM's prompt logprobs (None for the first token, which nothing precedes) from the
+    second token on."""
+    return [_token_logprob(token_id, candidates, num_top)
+            for token_id, candidates in zip(prompt_token_ids[1:], scored[1:]) if candidates]
+
+
 def _token_logprob(token_id: int, candidates: dict[int, Logprob], num_top: int) -> TokenLogprob:
-    # vLLM returns the top `num_top` candidates plus the sampled token when it ranks lower.
+    # vLLM's candidates: the token itself, then the top `num_top`, the token among them once.
     ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
-    top = [(candidate_id, lp.logprob) for candidate_id, lp in ranked[:num_top]]
-    return TokenLogprob(token_id=token_id, logprob=candidates[token_id].logprob, top=top)
+    is_among_top = len(candidates) == num_top
+    top = [(candidate_id, lp.logprob, lp.rank or 0) for candidate_id, lp in ranked
+           if is_among_top or candidate_id != token_id]
+    token = candidates[token_id]
+    return TokenLogprob(token_id=token_id, logprob=token.logprob, rank=token.rank or 0, top=top)
 
 
 class _LoadRecorder(StatLoggerBase):

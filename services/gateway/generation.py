@@ -21,6 +21,9 @@ from services.tokenizer.client import StreamDetokenizer, TokenizerClient, Tokeni
 
 logger = logging.getLogger(__name__)
 
+# vLLM writes a logprob of -inf, which JSON cannot hold, as this.
+MIN_LOGPROB = -9999.0
+
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -33,6 +36,25 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class RankedLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    # 1 for the most likely token at its position.
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokenLogprobs:
+    """One prompt token's text and its candidates as vLLM lists them: the prompt's own token
+    first, then the top alternatives (the prompt's token among them only once); None for the
+    prompt's first token, which nothing precedes."""
+
+    token: str
+    candidates: list[RankedLogprob] | None
 
 
 @dataclass(slots=True)
@@ -68,14 +90,18 @@ class Generation:
     """Runs one `Generate` call; iterating `deltas()` drives it and closing it aborts it."""
 
     def __init__(self, route: EngineRoute, tokenizer: TokenizerClient, request: pb.GenerateRequest,
-                 *, stop_strings: list[str], skip_special_tokens: bool) -> None:
+                 *, stop_strings: list[str], skip_special_tokens: bool,
+                 include_stop_str: bool = False) -> None:
         self.route = route
         self.tokenizer = tokenizer
         self.request = request
         self.num_choices = max(1, request.sampling.n)
         self.usage = UsageCounts(prompt_tokens=len(request.prompt_token_ids))
         self._stop_strings = stop_strings
+        self._include_stop_str = include_stop_str
         self._skip_special_tokens = skip_special_tokens
+        # Set from the chunk that carries them, the first, when the request asked for them.
+        self.prompt_logprobs: list[PromptTokenLogprobs] | None = None
         self._detokenizers: dict[int, StreamDetokenizer] = {}
         self._matchers: dict[int, StopStringMatcher] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None
@@ -160,6 +186,9 @@ class Generation:
     async def _on_chunk(self, chunk: pb.GenerateChunk, finished: set[int]) -> ChoiceDelta | None:
         if chunk.index in finished:
             return None
+        if chunk.prompt_logprobs or (self.prompt_logprobs is None
+                                     and self.request.sampling.HasField("prompt_logprobs")):
+            self.prompt_logprobs = await self._prompt_logprobs(list(chunk.prompt_logprobs))
         self._count(chunk.index, chunk.completion_tokens, chunk.cached_prompt_tokens)
         token_ids = list(chunk.token_ids)
         if token_ids:
@@ -218,13 +247,43 @@ class Generation:
         return self._detokenizers[index]
 
     def _matcher(self, index: int) -> StopStringMatcher:
-        return self._matchers.setdefault(index, StopStringMatcher(self._stop_strings))
+        if index not in self._matchers:
+            self._matchers[index] = StopStringMatcher(self._stop_strings,
+                                                      include_stop=self._include_stop_str)
+        return self._matchers[index]
 
     async def _logprobs(self, entries: list[pb.TokenLogprob]) -> list[TokenLogprob]:
         ids = [e.token_id for e in entries] + [t.token_id for e in entries for t in e.top]
         texts = dict(zip(ids, await self.tokenizer.token_texts(ids)))
         return [TokenLogprob(texts[e.token_id], e.logprob, [(texts[t.token_id], t.logprob) for t in e.top])
                 for e in entries]
+
+    async def _prompt_logprobs(self, entries: list[pb.TokenLogprob]) -> list[PromptTokenLogprobs]:
+        """The engine's entries (the prompt's second token on) with the prompt's first token."""
+        first_token_id = self.request.prompt_token_ids[0]
+        ids = [first_token_id] + [i for e in entries for i in (e.token_id, *(t.token_id for t in e.top))]
+        texts = dict(zip(ids, await self.tokenizer.token_texts(ids)))
+        scored = []
+        for entry in entries:
+            # Keyed by token id, vLLM's order: the prompt token first, a repeat keeps its place.
+            candidates = {entry.token_id: (entry.logprob, entry.rank)}
+            candidates |= {t.token_id: (t.logprob, t.rank) for t in entry.top}
+            scored.append(PromptTokenLogprobs(texts[entry.token_id], [
+                RankedLogprob(token_id, texts[token_id], logprob, rank)
+                for token_id, (logprob, rank) in candidates.items()]))
+        return [PromptTokenLogprobs(texts[first_token_id], None), *scored]
+
+
+def prompt_logprobs_json(prompt_logprobs: list[PromptTokenLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else
+    {token id: {logprob, rank, decoded_token}}, -inf written as -9999.0."""
+    return [None if entry.candidates is None else {
+        str(c.token_id): {"logprob": finite_logprob(c.logprob), "rank": c.rank, "decoded_token": c.token}
+        for c in entry.candidates} for entry in prompt_logprobs]
+
+
+def finite_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 def _num_tokens_reaching(token_texts: list[str], text_end: int) -> int:

@@ -32,11 +32,11 @@ def check_context(model: ServedModel, num_prompt_tokens: int, token_limit: int |
         raise ContextLengthError(
             f"This model's maximum context length is {model.max_model_len} tokens, but the prompt "
             f"has {num_prompt_tokens} tokens.", param=prompt_param)
-    if token_limit is not None and num_prompt_tokens + token_limit > model.max_model_len:
+    # A limit past the room the prompt leaves is cut to it in the engine.
+    if token_limit is not None and token_limit > model.max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {model.max_model_len} tokens, but "
-            f"{num_prompt_tokens} prompt tokens plus {limit_param}={token_limit} exceed it.",
-            param=limit_param)
+            f"{limit_param}={token_limit} asks for more.", param=limit_param)
 
 
 def check_token_ids(model: ServedModel, body: SamplingFields,
@@ -109,6 +109,8 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, token
         sampling.max_tokens = token_limit
     if num_logprobs is not None:
         sampling.logprobs = num_logprobs
+    if body.num_prompt_logprobs is not None:
+        sampling.prompt_logprobs = body.num_prompt_logprobs
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint.engine_form)
     return pb.GenerateRequest(request_id=new_id("req"), prompt_token_ids=prompt_token_ids,

@@ -128,6 +128,9 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    include_stop_str_in_output: bool = False
+    # vLLM's default --max-logprobs is 20; non-streamed only (vLLM's rule: 0 is let through).
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -138,6 +141,12 @@ class SamplingFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+        if self.stream and self.prompt_logprobs:
+            raise RequestFieldError("prompt_logprobs", "not available when `stream=True`")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -152,6 +161,10 @@ class SamplingFields(BaseModel):
     @property
     def stop_strings(self) -> list[str]:
         return self.stop  # type: ignore[return-value]  # normalised by the validator
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -261,6 +274,13 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        # As vLLM: echoed prompt tokens get logprobs as the generated ones do.
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class Usage(BaseModel):

@@ -18,34 +18,52 @@ class StopStringMatcher:
     """Releases text only when no stop string can still begin inside it.
 
     The last `longest stop - 1` characters stay held back until more text shows
-    whether they start a stop string; `flush` releases them at the end.
+    whether they start a stop string; `flush` releases them at the end. With
+    `include_stop` (vLLM's `include_stop_str_in_output`) nothing is held back and the
+    stop string that ends the text stays in it.
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], *, include_stop: bool = False) -> None:
         self._stops = stops
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._pending = ""
+        self._include_stop = include_stop
+        # A stop string ending in new text can begin this far back in the text before it.
+        self._num_context = max((len(s) for s in stops), default=1) - 1
+        self._hold = 0 if include_stop else self._num_context
+        self._context = ""  # the last `_num_context` characters fed, released or not
+        self._pending = ""  # the held ones among them
         self.stopped = False
 
     def feed(self, text: str) -> StopCheck:
         if self.stopped:
             return StopCheck("", True)
-        self._pending += text
         if not self._stops:
-            released, self._pending = self._pending, ""
-            return StopCheck(released, False)
-        found = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
-        if found:
-            cut, stop_length = min(found)
+            return StopCheck(text, False)
+        window = self._context + text
+        match = self._first_stop(window, len(self._context))
+        unreleased_from = len(self._context) - len(self._pending)
+        if match is not None:
+            start, end = match
             self.stopped = True
-            num_held = len(self._pending) - len(text)
-            released, self._pending = self._pending[:cut], ""
-            return StopCheck(released, True, stop_end=cut + stop_length - num_held)
-        keep = min(self._hold, len(self._pending))
-        released = self._pending[:len(self._pending) - keep]
-        self._pending = self._pending[len(self._pending) - keep:]
-        return StopCheck(released, False)
+            released = window[unreleased_from:end if self._include_stop else start]
+            self._pending = self._context = ""
+            return StopCheck(released, True, stop_end=end - (len(window) - len(text)))
+        self._context = window[max(0, len(window) - self._num_context):]
+        unreleased = window[unreleased_from:]
+        num_kept = min(self._hold, len(unreleased))
+        self._pending = unreleased[len(unreleased) - num_kept:]
+        return StopCheck(unreleased[:len(unreleased) - num_kept], False)
 
     def flush(self) -> str:
         released, self._pending = ("" if self.stopped else self._pending), ""
         return released
+
+    def _first_stop(self, window: str, new_from: int) -> tuple[int, int] | None:
+        """The stop string in `window` that ends first past `new_from` (ties: the earlier
+        listed), as (start, end); as vLLM matches, the result is the same however the text
+        was split into feeds."""
+        best: tuple[int, int] | None = None
+        for stop in self._stops:
+            start = window.find(stop, max(0, new_from - len(stop) + 1))
+            if start >= 0 and (best is None or start + len(stop) < best[1]):
+                best = (start, start + len(stop))
+        return best

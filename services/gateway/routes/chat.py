@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
-from services.gateway.generation import ChoiceDelta, Generation, TokenLogprob
+from services.gateway.generation import ChoiceDelta, Generation, TokenLogprob, prompt_logprobs_json
 from services.gateway.parsing import ChatOutputParser, MessageDelta
 from services.gateway.parsing.forced_tool_calls import ForcedToolCallParser, ForcedToolChoice
 from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
@@ -67,7 +67,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
         backend.tokenizer,
         generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs,
                          constraint=constraint),
-        stop_strings=body.stop_strings,
+        stop_strings=body.stop_strings, include_stop_str=body.include_stop_str_in_output,
         # Parsers read markup that tokenizers often mark special.
         skip_special_tokens=body.skip_special_tokens and not has_parser)
     parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
@@ -180,9 +180,12 @@ class _ChatCompletion:
                 finish = "tool_calls"
             choices.append({"index": index, "message": message, "finish_reason": finish,
                             "logprobs": _chat_logprobs(choice.logprobs) if choice.logprobs else None})
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model_name, "choices": choices,
-                "usage": usage_dict(self.generation.usage)}
+        response = {"id": self.id, "object": "chat.completion", "created": self.created,
+                    "model": self.model_name, "choices": choices,
+                    "usage": usage_dict(self.generation.usage)}
+        if self.generation.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(self.generation.prompt_logprobs)
+        return response
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
-from services.gateway.generation import Generation, TokenLogprob, UsageCounts
+from services.gateway.generation import (Generation, PromptTokenLogprobs, TokenLogprob, UsageCounts,
+                                         finite_logprob, prompt_logprobs_json)
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
                                        generate_request, output_constraint)
 from services.gateway.schemas import CompletionRequest, new_id, now
@@ -36,7 +37,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
             backend.pick_engine(user=body.user), backend.tokenizer,
             generate_request(body, prompt_ids, token_limit=body.token_limit,
                              num_logprobs=body.num_logprobs, constraint=constraint),
-            stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens))
+            stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str=body.include_stop_str_in_output))
     echoes = ([await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
               if body.echo else None)
     try:
@@ -46,7 +48,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         for generation in generations:
             generation.cancel()
         raise
-    completion = _Completion(model, body.n, generations, echoes)
+    completion = _Completion(model, body.n, generations, echoes, body.logprobs)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
                                                               body.include_continuous_usage)),
@@ -71,13 +73,20 @@ class _Completion:
     """
 
     def __init__(self, model: ServedModel, n: int, generations: list[Generation],
-                 echoes: list[str] | None) -> None:
+                 echoes: list[str] | None, num_logprobs: int | None) -> None:
         self.id = new_id("cmpl")
         self.created = now()
         self.model = model
         self.n = n
         self.generations = generations
         self.echoes = echoes
+        self.num_logprobs = num_logprobs
+
+    def _echoed_logprobs(self, generation: Generation) -> list[_LogprobEntry]:
+        """With `echo`, the prompt's tokens lead a choice's logprobs (OpenAI's legacy rule)."""
+        if self.echoes is None or self.num_logprobs is None or generation.prompt_logprobs is None:
+            return []
+        return _prompt_entries(generation.prompt_logprobs, self.num_logprobs)
 
     def _usage(self) -> dict[str, Any]:
         total = UsageCounts(
@@ -95,13 +104,15 @@ class _Completion:
                 positions: dict[int, int] = {}
                 async for delta in generation.deltas():
                     text = delta.text
+                    entries = _generated_entries(delta.logprobs)
                     if delta.index not in positions:
-                        positions[delta.index] = len(echo)
+                        positions[delta.index] = 0
                         text = echo + text
+                        entries = self._echoed_logprobs(generation) + entries
                     logprobs = None
-                    if delta.logprobs:
-                        logprobs = _logprobs(delta.logprobs, positions[delta.index])
-                        positions[delta.index] += sum(len(e.token) for e in delta.logprobs)
+                    if entries:
+                        logprobs = _logprobs(entries, positions[delta.index])
+                        positions[delta.index] += sum(len(token) for token, _, _ in entries)
                     chunk = self._object([{"index": p * self.n + delta.index, "text": text,
                                            "logprobs": logprobs, "finish_reason": delta.finish_reason}])
                     if continuous_usage:
@@ -117,10 +128,17 @@ class _Completion:
         try:
             for p, generation in enumerate(self.generations):
                 echo = self.echoes[p] if self.echoes else ""
-                choices += [{"index": p * self.n + i, "text": echo + choice.text,
-                             "logprobs": _logprobs(choice.logprobs, len(echo)) if choice.logprobs else None,
-                             "finish_reason": choice.finish_reason}
-                            for i, choice in enumerate(await generation.collect())]
+                collected = await generation.collect()
+                echoed = self._echoed_logprobs(generation)
+                for i, choice in enumerate(collected):
+                    logprobs = None
+                    if self.num_logprobs is not None:
+                        logprobs = _logprobs(echoed + _generated_entries(choice.logprobs), 0)
+                    shaped = {"index": p * self.n + i, "text": echo + choice.text,
+                              "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                    if generation.prompt_logprobs is not None:
+                        shaped["prompt_logprobs"] = prompt_logprobs_json(generation.prompt_logprobs)
+                    choices.append(shaped)
         finally:
             self._cancel_all()
         return self._object(choices) | {"usage": self._usage()}
@@ -136,10 +154,29 @@ class _Completion:
                 "model": self.model.name, "choices": choices}
 
 
-def _logprobs(entries: list[TokenLogprob], first_offset: int) -> dict[str, Any]:
+# A token's text, logprob and top logprobs by text; the logprobs None for the prompt's first token.
+_LogprobEntry = tuple[str, float | None, dict[str, float] | None]
+
+
+def _generated_entries(entries: list[TokenLogprob]) -> list[_LogprobEntry]:
+    # As vLLM: the sampled token leads its top logprobs, so they hold it even when it ranks lower.
+    return [(e.token, finite_logprob(e.logprob), {text: finite_logprob(logprob) for text, logprob in
+                                           [(e.token, e.logprob), *e.top]}) for e in entries]
+
+
+def _prompt_entries(prompt: list[PromptTokenLogprobs], num_top: int) -> list[_LogprobEntry]:
+    # The prompt's token leads its candidates; vLLM keeps the first `num_top + 1` of them.
+    return [(entry.token, None, None) if entry.candidates is None else
+            (entry.token, finite_logprob(entry.candidates[0].logprob),
+             {c.token: finite_logprob(c.logprob) for c in entry.candidates[:num_top + 1]})
+            for entry in prompt]
+
+
+def _logprobs(entries: list[_LogprobEntry], first_offset: int) -> dict[str, Any]:
     offsets, position = [], first_offset
-    for entry in entries:
+    for token, _, _ in entries:
         offsets.append(position)
-        position += len(entry.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+        position += len(token)
+    return {"tokens": [token for token, _, _ in entries],
+            "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}

