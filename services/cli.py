@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         # argparse's own status and shape for a bad option, without a traceback.
         print(f"backport {args.command}: error: {error}", file=sys.stderr)
         return 2
+    from services.launcher import stop_with_launcher
+    stop_with_launcher()  # a service `backport up` started stops when it goes
     try:
         return run(settings) or 0
     except ServiceStartError as error:

@@ -6,9 +6,11 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +36,15 @@ STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
 PLE_SERVICE = "ple"
+GATEWAY_SERVICE = "gateway"
+# The order services stop in: the gateway first so no new work arrives, then the services
+# behind it, the KV and PLE services last, once no engine uses them (the KV service frees
+# every engine's segment; engines would wait for a stopped PLE service to come back).
+NUM_STOP_TIERS = 3
+# Hands a started service the fd of its lifeline: the read end of a pipe whose write ends only
+# the launcher and the services stopped before it hold. It reads end-of-file once they are all
+# gone, however the launcher went (SIGKILL and the OOM killer included).
+LIFELINE_FD_ENV = "BACKPORT_LAUNCHER_LIFELINE_FD"
 
 
 class KvCacheUnavailableError(RuntimeError):
@@ -48,7 +59,8 @@ class UpSettings(ServiceSettings):
     host: str = Field("127.0.0.1", description="gateway HTTP address")
     port: int = Field(8000, description="gateway HTTP port")
     tokenizer_port: int = Field(50052, description="tokenizer gRPC port")
-    engine_port: int = Field(50051, description="first engine's gRPC port; more engines count up")
+    engine_port: int = Field(50051, description="first engine's gRPC port; more engines count up "
+                                                "(past the mesh's other ports)")
     max_model_len: int | None = Field(None, gt=0, description="context length")
     enforce_eager: bool = Field(False, description="engines skip torch.compile (faster start)")
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
@@ -60,7 +72,8 @@ class UpSettings(ServiceSettings):
     routing_policy: str | None = Field(None, description="prefix | session | least_loaded | round_robin")
     kv_cache_memory_gib: float | None = Field(None, gt=0, description="KV cache per engine in GiB")
     engine_metrics_port: int | None = Field(None, description="first engine's Prometheus port; "
-                                                              "more engines count up")
+                                                              "more engines count up (past the "
+                                                              "mesh's other ports)")
     api_key: list[str] = Field(default_factory=list, description="accepted API key")
     api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
     kv_cache: bool = Field(False, description="start the KV cache service (LMCache) first and "
@@ -101,11 +114,61 @@ class ServiceProcess:
             pass
         self.process.wait()
 
+    def stop_leftovers(self) -> None:
+        """Once the service has exited: SIGTERM to what it spawned in its group. vLLM's
+        engine core and workers outlive an engine killed outright, holding the model's memory."""
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def stop_tier(name: str) -> int:
+    """When the service called `name` stops, counted from 0 (NUM_STOP_TIERS says why)."""
+    if name == GATEWAY_SERVICE:
+        return 0
+    if name in (KV_CACHE_SERVICE, PLE_SERVICE):
+        return 2
+    return 1
+
+
+def count_up(first: int, count: int, taken: set[int]) -> list[int]:
+    """`first`, then the next `count - 1` ports above it not in `taken`: by default the second
+    engine would count into the tokenizer's port."""
+    ports = [first]
+    candidate = first
+    while len(ports) < count:
+        candidate += 1
+        if candidate not in taken:
+            ports.append(candidate)
+    return ports
+
+
+def stop_with_launcher() -> None:
+    """In a service `backport up` started: SIGTERM this process once its lifeline reads
+    end-of-file, so that it drains and frees what it holds (shared memory, ports, the GPU)
+    when the launcher was killed outright and could stop nothing itself."""
+    fd_text = os.environ.pop(LIFELINE_FD_ENV, None)  # not for the processes this one starts
+    if fd_text is None:
+        return
+    lifeline = int(fd_text)
+
+    def stop_at_end_of_file() -> None:
+        while os.read(lifeline, 1):  # nothing is ever written: only end-of-file comes
+            pass
+        logger.warning("backport up is gone; stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_at_end_of_file, name="lifeline", daemon=True).start()
+
 
 class Mesh:
     def __init__(self, settings: UpSettings) -> None:
         self.settings = settings
         self.services: list[ServiceProcess] = []
+        # (read end, write end) per stop tier. A service reads its tier's and holds the later
+        # tiers' write ends, so with the launcher gone the tiers still stop in order.
+        self._lifelines = [os.pipe() for _ in range(NUM_STOP_TIERS)]
         self._stop_requested = False
         self._is_ready = False
         self._lost_engines: set[str] = set()
@@ -113,11 +176,25 @@ class Mesh:
         self._kv_chunk_size_tokens: int | None = None
         # The PLE service's address, once it serves; engines are pointed at it.
         self._ple_address: str | None = None
+        self._single_ports = self._plan_single_ports()
+        single_port_numbers = {port for _, _, port in self._single_ports}
+        self._engine_ports = count_up(settings.engine_port, settings.engines, single_port_numbers)
+        self._engine_metrics_ports = (
+            [] if settings.engine_metrics_port is None else
+            count_up(settings.engine_metrics_port, settings.engines,
+                     single_port_numbers | set(self._engine_ports)))
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         command = [sys.executable, "-m", "services.cli", *args]
+        tier = stop_tier(name)
+        reader = self._lifelines[tier][0]
+        later_writers = [writer for _, writer in self._lifelines[tier + 1:]]
+        env = dict(os.environ if env is None else env, **{LIFELINE_FD_ENV: str(reader)})
         logger.info("starting %s", name)
-        service = ServiceProcess(name, subprocess.Popen(command, start_new_session=True, env=env))
+        # Its own session: Ctrl-C in a terminal reaches the launcher only, which stops the
+        # services in order, and a service's group can be killed whole.
+        service = ServiceProcess(name, subprocess.Popen(command, start_new_session=True, env=env,
+                                                        pass_fds=(reader, *later_writers)))
         self.services.append(service)
         return service
 
@@ -125,7 +202,7 @@ class Mesh:
         s = self.settings
         self._refuse_taken_ports()
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
-        engine_addresses = [f"127.0.0.1:{s.engine_port + i}" for i in range(s.engines)]
+        engine_addresses = [f"127.0.0.1:{port}" for port in self._engine_ports]
         if s.kv_cache:
             self._start_kv_cache()
         self._start_ple()
@@ -150,24 +227,39 @@ class Mesh:
                 gateway_args += [flag, value]
         for key in s.api_key:
             gateway_args += ["--api-key", key]
-        self._spawn("gateway", gateway_args)
+        self._spawn(GATEWAY_SERVICE, gateway_args)
         self._wait_http("gateway", f"http://{s.host}:{s.port}/health")
         self._is_ready = True
         logger.info("mesh ready: http://%s:%d/v1 (%d engine(s))", s.host, s.port, s.engines)
 
-    def _refuse_taken_ports(self) -> None:
-        """Before anything starts: a server already on one of these ports would answer the
-        health checks in place of the service started there, and one child failing to bind
-        would only show once the engines had loaded."""
+    def _plan_single_ports(self) -> list[tuple[str, str, int]]:
+        """(flag, host, port) of the services that listen on one port each."""
         s = self.settings
         ports = [("--port", s.host, s.port), ("--tokenizer-port", "127.0.0.1", s.tokenizer_port)]
-        ports += [("--engine-port", "127.0.0.1", s.engine_port + i) for i in range(s.engines)]
-        if s.engine_metrics_port is not None:
-            ports += [("--engine-metrics-port", "127.0.0.1", s.engine_metrics_port + i)
-                      for i in range(s.engines)]
         if s.kv_cache:
             ports += [("--kv-cache-port", "127.0.0.1", s.kv_cache_port),
                       ("--kv-cache-http-port", "127.0.0.1", s.kv_cache_http_port)]
+        return ports
+
+    def _refuse_taken_ports(self) -> None:
+        """Before anything starts: a server already on one of these ports (another of the
+        mesh's own included) would answer the health checks in place of the service started
+        there, and one child failing to bind would only show once the engines had loaded."""
+        host = self.settings.host
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            raise ServiceStartError(f"--host {host}: {error.strerror}") from None
+        ports = [*self._single_ports,
+                 *(("--engine-port", "127.0.0.1", port) for port in self._engine_ports),
+                 *(("--engine-metrics-port", "127.0.0.1", port)
+                   for port in self._engine_metrics_ports)]
+        flag_of_port: dict[int, str] = {}
+        for flag, _, port in ports:
+            if port in flag_of_port:
+                raise ServiceStartError(f"port {port} is given to both {flag_of_port[port]} and "
+                                        f"{flag}; choose another")
+            flag_of_port[port] = flag
         taken = [f"{port} ({flag})" for flag, host, port in ports if not is_port_free(host, port)]
         if taken:
             raise ServiceStartError(f"port(s) already in use: {', '.join(taken)}; stop what "
@@ -220,7 +312,7 @@ class Mesh:
 
     def _engine_args(self, index: int) -> list[str]:
         s = self.settings
-        args = ["engine", "--model", s.model, "--port", str(s.engine_port + index)]
+        args = ["engine", "--model", s.model, "--port", str(self._engine_ports[index])]
         if s.served_model_name:
             args += ["--served-model-name", s.served_model_name]
         if s.max_model_len:
@@ -231,8 +323,8 @@ class Mesh:
             args += ["--kv-cache-memory-gib", str(s.kv_cache_memory_gib)]
         if s.redis_url:
             args += ["--redis-url", s.redis_url]
-        if s.engine_metrics_port is not None:
-            args += ["--metrics-port", str(s.engine_metrics_port + index)]
+        if self._engine_metrics_ports:
+            args += ["--metrics-port", str(self._engine_metrics_ports[index])]
         if s.kv_events:
             args += ["--kv-events-endpoint", f"ipc://{self._kv_events_socket(index)}"]
         if self._kv_chunk_size_tokens is not None:
@@ -243,7 +335,7 @@ class Mesh:
 
     def _kv_events_socket(self, index: int) -> Path:
         """A local socket file: nothing but this host's engine service needs to subscribe."""
-        port = self.settings.engine_port + index
+        port = self._engine_ports[index]
         return Path(tempfile.gettempdir()) / f"backport-kv-events-{port}"
 
     def _wait_grpc(self, name: str, address: str) -> None:
@@ -278,10 +370,11 @@ class Mesh:
                 # The gateway routes around a lost engine; the mesh serves on with the others.
                 if service.name not in self._lost_engines:
                     self._lost_engines.add(service.name)
+                    service.stop_leftovers()
                     logger.error("%s exited with status %s; %d engine(s) still serve", service.name,
                                  service.process.returncode, self._num_engines_alive())
                 continue
-            if service.name == "gateway" and service.process.returncode == 0 and self._is_ready:
+            if service.name == GATEWAY_SERVICE and service.process.returncode == 0 and self._is_ready:
                 raise InterruptedError("the gateway drained and stopped")
             raise RuntimeError(f"{service.name} exited with status {service.process.returncode}")
 
@@ -300,13 +393,9 @@ class Mesh:
             time.sleep(POLL_S)
 
     def stop(self) -> None:
-        """Gateway first so no new work arrives, then the services behind it, together; the KV
-        and PLE services last, once no engine uses them (the KV service frees every engine's
-        segment; engines would wait for a stopped PLE service to come back)."""
-        gateway = [s for s in self.services if s.name == "gateway"]
-        shared_services = [s for s in self.services if s.name in (KV_CACHE_SERVICE, PLE_SERVICE)]
-        behind = [s for s in self.services if s not in gateway and s not in shared_services]
-        for group in (gateway, behind, shared_services):
+        """Tier by tier (`stop_tier`), the services of one tier together."""
+        for tier in range(NUM_STOP_TIERS):
+            group = [s for s in self.services if stop_tier(s.name) == tier]
             for service in group:
                 service.stop()
             deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -316,6 +405,10 @@ class Mesh:
             # vLLM's publisher binds the file and leaves it behind when its engine stops.
             for index in range(self.settings.engines):
                 self._kv_events_socket(index).unlink(missing_ok=True)
+        for reader, writer in self._lifelines:  # every service has stopped: nothing reads them
+            os.close(reader)
+            os.close(writer)
+        self._lifelines = []
         logger.info("mesh stopped")
 
 

@@ -1,0 +1,127 @@
+"""Processes of `backport up` killed outright (the OOM killer, `kill -9`, a supervisor's hard
+stop) leave nothing running. A lost engine's vLLM processes go while the mesh serves on; a
+lost launcher's services stop through their own SIGTERM path, in the order the launcher
+would have stopped them, and vLLM's processes go with their engines.
+
+Real processes: `backport up` with two engines on the embedded model, and the KV service
+where LMCache is installed (`make kvcache-deps`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.cluster.processes import child_pid, http_ok
+from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
+
+# A drain with nothing in flight, and vLLM's shutdown, on two loaded cores.
+STOP_WITHIN_S = 60.0
+POLL_S = 0.1
+HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
+
+
+@pytest.fixture(scope="module")
+def two_engine_mesh(embedded_model_path: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
+    kv_cache_args = (["--kv-cache", "--kv-cache-port", str(free_port()),
+                      "--kv-cache-http-port", str(free_port())] if HAS_LMCACHE else [])
+    # Two ports for the engines: `free_port` hands out the one after the first to no one else.
+    engine_port = free_port(2)
+    running = start_mesh(tmp_path_factory.mktemp("killed-mesh"), "--engines", "2",
+                         "--engine-port", str(engine_port), "--max-model-len", "2048",
+                         *kv_cache_args)
+    descendants = psutil.Process(running.process.pid).children(recursive=True)
+    yield running
+    stop_mesh(running)
+    for process in descendants:  # whatever a failed test left behind
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_killed_engines_vllm_processes_stop_and_the_mesh_serves_on(
+        two_engine_mesh: RunningMesh) -> None:
+    engine = psutil.Process(child_pid(two_engine_mesh.process.pid, "services.cli", "engine"))
+    vllm_processes = engine.children(recursive=True)
+    assert any("EngineCore" in " ".join(p.cmdline()) for p in vllm_processes)
+
+    engine.kill()
+    exited_at = _wait_for_exits(vllm_processes, STOP_WITHIN_S)
+
+    assert _commands(p for p in vllm_processes if p.pid not in exited_at) == [], \
+        two_engine_mesh.log_tail()
+    assert two_engine_mesh.process.poll() is None
+    assert http_ok(two_engine_mesh.base_url.removesuffix("/v1") + "/health")
+
+
+def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh) -> None:
+    """Runs last in this module: it ends the shared mesh."""
+    launcher = two_engine_mesh.process.pid
+    descendants = psutil.Process(launcher).children(recursive=True)
+    names = ["gateway", "tokenizer", "engine"] + (["kvcache"] if HAS_LMCACHE else [])
+    services = {name: child_pid(launcher, "services.cli", name) for name in names}
+    assert any("EngineCore" in " ".join(p.cmdline()) for p in descendants)
+    ipc_dirs = _environment_values(descendants, "VLLM_RPC_BASE_PATH")
+    assert ipc_dirs, "the engine core runs in the engine's own ipc folder"
+
+    os.kill(launcher, signal.SIGKILL)
+    two_engine_mesh.process.wait()
+    exited_at = _wait_for_exits(descendants, STOP_WITHIN_S)
+
+    assert _commands(p for p in descendants if p.pid not in exited_at) == [], \
+        two_engine_mesh.log_tail()
+    # The engine's shutdown removes vLLM's sockets: it stopped, it was not killed.
+    assert not any(ipc_dir.exists() for ipc_dir in ipc_dirs), two_engine_mesh.log_tail()
+    assert exited_at[services["gateway"]] <= exited_at[services["engine"]]
+    if HAS_LMCACHE:
+        assert exited_at[services["engine"]] <= exited_at[services["kvcache"]]
+
+
+def _wait_for_exits(processes: list[psutil.Process], timeout_s: float) -> dict[int, float]:
+    """{pid: when it was first seen exited} for the processes that exit within `timeout_s`."""
+    exited_at: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(exited_at) < len(processes) and time.monotonic() < deadline:
+        for process in processes:
+            if process.pid not in exited_at and _has_exited(process):
+                exited_at[process.pid] = time.monotonic()
+        time.sleep(POLL_S)
+    return exited_at
+
+
+def _has_exited(process: psutil.Process) -> bool:
+    """Orphans are reaped by whoever adopts them, which in a container may be no one."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _commands(processes: Iterable[psutil.Process]) -> list[str]:
+    commands = []
+    for process in processes:
+        try:
+            commands.append(f"{process.pid} {' '.join(process.cmdline())[:100]}")
+        except psutil.NoSuchProcess:
+            pass
+    return commands
+
+
+def _environment_values(processes: list[psutil.Process], name: str) -> set[Path]:
+    values = set()
+    for process in processes:
+        try:
+            value = process.environ().get(name)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if value:
+            values.add(Path(value))
+    return values
