@@ -33,7 +33,7 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
                                           "properties": {"city": {"type": "string"}}}}}
 # vLLM-only fields, null unless a request asks for them.
-VLLM_ONLY_FIELDS = {"stop_reason", "token_ids", "prompt_token_ids",
+VLLM_ONLY_FIELDS = {"token_ids", "prompt_token_ids",
                     "kv_transfer_params", "service_tier", "system_fingerprint", "reasoning",
                     "reasoning_content", "routed_experts"}
 VOLATILE_FIELDS = {"id", "created"}
@@ -93,20 +93,20 @@ def answer(client: openai.OpenAI, call: Call) -> dict[str, Any]:
 
 
 def streamed_answer(stream: openai.Stream[Any]) -> dict[str, Any]:
-    """Each choice's text and finish reason joined from the chunks, with the usage chunk's
-    counts: chunk boundaries are the engine's timing, not part of the answer."""
+    """Each choice's text joined from the chunks, its finish and stop reasons, and the usage
+    chunk's counts: chunk boundaries are the engine's timing, not part of the answer."""
     texts: dict[int, str] = {}
-    finish_reasons: dict[int, str] = {}
+    endings: dict[int, tuple[str, str | int | None]] = {}
     usage = None
     for chunk in stream:
         for choice in chunk.choices:
             delta = choice.delta.content if hasattr(choice, "delta") else choice.text
             texts[choice.index] = texts.get(choice.index, "") + (delta or "")
             if choice.finish_reason is not None:
-                finish_reasons[choice.index] = choice.finish_reason
+                endings[choice.index] = (choice.finish_reason, getattr(choice, "stop_reason", None))
         if chunk.usage is not None:
             usage = comparable(chunk.usage.model_dump())
-    return {"texts": texts, "finish_reasons": finish_reasons, "usage": usage}
+    return {"texts": texts, "endings": endings, "usage": usage}
 
 
 CASES: dict[str, Call] = {
@@ -164,6 +164,14 @@ CASES: dict[str, Call] = {
         model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, echo=True),
     "completion, a stop string": lambda c: c.completions.create(
         model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=20, stop=[" 6"]),
+    "completion, a stop string streamed": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=20, stop=[" 7", " 6"],
+        stream=True),
+    "completion, a stop token": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=20,
+        extra_body={"stop_token_ids": [28]}),
+    "completion, token ids echoed": lambda c: c.completions.create(
+        model=MODEL, prompt=[504, 3575, 282, 4649, 314], temperature=0, max_tokens=4, echo=True),
     "completion, streamed": lambda c: c.completions.create(
         model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16, stream=True,
         stream_options={"include_usage": True}),

@@ -64,6 +64,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # Set on the choice's last delta: "stop", "length" or "abort".
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (None for EOS or length).
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class CollectedChoice:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    stop_reason: str | int | None
 
 
 @dataclass(slots=True)
@@ -160,14 +163,15 @@ class Generation:
         """Runs the generation to its end and returns every choice, in index order."""
         texts: list[list[str]] = [[] for _ in range(self.num_choices)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.num_choices)]
-        finish_reasons: list[str | None] = [None] * self.num_choices
+        last_deltas: list[ChoiceDelta | None] = [None] * self.num_choices
         async for delta in self.deltas():
             texts[delta.index].append(delta.text)
             logprobs[delta.index] += delta.logprobs
             if delta.finish_reason is not None:
-                finish_reasons[delta.index] = delta.finish_reason
-        return [CollectedChoice("".join(t), lp, reason)
-                for t, lp, reason in zip(texts, logprobs, finish_reasons, strict=True)]
+                last_deltas[delta.index] = delta
+        return [CollectedChoice("".join(t), lp, last.finish_reason if last else None,
+                                last.stop_reason if last else None)
+                for t, lp, last in zip(texts, logprobs, last_deltas, strict=True)]
 
     async def _read(self) -> pb.GenerateResponse | None:
         assert self._call is not None
@@ -203,7 +207,8 @@ class Generation:
         entries = list(chunk.logprobs[:num_kept])
         logprobs = await self._logprobs(entries) if entries else []
         if check.stopped:
-            return ChoiceDelta(chunk.index, check.text, logprobs, finish_reason="stop")
+            return ChoiceDelta(chunk.index, check.text, logprobs, finish_reason="stop",
+                               stop_reason=check.stop)
         if check.text or logprobs:
             return ChoiceDelta(chunk.index, check.text, logprobs)
         return None
@@ -214,7 +219,9 @@ class Generation:
         self._count(complete.index, complete.completion_tokens, complete.cached_prompt_tokens)
         tail = self._matcher(complete.index).flush()
         return ChoiceDelta(complete.index, tail,
-                           finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"))
+                           finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"),
+                           stop_reason=(complete.stop_token_id if complete.HasField("stop_token_id")
+                                        else None))
 
     async def _token_texts(self, index: int, token_ids: list[int]) -> list[str]:
         """The chunk's text, split by token where a stop string may need to know which

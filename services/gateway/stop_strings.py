@@ -12,6 +12,8 @@ class StopCheck:
     # Where the stop string ends in the text just fed, which it always reaches into; 0 unless
     # stopped. Tokens of that text past this point were generated after the stop.
     stop_end: int = 0
+    # The stop string found, when stopped.
+    stop: str | None = None
 
 
 class StopStringMatcher:
@@ -42,11 +44,12 @@ class StopStringMatcher:
         match = self._first_stop(window, len(self._context))
         unreleased_from = len(self._context) - len(self._pending)
         if match is not None:
-            start, end = match
+            start, stop = match
+            end = start + len(stop)
             self.stopped = True
             released = window[unreleased_from:end if self._include_stop else start]
             self._pending = self._context = ""
-            return StopCheck(released, True, stop_end=end - (len(window) - len(text)))
+            return StopCheck(released, True, stop_end=end - (len(window) - len(text)), stop=stop)
         self._context = window[max(0, len(window) - self._num_context):]
         unreleased = window[unreleased_from:]
         num_kept = min(self._hold, len(unreleased))
@@ -57,13 +60,13 @@ class StopStringMatcher:
         released, self._pending = ("" if self.stopped else self._pending), ""
         return released
 
-    def _first_stop(self, window: str, new_from: int) -> tuple[int, int] | None:
+    def _first_stop(self, window: str, new_from: int) -> tuple[int, str] | None:
         """The stop string in `window` that ends first past `new_from` (ties: the earlier
-        listed), as (start, end); as vLLM matches, the result is the same however the text
-        was split into feeds."""
-        best: tuple[int, int] | None = None
+        listed), with where it starts; as vLLM matches, the result is the same however the
+        text was split into feeds."""
+        best: tuple[int, str] | None = None
         for stop in self._stops:
             start = window.find(stop, max(0, new_from - len(stop) + 1))
-            if start >= 0 and (best is None or start + len(stop) < best[1]):
-                best = (start, start + len(stop))
+            if start >= 0 and (best is None or start + len(stop) < best[0] + len(best[1])):
+                best = (start, stop)
         return best

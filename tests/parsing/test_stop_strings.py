@@ -14,9 +14,10 @@ def test_a_stop_string_spanning_feeds_ends_where_the_last_feed_completes_it() ->
     assert matcher.feed("more").text == "" and matcher.flush() == ""
 
 
-def test_the_earliest_of_overlapping_stop_strings_cuts_the_text() -> None:
-    check = StopStringMatcher(["cd", "bcde"]).feed("abcdef")
-    assert (check.text, check.stopped, check.stop_end) == ("a", True, len("abcde"))
+def test_of_overlapping_stop_strings_the_one_ending_first_cuts_the_text() -> None:
+    # As in vLLM, which checks as each token arrives: "cd" is complete before "bcde" is.
+    check = StopStringMatcher(["bcde", "cd"]).feed("abcdef")
+    assert (check.text, check.stopped, check.stop_end, check.stop) == ("ab", True, len("abcd"), "cd")
 
 
 def test_a_stop_string_at_the_very_start_leaves_no_text() -> None:

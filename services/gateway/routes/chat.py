@@ -158,7 +158,7 @@ class _ChatCompletion:
             chunk = self._chunk([{
                 "index": delta.index, "delta": message.to_dict(),
                 "logprobs": _chat_logprobs(delta.logprobs) if delta.logprobs else None,
-                "finish_reason": self._finish_reason(delta)}])
+                "finish_reason": self._finish_reason(delta), "stop_reason": delta.stop_reason}])
             if continuous_usage:
                 chunk["usage"] = usage_dict(self.generation.usage)
             yield sse_event(chunk)
@@ -179,6 +179,7 @@ class _ChatCompletion:
             if finish == "stop" and parser is not None and parser.has_tool_calls:
                 finish = "tool_calls"
             choices.append({"index": index, "message": message, "finish_reason": finish,
+                            "stop_reason": choice.stop_reason,
                             "logprobs": _chat_logprobs(choice.logprobs) if choice.logprobs else None})
         response = {"id": self.id, "object": "chat.completion", "created": self.created,
                     "model": self.model_name, "choices": choices,

@@ -39,8 +39,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
                              num_logprobs=body.num_logprobs, constraint=constraint),
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens,
             include_stop_str=body.include_stop_str_in_output))
-    echoes = ([await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-              if body.echo else None)
+    echoes = await _echoes(backend, body.prompt, prompts) if body.echo else None
     try:
         for generation in generations:
             await generation.start()
@@ -54,6 +53,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
                                                               body.include_continuous_usage)),
                                  media_type="text/event-stream")
     return JSONResponse(await completion.response())
+
+
+async def _echoes(backend: GatewayBackend, prompt: str | list[str] | list[int] | list[list[int]],
+                  prompt_token_ids: list[list[int]]) -> list[str]:
+    """Text prompts as the client wrote them, as vLLM echoes them (decoded, they would carry
+    the special tokens encoding put in, such as a BOS); token prompts decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]  # a list of strings, checked
+    return [await backend.tokenizer.decode(p, skip_special_tokens=False) for p in prompt_token_ids]
 
 
 async def _prompt_token_ids(backend: GatewayBackend,
@@ -114,7 +124,8 @@ class _Completion:
                         logprobs = _logprobs(entries, positions[delta.index])
                         positions[delta.index] += sum(len(token) for token, _, _ in entries)
                     chunk = self._object([{"index": p * self.n + delta.index, "text": text,
-                                           "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+                                           "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                                           "stop_reason": delta.stop_reason}])
                     if continuous_usage:
                         chunk["usage"] = self._usage()
                     yield sse_event(chunk)
@@ -135,7 +146,8 @@ class _Completion:
                     if self.num_logprobs is not None:
                         logprobs = _logprobs(echoed + _generated_entries(choice.logprobs), 0)
                     shaped = {"index": p * self.n + i, "text": echo + choice.text,
-                              "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                              "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                              "stop_reason": choice.stop_reason}
                     if generation.prompt_logprobs is not None:
                         shaped["prompt_logprobs"] = prompt_logprobs_json(generation.prompt_logprobs)
                     choices.append(shaped)
