@@ -109,3 +109,24 @@ def test_a_long_call_leaves_other_streams_answered(
 
     # A step takes about a millisecond; one held behind the long call would end it.
     assert asyncio.run(count_steps_during_a_long_call()) >= 10
+
+
+def test_logprob_texts_of_characters_split_across_tokens_join_up_to_the_text(
+        tokenizer_address: str) -> None:
+    # Byte-level tokens each holding part of a character decode alone to U+FFFD; in context,
+    # the token completing a character shows all of it and the ones before it nothing.
+    text = "東京は日本の首都です"
+
+    async def texts() -> tuple[list[str], list[list[str]]]:
+        client = TokenizerClient(tokenizer_address)
+        try:
+            ids = await client.encode(text, add_special_tokens=False)
+            positions = [(ids[max(0, k - 4):k], [token_id]) for k, token_id in enumerate(ids)]
+            return await client.token_texts(ids), await client.logprob_token_texts(positions)
+        finally:
+            await client.close()
+
+    alone, in_context = asyncio.run(texts())
+    assert sum(t.endswith("\ufffd") for t in alone) > len(text) / 2
+    assert "".join(candidates[0] for candidates in in_context) == text
+    assert all(not t.endswith("\ufffd") for [t] in in_context)

@@ -160,6 +160,16 @@ CASES: dict[str, Call] = {
         model=MODEL, prompt=["Once upon a time", "The sky is"], temperature=0, max_tokens=6),
     "completion, logprobs": lambda c: c.completions.create(
         model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=2),
+    "completion, logprobs of characters split across tokens": lambda c: c.completions.create(
+        model=MODEL, prompt="東京は日本の首都です。大阪は", temperature=0, max_tokens=6, logprobs=1),
+    "chat, logprobs of characters split across tokens": lambda c: c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "東京は日本の首都です。大阪は"}],
+        temperature=0, max_tokens=6, logprobs=True, top_logprobs=1),
+    "completion, echo with logprobs of characters split across tokens": lambda c: c.completions.create(
+        model=MODEL, prompt="東京は日本の首都です。", temperature=0, max_tokens=3, echo=True, logprobs=2),
+    "chat, prompt_logprobs of characters split across tokens": lambda c: c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "大阪"}], temperature=0, max_tokens=2,
+        extra_body={"prompt_logprobs": 1}),
     "completion, echo": lambda c: c.completions.create(
         model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, echo=True),
     "completion, a stop string": lambda c: c.completions.create(

@@ -17,7 +17,8 @@ from services.gateway.errors import (EngineFailedError, InvalidRequestError, Ser
                                      tokenizer_failure)
 from services.gateway.request_context import current_request_context
 from services.gateway.stop_strings import StopStringMatcher
-from services.tokenizer.client import StreamDetokenizer, TokenizerClient, TokenizerTimeoutError
+from services.tokenizer.client import (MAX_CHARACTER_TOKENS, StreamDetokenizer, TokenizerClient,
+                                       TokenizerTimeoutError)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class Generation:
         self.prompt_logprobs: list[PromptTokenLogprobs] | None = None
         self._detokenizers: dict[int, StreamDetokenizer] = {}
         self._matchers: dict[int, StopStringMatcher] = {}
+        # Each choice's last sampled tokens: a logprob token's text may finish their characters.
+        self._sampled_tails: dict[int, list[int]] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._first: pb.GenerateResponse | None = None
         self._started_at = current_request_context().started_at
@@ -205,7 +208,7 @@ class Generation:
         num_kept = _num_tokens_reaching(token_texts, check.stop_end) if check.stopped else len(token_ids)
         self.usage.completion_tokens_by_choice[chunk.index] -= len(token_ids) - num_kept
         entries = list(chunk.logprobs[:num_kept])
-        logprobs = await self._logprobs(entries) if entries else []
+        logprobs = await self._logprobs(chunk.index, entries) if entries else []
         if check.stopped:
             return ChoiceDelta(chunk.index, check.text, logprobs, finish_reason="stop",
                                stop_reason=check.stop)
@@ -259,26 +262,37 @@ class Generation:
                                                       include_stop=self._include_stop_str)
         return self._matchers[index]
 
-    async def _logprobs(self, entries: list[pb.TokenLogprob]) -> list[TokenLogprob]:
-        ids = [e.token_id for e in entries] + [t.token_id for e in entries for t in e.top]
-        texts = dict(zip(ids, await self.tokenizer.token_texts(ids)))
-        return [TokenLogprob(texts[e.token_id], e.logprob, [(texts[t.token_id], t.logprob) for t in e.top])
-                for e in entries]
+    async def _logprobs(self, index: int, entries: list[pb.TokenLogprob]) -> list[TokenLogprob]:
+        tail = self._sampled_tails.setdefault(index, [])
+        positions = []  # (the tokens sampled before, the candidates), as logprob texts need
+        for entry in entries:
+            positions.append((tail[-MAX_CHARACTER_TOKENS:],
+                              [entry.token_id, *(t.token_id for t in entry.top)]))
+            tail.append(entry.token_id)
+        del tail[:-MAX_CHARACTER_TOKENS]
+        texts = await self.tokenizer.logprob_token_texts(positions)
+        return [TokenLogprob(token, entry.logprob,
+                             list(zip(top, (t.logprob for t in entry.top), strict=True)))
+                for entry, (token, *top) in zip(entries, texts, strict=True)]
 
     async def _prompt_logprobs(self, entries: list[pb.TokenLogprob]) -> list[PromptTokenLogprobs]:
         """The engine's entries (the prompt's second token on) with the prompt's first token."""
-        first_token_id = self.request.prompt_token_ids[0]
-        ids = [first_token_id] + [i for e in entries for i in (e.token_id, *(t.token_id for t in e.top))]
-        texts = dict(zip(ids, await self.tokenizer.token_texts(ids)))
-        scored = []
-        for entry in entries:
-            # Keyed by token id, vLLM's order: the prompt token first, a repeat keeps its place.
-            candidates = {entry.token_id: (entry.logprob, entry.rank)}
-            candidates |= {t.token_id: (t.logprob, t.rank) for t in entry.top}
-            scored.append(PromptTokenLogprobs(texts[entry.token_id], [
-                RankedLogprob(token_id, texts[token_id], logprob, rank)
-                for token_id, (logprob, rank) in candidates.items()]))
-        return [PromptTokenLogprobs(texts[first_token_id], None), *scored]
+        prompt = self.request.prompt_token_ids
+        # Keyed by token id, vLLM's order: the prompt token first, a repeat keeps its place.
+        candidates = [{entry.token_id: (entry.logprob, entry.rank)} | {t.token_id: (t.logprob, t.rank)
+                                                                       for t in entry.top}
+                      for entry in entries]
+        # As in vLLM, a position's context is the prompt tokens scored before it, from the
+        # second on; the first, unscored, is decoded alone.
+        texts = await self.tokenizer.logprob_token_texts(
+            [(prompt[max(1, k - MAX_CHARACTER_TOKENS):k], list(position))
+             for k, position in enumerate(candidates, start=1)])
+        scored = [PromptTokenLogprobs(position_texts[0], [
+                      RankedLogprob(token_id, text, logprob, rank)
+                      for (token_id, (logprob, rank)), text in zip(position.items(), position_texts, strict=True)])
+                  for position, position_texts in zip(candidates, texts, strict=True)]
+        [first_text] = await self.tokenizer.token_texts([prompt[0]])
+        return [PromptTokenLogprobs(first_text, None), *scored]
 
 
 def prompt_logprobs_json(prompt_logprobs: list[PromptTokenLogprobs]) -> list[dict[str, Any] | None]:

@@ -17,6 +17,10 @@ TOKEN_TEXT_CACHE_SIZE = 65_536
 # Enough of the prompt's end that a sequence's first generated token decodes as a continuation;
 # the whole prompt would cost a long prompt's worth of decoding per choice.
 NUM_PROMPT_TOKENS_TO_PRIME = 8
+# What a token decoded alone shows for the bytes of a character it holds only part of.
+REPLACEMENT_CHARACTER = "\ufffd"
+# Tokens enough to hold any UTF-8 character's bytes (four at most).
+MAX_CHARACTER_TOKENS = 4
 
 
 class TokenizerTimeoutError(TimeoutError):
@@ -73,6 +77,26 @@ class TokenizerClient:
                 self._token_texts.clear()
             self._token_texts |= decoded
         return [texts[t] for t in token_ids]
+
+    async def logprob_token_texts(self, positions: Sequence[tuple[Sequence[int], Sequence[int]]]
+                                  ) -> list[list[str]]:
+        """Per position (the sequence's tokens before it, oldest first; its candidate token
+        ids), each candidate's text as vLLM shows logprob tokens: decoded alone, unless that
+        ends in part of a character; then the characters it completes after the tokens before
+        it, or "" while they are incomplete (as `DecodeTokensInContext` decodes)."""
+        alone = await self.token_texts([i for _, candidates in positions for i in candidates])
+        texts, split = [], []
+        for context, candidates in positions:
+            texts.append(alone[:len(candidates)])
+            alone = alone[len(candidates):]
+            split += [(texts[-1], k, pb.TokenInContext(token_id=token_id, context_token_ids=context))
+                      for k, token_id in enumerate(candidates) if texts[-1][k].endswith(REPLACEMENT_CHARACTER)]
+        if split:
+            reply = await self._call(self.stub.DecodeTokensInContext, pb.DecodeTokensInContextRequest(
+                tokens=[token for _, _, token in split]))
+            for (position_texts, k, _), text in zip(split, reply.texts, strict=True):
+                position_texts[k] = text
+        return texts
 
     def detokenizer(self, *, skip_special_tokens: bool,
                     prompt_token_ids: Sequence[int]) -> StreamDetokenizer:

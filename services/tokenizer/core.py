@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.tokenizer.chat_formats import ChatRenderer, chat_renderer_for
+from services.tokenizer.client import MAX_CHARACTER_TOKENS, REPLACEMENT_CHARACTER
 
 # About a millisecond of decoding. Longer lists go to `decode_batch`, which lets go of the GIL
 # while it works (`decode` holds it), so that a worker thread decoding them leaves the event
@@ -60,6 +62,24 @@ class TokenizerCore:
             return self.fast.decode_batch([[token_id] for token_id in token_ids],
                                           skip_special_tokens=False)
         return [self.fast.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+
+    def decode_in_context(self, token_id: int, context_token_ids: list[int]) -> str:
+        """The text `token_id` adds after `context_token_ids` (oldest first), for a token whose
+        text alone ends in part of a character: the characters it completes, the bytes earlier
+        tokens held of them included, or "" while they are still incomplete."""
+        for num_context in range(1, min(len(context_token_ids), MAX_CHARACTER_TOKENS) + 1):
+            context = context_token_ids[-num_context:]
+            text = self.fast.decode(context + [token_id], skip_special_tokens=False)
+            if text.endswith(REPLACEMENT_CHARACTER):
+                continue
+            # Context tokens that were pieces of the completed characters showed as "" at their
+            # turn: what they hold belongs to this token's text.
+            num_whole = len(context)
+            while num_whole and self.fast.decode([context[num_whole - 1]]).endswith(REPLACEMENT_CHARACTER):
+                num_whole -= 1
+            before = self.fast.decode(context[:num_whole], skip_special_tokens=False)
+            return text[len(os.path.commonprefix([before, text])):]
+        return ""
 
     def detokenizer(self, *, skip_special_tokens: bool) -> StreamingDetokenizer:
         return StreamingDetokenizer(self.fast, skip_special_tokens=skip_special_tokens)

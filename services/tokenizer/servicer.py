@@ -54,6 +54,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                               list(request.token_ids))
         return pb.DecodeTokensResponse(texts=texts, utf8=[t.encode() for t in texts])
 
+    async def DecodeTokensInContext(self, request: pb.DecodeTokensInContextRequest,
+                                    context: grpc.aio.ServicerContext) -> pb.DecodeTokensResponse:
+        texts = await _decode(len(request.tokens), self._decode_in_context, list(request.tokens))
+        return pb.DecodeTokensResponse(texts=texts, utf8=[t.encode() for t in texts])
+
+    def _decode_in_context(self, tokens: list[pb.TokenInContext]) -> list[str]:
+        return [self.core.decode_in_context(t.token_id, list(t.context_token_ids)) for t in tokens]
+
     async def Detokenize(self, request_iterator: AsyncIterator[pb.DetokenizeRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeResponse]:
         detokenizer = None

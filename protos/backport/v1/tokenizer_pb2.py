@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61\x63kport/v1/tokenizer.proto\x12\x0b\x62\x61\x63kport.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xd7\x01\n\x11RenderChatRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x05tools\x18\x02 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x30\n\x0ftemplate_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\"7\n\x12RenderChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13\x44\x65\x63odeTokensRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"3\n\x14\x44\x65\x63odeTokensResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0c\n\x04utf8\x18\x02 \x03(\x0c\"C\n\x11\x44\x65tokenizeRequest\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x19\n\x17GetTokenizerInfoRequest\"\x8e\x01\n\rTokenizerInfo\x12\x11\n\ttokenizer\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x63hat_format\x18\x05 \x01(\tB\x0f\n\r_bos_token_id2\xde\x03\n\tTokenizer\x12M\n\nRenderChat\x12\x1e.backport.v1.RenderChatRequest\x1a\x1f.backport.v1.RenderChatResponse\x12\x41\n\x06\x45ncode\x12\x1a.backport.v1.EncodeRequest\x1a\x1b.backport.v1.EncodeResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.backport.v1.DecodeRequest\x1a\x1b.backport.v1.DecodeResponse\x12S\n\x0c\x44\x65\x63odeTokens\x12 .backport.v1.DecodeTokensRequest\x1a!.backport.v1.DecodeTokensResponse\x12Q\n\nDetokenize\x12\x1e.backport.v1.DetokenizeRequest\x1a\x1f.backport.v1.DetokenizeResponse(\x01\x30\x01\x12T\n\x10GetTokenizerInfo\x12$.backport.v1.GetTokenizerInfoRequest\x1a\x1a.backport.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61\x63kport/v1/tokenizer.proto\x12\x0b\x62\x61\x63kport.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xd7\x01\n\x11RenderChatRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x05tools\x18\x02 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x30\n\x0ftemplate_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\"7\n\x12RenderChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13\x44\x65\x63odeTokensRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"K\n\x1c\x44\x65\x63odeTokensInContextRequest\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.backport.v1.TokenInContext\"=\n\x0eTokenInContext\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x02 \x03(\r\"3\n\x14\x44\x65\x63odeTokensResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0c\n\x04utf8\x18\x02 \x03(\x0c\"C\n\x11\x44\x65tokenizeRequest\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x19\n\x17GetTokenizerInfoRequest\"\x8e\x01\n\rTokenizerInfo\x12\x11\n\ttokenizer\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x63hat_format\x18\x05 \x01(\tB\x0f\n\r_bos_token_id2\xc5\x04\n\tTokenizer\x12M\n\nRenderChat\x12\x1e.backport.v1.RenderChatRequest\x1a\x1f.backport.v1.RenderChatResponse\x12\x41\n\x06\x45ncode\x12\x1a.backport.v1.EncodeRequest\x1a\x1b.backport.v1.EncodeResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.backport.v1.DecodeRequest\x1a\x1b.backport.v1.DecodeResponse\x12S\n\x0c\x44\x65\x63odeTokens\x12 .backport.v1.DecodeTokensRequest\x1a!.backport.v1.DecodeTokensResponse\x12\x65\n\x15\x44\x65\x63odeTokensInContext\x12).backport.v1.DecodeTokensInContextRequest\x1a!.backport.v1.DecodeTokensResponse\x12Q\n\nDetokenize\x12\x1e.backport.v1.DetokenizeRequest\x1a\x1f.backport.v1.DetokenizeResponse(\x01\x30\x01\x12T\n\x10GetTokenizerInfo\x12$.backport.v1.GetTokenizerInfoRequest\x1a\x1a.backport.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,16 +46,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODERESPONSE']._serialized_end=540
   _globals['_DECODETOKENSREQUEST']._serialized_start=542
   _globals['_DECODETOKENSREQUEST']._serialized_end=582
-  _globals['_DECODETOKENSRESPONSE']._serialized_start=584
-  _globals['_DECODETOKENSRESPONSE']._serialized_end=635
-  _globals['_DETOKENIZEREQUEST']._serialized_start=637
-  _globals['_DETOKENIZEREQUEST']._serialized_end=704
-  _globals['_DETOKENIZERESPONSE']._serialized_start=706
-  _globals['_DETOKENIZERESPONSE']._serialized_end=740
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=742
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=767
-  _globals['_TOKENIZERINFO']._serialized_start=770
-  _globals['_TOKENIZERINFO']._serialized_end=912
-  _globals['_TOKENIZER']._serialized_start=915
-  _globals['_TOKENIZER']._serialized_end=1393
+  _globals['_DECODETOKENSINCONTEXTREQUEST']._serialized_start=584
+  _globals['_DECODETOKENSINCONTEXTREQUEST']._serialized_end=659
+  _globals['_TOKENINCONTEXT']._serialized_start=661
+  _globals['_TOKENINCONTEXT']._serialized_end=722
+  _globals['_DECODETOKENSRESPONSE']._serialized_start=724
+  _globals['_DECODETOKENSRESPONSE']._serialized_end=775
+  _globals['_DETOKENIZEREQUEST']._serialized_start=777
+  _globals['_DETOKENIZEREQUEST']._serialized_end=844
+  _globals['_DETOKENIZERESPONSE']._serialized_start=846
+  _globals['_DETOKENIZERESPONSE']._serialized_end=880
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=882
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=907
+  _globals['_TOKENIZERINFO']._serialized_start=910
+  _globals['_TOKENIZERINFO']._serialized_end=1052
+  _globals['_TOKENIZER']._serialized_start=1055
+  _globals['_TOKENIZER']._serialized_end=1636
 # @@protoc_insertion_point(module_scope)

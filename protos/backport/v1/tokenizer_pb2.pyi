@@ -63,6 +63,20 @@ class DecodeTokensRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DecodeTokensInContextRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenInContext]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenInContext, _Mapping]]] = ...) -> None: ...
+
+class TokenInContext(_message.Message):
+    __slots__ = ("token_id", "context_token_ids")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class DecodeTokensResponse(_message.Message):
     __slots__ = ("texts", "utf8")
     TEXTS_FIELD_NUMBER: _ClassVar[int]

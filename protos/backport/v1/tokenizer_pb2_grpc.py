@@ -54,6 +54,11 @@ class TokenizerStub:
                 request_serializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensRequest.SerializeToString,
                 response_deserializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensResponse.FromString,
                 _registered_method=True)
+        self.DecodeTokensInContext = channel.unary_unary(
+                '/backport.v1.Tokenizer/DecodeTokensInContext',
+                request_serializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensInContextRequest.SerializeToString,
+                response_deserializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensResponse.FromString,
+                _registered_method=True)
         self.Detokenize = channel.stream_stream(
                 '/backport.v1.Tokenizer/Detokenize',
                 request_serializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
@@ -95,6 +100,15 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeTokensInContext(self, request, context):
+        """Decodes each token after the tokens before it, for a token that decoded on its own
+        ends in part of a character (U+FFFD): its text is then the characters it completes, or
+        empty while they are still incomplete. vLLM shows logprob tokens this way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Detokenize(self, request_iterator, context):
         """Incremental detokenization of one sequence: send token ids as they are
         generated, receive one text delta per request message. Deltas never split a
@@ -131,6 +145,11 @@ def add_TokenizerServicer_to_server(servicer, server):
             'DecodeTokens': grpc.unary_unary_rpc_method_handler(
                     servicer.DecodeTokens,
                     request_deserializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensRequest.FromString,
+                    response_serializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensResponse.SerializeToString,
+            ),
+            'DecodeTokensInContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecodeTokensInContext,
+                    request_deserializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensInContextRequest.FromString,
                     response_serializer=backport_dot_v1_dot_tokenizer__pb2.DecodeTokensResponse.SerializeToString,
             ),
             'Detokenize': grpc.stream_stream_rpc_method_handler(
@@ -251,6 +270,33 @@ class Tokenizer:
             target,
             '/backport.v1.Tokenizer/DecodeTokens',
             backport_dot_v1_dot_tokenizer__pb2.DecodeTokensRequest.SerializeToString,
+            backport_dot_v1_dot_tokenizer__pb2.DecodeTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeTokensInContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/backport.v1.Tokenizer/DecodeTokensInContext',
+            backport_dot_v1_dot_tokenizer__pb2.DecodeTokensInContextRequest.SerializeToString,
             backport_dot_v1_dot_tokenizer__pb2.DecodeTokensResponse.FromString,
             options,
             channel_credentials,
