@@ -93,20 +93,26 @@ def answer(client: openai.OpenAI, call: Call) -> dict[str, Any]:
 
 
 def streamed_answer(stream: openai.Stream[Any]) -> dict[str, Any]:
-    """Each choice's text joined from the chunks, its finish and stop reasons, and the usage
-    chunk's counts: chunk boundaries are the engine's timing, not part of the answer."""
+    """Each choice's text and logprobs joined from the chunks, its finish and stop reasons,
+    and the usage chunk's counts: chunk boundaries are the engine's timing, not part of the
+    answer."""
     texts: dict[int, str] = {}
+    logprobs: dict[int, dict[str, list[Any]]] = {}
     endings: dict[int, tuple[str, str | int | None]] = {}
     usage = None
     for chunk in stream:
         for choice in chunk.choices:
             delta = choice.delta.content if hasattr(choice, "delta") else choice.text
             texts[choice.index] = texts.get(choice.index, "") + (delta or "")
+            if choice.logprobs is not None:
+                joined = logprobs.setdefault(choice.index, {})
+                for field, entries in comparable(choice.logprobs.model_dump()).items():
+                    joined.setdefault(field, []).extend(entries)
             if choice.finish_reason is not None:
                 endings[choice.index] = (choice.finish_reason, getattr(choice, "stop_reason", None))
         if chunk.usage is not None:
             usage = comparable(chunk.usage.model_dump())
-    return {"texts": texts, "endings": endings, "usage": usage}
+    return {"texts": texts, "logprobs": logprobs, "endings": endings, "usage": usage}
 
 
 CASES: dict[str, Call] = {
@@ -182,6 +188,15 @@ CASES: dict[str, Call] = {
         extra_body={"stop_token_ids": [28]}),
     "completion, token ids echoed": lambda c: c.completions.create(
         model=MODEL, prompt=[504, 3575, 282, 4649, 314], temperature=0, max_tokens=4, echo=True),
+    "chat, logprobs streamed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "東京は日本の首都です。大阪は"}],
+        temperature=0, max_tokens=8, logprobs=True, top_logprobs=2, stream=True),
+    "completion, logprobs streamed": lambda c: c.completions.create(
+        model=MODEL, prompt="東京は日本の首都です。大阪は", temperature=0, max_tokens=8, logprobs=2,
+        stream=True),
+    "completion, echo with logprobs streamed": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, echo=True,
+        logprobs=1, stream=True),
     "completion, streamed": lambda c: c.completions.create(
         model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16, stream=True,
         stream_options={"include_usage": True}),
