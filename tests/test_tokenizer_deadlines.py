@@ -141,6 +141,33 @@ def test_a_stream_stalled_mid_way_ends_with_an_error_event_and_aborts_the_engine
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_responses_stream_stalled_mid_way_ends_with_error_then_response_failed(
+        deadline_mesh: RunningMesh, tokenizer_pid: int) -> None:
+    """As OpenAI's streams end: an `error` event, then `response.failed` with the output so
+    far; the engine request is aborted."""
+    client = openai.OpenAI(base_url=deadline_mesh.base_url, api_key="unused", max_retries=0,
+                           timeout=CLIENT_TIMEOUT_S)
+    events = []
+    with client.responses.stream(model=MODEL, input=QUESTION[0]["content"], temperature=0,
+                                 max_output_tokens=1800) as stream:
+        for event in stream:
+            events.append(event)
+            if sum(e.type == "response.output_text.delta" for e in events) == 2:
+                break
+        with frozen(tokenizer_pid):
+            events += list(stream)
+            num_running = _num_running_after(deadline_mesh, seconds=1.0)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    error, failed = events[-2], events[-1]
+    assert error.code == "timeout_error" and "did not answer" in error.message
+    assert failed.response.status == "failed" and failed.response.id == events[0].response.id
+    assert failed.response.error.code == "server_error" and failed.response.error.message == error.message
+    streamed_text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed_text and failed.response.output_text == streamed_text
+    assert num_running == 0, "the engine still generates for the failed stream"
+
+
 def _num_running_after(mesh: RunningMesh, seconds: float) -> int:
     """The engine's running requests once they reach 0, or after `seconds`."""
     deadline = time.monotonic() + seconds
