@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from backport.v1 import engine_pb2, ple_pb2, tokenizer_pb2
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -37,6 +38,12 @@ POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
 PLE_SERVICE = "ple"
 GATEWAY_SERVICE = "gateway"
+
+# Health is asked of the service a port should hold, by its proto name: a server of another
+# service on that port (the tokenizer on an engine's, say) answers NOT_FOUND, not SERVING.
+TOKENIZER_GRPC = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+ENGINE_GRPC = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+PLE_GRPC = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
 # The order services stop in: the gateway first so no new work arrives, then the services
 # behind it, the KV and PLE services last, once no engine uses them (the KV service frees
 # every engine's segment; engines would wait for a stopped PLE service to come back).
@@ -209,9 +216,9 @@ class Mesh:
         self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
         for index in range(s.engines):
             self._spawn(self._engine_name(index), self._engine_args(index), self._engine_env())
-        self._wait_grpc("tokenizer", tokenizer_address)
+        self._wait_grpc("tokenizer", tokenizer_address, TOKENIZER_GRPC)
         for index, address in enumerate(engine_addresses):
-            self._wait_grpc(self._engine_name(index), address)
+            self._wait_grpc(self._engine_name(index), address, ENGINE_GRPC)
         gateway_args = ["gateway", "--host", s.host, "--port", str(s.port),
                         "--tokenizer", tokenizer_address]
         if s.redis_url:
@@ -297,7 +304,7 @@ class Mesh:
         if table.tensor_name:
             args += ["--tensor-name", table.tensor_name]
         self._spawn(PLE_SERVICE, args)
-        self._wait_grpc(PLE_SERVICE, address)
+        self._wait_grpc(PLE_SERVICE, address, PLE_GRPC)
         self._ple_address = address
 
     def _engine_env(self) -> dict[str, str] | None:
@@ -338,11 +345,11 @@ class Mesh:
         port = self._engine_ports[index]
         return Path(tempfile.gettempdir()) / f"backport-kv-events-{port}"
 
-    def _wait_grpc(self, name: str, address: str) -> None:
+    def _wait_grpc(self, name: str, address: str, grpc_service: str) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
         while time.monotonic() < deadline:
             self._check_alive()
-            if wait_until_serving(address, timeout_s=2.0):
+            if wait_until_serving(address, timeout_s=2.0, service=grpc_service):
                 logger.info("%s ready at %s", name, address)
                 return
         raise TimeoutError(f"{name} did not become healthy within {self.settings.startup_timeout_s} s")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher import ENGINE_GRPC, TOKENIZER_GRPC
+from services.mesh.channels import wait_until_serving
 from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_server import GrpcServer
 from tests.conftest import REPO_ROOT, engine_environment, free_port, wait_for_grpc_serving
@@ -28,6 +30,24 @@ def test_second_server_on_a_taken_port_fails_to_start() -> None:
             await first.server.stop(None)
 
     asyncio.run(start_two())
+
+
+def test_a_port_held_by_another_service_is_not_taken_for_serving() -> None:
+    """`backport up` once gave a second engine the tokenizer's port, and the tokenizer's health
+    answered for it. The launcher now asks by service name."""
+    address = f"127.0.0.1:{free_port()}"
+
+    async def check() -> tuple[bool, bool]:
+        tokenizer = GrpcServer(TOKENIZER_GRPC, address)
+        await tokenizer.start()
+        await tokenizer.set_serving(True)
+        try:
+            return (await asyncio.to_thread(wait_until_serving, address, 1.0, TOKENIZER_GRPC),
+                    await asyncio.to_thread(wait_until_serving, address, 1.0, ENGINE_GRPC))
+        finally:
+            await tokenizer.stop_now()
+
+    assert asyncio.run(check()) == (True, False)
 
 
 def test_tokenizer_on_a_taken_port_exits_naming_it(embedded_model_path: Path) -> None:

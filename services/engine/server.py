@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from backport.v1 import engine_pb2_grpc
+from backport.v1 import engine_pb2, engine_pb2_grpc
 from services.engine.kv_events import collector_for
 from services.engine.metrics import EngineMetrics
 from services.engine.registry import EngineRecord, EngineRegistration
@@ -31,8 +31,8 @@ class StartupInterrupted(BaseException):
 async def serve(settings: EngineSettings) -> None:
     engine = VllmEngine(settings)
     metrics = EngineMetrics()
-    server = GrpcServer("backport.v1.Engine", f"{settings.host}:{settings.port}",
-                        grace_s=settings.drain_timeout_s)
+    server = GrpcServer(engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
+                        f"{settings.host}:{settings.port}", grace_s=settings.drain_timeout_s)
     kv_events = collector_for(settings.kv_events_endpoint)
     servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))

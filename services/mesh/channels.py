@@ -30,23 +30,26 @@ def open_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
 
 
-async def is_serving(channel: grpc.aio.Channel, timeout_s: float = 2.0) -> bool:
+async def is_serving(channel: grpc.aio.Channel, timeout_s: float = 2.0, service: str = "") -> bool:
+    """`service` names the gRPC service to ask about ("" for the server as a whole). A server
+    that does not host it answers NOT_FOUND, which is not serving."""
     stub = health_pb2_grpc.HealthStub(channel)
     try:
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     except grpc.aio.AioRpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_until_serving(address: str, timeout_s: float) -> bool:
-    """Blocking: polls the health service until it answers SERVING or time runs out."""
+def wait_until_serving(address: str, timeout_s: float, service: str = "") -> bool:
+    """Blocking: polls the health service until it answers SERVING for `service` or time runs
+    out."""
 
     async def poll() -> bool:
         deadline = time.monotonic() + timeout_s
         async with open_channel(address) as channel:
             while time.monotonic() < deadline:
-                if await is_serving(channel):
+                if await is_serving(channel, service=service):
                     return True
                 await asyncio.sleep(0.25)
         return False

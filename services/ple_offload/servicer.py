@@ -16,7 +16,7 @@ from services.ple_offload.lookup_wire import encode_lookup_reply, max_rows_per_r
 from services.ple_offload.row_gather import check_row_ids
 from services.ple_offload.table_segment import TableSegment
 
-SERVICE_NAME = "backport.v1.PleOffload"
+SERVICE_NAME = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
 
 # Gathers larger than this run on a worker thread so one prefill batch cannot stall
 # the decode-step lookups of other engines (1 M rows x 160 B is about 10 ms of copying).
