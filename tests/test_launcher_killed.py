@@ -11,19 +11,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.cluster.processes import child_pid, http_ok
+from tests.cluster.processes import child_pid, commands_of, http_ok, wait_for_exits
 from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
 
 # A drain with nothing in flight, and vLLM's shutdown, on two loaded cores.
 STOP_WITHIN_S = 60.0
-POLL_S = 0.1
 HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
 
 
@@ -54,9 +52,9 @@ def test_a_killed_engines_vllm_processes_stop_and_the_mesh_serves_on(
     assert any("EngineCore" in " ".join(p.cmdline()) for p in vllm_processes)
 
     engine.kill()
-    exited_at = _wait_for_exits(vllm_processes, STOP_WITHIN_S)
+    exited_at = wait_for_exits(vllm_processes, STOP_WITHIN_S)
 
-    assert _commands(p for p in vllm_processes if p.pid not in exited_at) == [], \
+    assert commands_of(p for p in vllm_processes if p.pid not in exited_at) == [], \
         two_engine_mesh.log_tail()
     assert two_engine_mesh.process.poll() is None
     assert http_ok(two_engine_mesh.base_url.removesuffix("/v1") + "/health")
@@ -74,45 +72,15 @@ def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh)
 
     os.kill(launcher, signal.SIGKILL)
     two_engine_mesh.process.wait()
-    exited_at = _wait_for_exits(descendants, STOP_WITHIN_S)
+    exited_at = wait_for_exits(descendants, STOP_WITHIN_S)
 
-    assert _commands(p for p in descendants if p.pid not in exited_at) == [], \
+    assert commands_of(p for p in descendants if p.pid not in exited_at) == [], \
         two_engine_mesh.log_tail()
     # The engine's shutdown removes vLLM's sockets: it stopped, it was not killed.
     assert not any(ipc_dir.exists() for ipc_dir in ipc_dirs), two_engine_mesh.log_tail()
     assert exited_at[services["gateway"]] <= exited_at[services["engine"]]
     if HAS_LMCACHE:
         assert exited_at[services["engine"]] <= exited_at[services["kvcache"]]
-
-
-def _wait_for_exits(processes: list[psutil.Process], timeout_s: float) -> dict[int, float]:
-    """{pid: when it was first seen exited} for the processes that exit within `timeout_s`."""
-    exited_at: dict[int, float] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(exited_at) < len(processes) and time.monotonic() < deadline:
-        for process in processes:
-            if process.pid not in exited_at and _has_exited(process):
-                exited_at[process.pid] = time.monotonic()
-        time.sleep(POLL_S)
-    return exited_at
-
-
-def _has_exited(process: psutil.Process) -> bool:
-    """Orphans are reaped by whoever adopts them, which in a container may be no one."""
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _commands(processes: Iterable[psutil.Process]) -> list[str]:
-    commands = []
-    for process in processes:
-        try:
-            commands.append(f"{process.pid} {' '.join(process.cmdline())[:100]}")
-        except psutil.NoSuchProcess:
-            pass
-    return commands
 
 
 def _environment_values(processes: list[psutil.Process], name: str) -> set[Path]:

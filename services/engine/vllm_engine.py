@@ -23,6 +23,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 from vllm.platforms import current_platform
 
+from services.engine.backport.engine_core_watch import SERVICE_PID_ENV
 from services.engine.kv_transfer import engine_kv_args
 from services.engine.settings import EngineSettings
 
@@ -153,6 +154,7 @@ class VllmEngine:
         # engine, measured): a directory of this engine's own holds them, removed at shutdown.
         self._ipc_dir = tempfile.mkdtemp(prefix="backport-engine-ipc-", dir=_RPC_BASE_PATH)
         os.environ[RPC_BASE_PATH_ENV] = self._ipc_dir
+        os.environ[SERVICE_PID_ENV] = str(os.getpid())
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
         except BaseException:

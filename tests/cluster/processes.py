@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from tests.conftest import REPO_ROOT, engine_environment
 
@@ -228,3 +229,33 @@ def in_threads(target: Callable[..., None], argument_lists: list[tuple]) -> list
     for thread in threads:
         thread.start()
     return threads
+
+
+def wait_for_exits(processes: list[psutil.Process], timeout_s: float) -> dict[int, float]:
+    """{pid: when it was first seen exited} for the processes that exit within `timeout_s`."""
+    exited_at: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(exited_at) < len(processes) and time.monotonic() < deadline:
+        for process in processes:
+            if process.pid not in exited_at and has_exited(process):
+                exited_at[process.pid] = time.monotonic()
+        time.sleep(0.1)
+    return exited_at
+
+
+def has_exited(process: psutil.Process) -> bool:
+    """Orphans are reaped by whoever adopts them, which in a container may be no one."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def commands_of(processes: Iterable[psutil.Process]) -> list[str]:
+    commands = []
+    for process in processes:
+        try:
+            commands.append(f"{process.pid} {' '.join(process.cmdline())[:100]}")
+        except psutil.NoSuchProcess:
+            pass
+    return commands

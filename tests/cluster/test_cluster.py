@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import redis
 
 from services.engine.registry import REGISTRY_KEY_PREFIX
 from services.gateway.routing import prefix_key, rendezvous_order
-from tests.cluster.processes import (RedisServer, StreamRecord, child_pid, http_ok, in_threads,
-                                     kill_group, metric, redis_server_binary, scrape, start_engine,
-                                     stop_service, stream_completion)
+from tests.cluster.processes import (RedisServer, StreamRecord, child_pid, commands_of, http_ok,
+                                     in_threads, kill_group, metric, redis_server_binary, scrape,
+                                     start_engine, stop_service, stream_completion, wait_for_exits)
 from tests.conftest import REPO_ROOT, engine_environment, free_port
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -112,8 +113,8 @@ def cluster(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
         if engine_c.poll() is None:
             stop_service(engine_c)
         else:
-            # Killed by a test: its vLLM engine core and worker run on in its group (they spun
-            # on after every CI run), until told to stop.
+            # Killed by a test, whose vLLM processes should have followed it; a failed test's
+            # are stopped here.
             kill_group(engine_c, signal.SIGTERM)
         redis.stop()
 
@@ -288,7 +289,9 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
     # Placement follows prefix affinity unless a busy host makes the gateway spread load.
     on_c = [r for r in records if r.engine == cluster.addresses["C"]]
     assert on_c
-    # kill -9 of the engine service process (its vLLM processes outlive it: see the fixture).
+    # kill -9 of the engine service process; its vLLM engine core and worker follow it.
+    vllm_processes = psutil.Process(cluster.engine_c.pid).children(recursive=True)
+    assert any("EngineCore" in " ".join(p.cmdline()) for p in vllm_processes)
     killed_at = time.monotonic()
     cluster.engine_c.kill()
     cluster.engine_c.wait()
@@ -321,6 +324,9 @@ def test_kill_9_mid_stream_errors_its_streams_fast_and_the_rest_complete(cluster
         assert reply.headers["x-backport-engine"] != cluster.addresses["C"]
     samples = scrape(cluster.metrics_url)
     assert metric(samples, "backport:engine_stream_failures_total") >= len(cut)
+    # They went on spinning after every CI run before the engine core watched its service.
+    exited_at = wait_for_exits(vllm_processes, 60.0)
+    assert commands_of(p for p in vllm_processes if p.pid not in exited_at) == []
 
 
 def test_sigterm_to_an_engine_deregisters_it_and_finishes_its_streams(cluster: Cluster) -> None:

@@ -41,7 +41,9 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from services.engine.backport import deepseek_v4, ple
+    from services.engine.backport.engine_core_watch import watch_engine_service
 
+    _apply("engine-service watch", watch_engine_service)
     # A no-op unless a PLE service is configured; it acts only once Qwen4Exp loads.
     _apply("PLE offload hook", ple.install)
     if current_platform.is_cuda():
