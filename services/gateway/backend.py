@@ -16,8 +16,10 @@ from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_registry import RegistryWatcher
 from services.gateway.errors import ServiceUnavailableError
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.parsing.registry import reasoning_format
 from services.gateway.reasoning_effort import (InMemorySessionEffortStore, RedisSessionEffortStore,
                                                 SessionEffortStore, session_key)
+from services.gateway.reasoning_tokens import ReasoningMarkerIds
 from services.gateway.request_context import current_request_context
 from services.gateway.routing import Router
 from services.gateway.settings import DEFAULT_ENGINE, GatewaySettings
@@ -37,6 +39,8 @@ class ServedModel:
     chat_format: str
     architecture: str
     vocab_size: int
+    # Set where a reasoning parser is on and its markers are one token each.
+    reasoning_markers: ReasoningMarkerIds | None = None
 
 
 class GatewayBackend:
@@ -69,10 +73,14 @@ class GatewayBackend:
             self._tasks.append(asyncio.create_task(self.registry.run()))
         model_info = await self._first_model_info()
         self.pool.model_name = model_info.served_model_name
+        reasoning_parser = self.settings.reasoning_parser
         self.model = ServedModel(
             name=self.settings.served_model_name or model_info.served_model_name,
             max_model_len=model_info.max_model_len, chat_format=tokenizer_info.chat_format,
-            architecture=model_info.architecture, vocab_size=model_info.vocab_size)
+            architecture=model_info.architecture, vocab_size=model_info.vocab_size,
+            reasoning_markers=(await ReasoningMarkerIds.of(reasoning_format(reasoning_parser),
+                                                           self.tokenizer)
+                               if reasoning_parser else None))
         await self.pool.probe_health()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks()))
         logger.info("serving %s (%s, context %d, chat format %s, routing %s) on %d engine(s)",

@@ -15,6 +15,7 @@ from backport.v1 import engine_pb2 as pb
 from services.gateway.dispatch import EngineRoute
 from services.gateway.errors import (EngineFailedError, InvalidRequestError, ServiceUnavailableError,
                                      tokenizer_failure)
+from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.request_context import current_request_context
 from services.gateway.stop_strings import StopStringMatcher
 from services.tokenizer.client import (MAX_CHARACTER_TOKENS, StreamDetokenizer, TokenizerClient,
@@ -84,10 +85,19 @@ class UsageCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens_by_choice: dict[Any, int] = field(default_factory=dict)
+    # Off where no reasoning parser is on: then there is no count to report.
+    counts_reasoning: bool = False
+    reasoning_tokens_by_choice: dict[Any, int] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:
         return sum(self.completion_tokens_by_choice.values())
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        if not self.counts_reasoning:
+            return None
+        return sum(self.reasoning_tokens_by_choice.values())
 
 
 class Generation:
@@ -95,12 +105,15 @@ class Generation:
 
     def __init__(self, route: EngineRoute, tokenizer: TokenizerClient, request: pb.GenerateRequest,
                  *, stop_strings: list[str], skip_special_tokens: bool,
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False,
+                 reasoning_counters: list[ReasoningTokenCounter] | None = None) -> None:
         self.route = route
         self.tokenizer = tokenizer
         self.request = request
         self.num_choices = max(1, request.sampling.n)
-        self.usage = UsageCounts(prompt_tokens=len(request.prompt_token_ids))
+        self.usage = UsageCounts(prompt_tokens=len(request.prompt_token_ids),
+                                 counts_reasoning=reasoning_counters is not None)
+        self._reasoning_counters = reasoning_counters
         self._stop_strings = stop_strings
         self._include_stop_str = include_stop_str
         self._skip_special_tokens = skip_special_tokens
@@ -207,6 +220,9 @@ class Generation:
         # given logprobs.
         num_kept = _num_tokens_reaching(token_texts, check.stop_end) if check.stopped else len(token_ids)
         self.usage.completion_tokens_by_choice[chunk.index] -= len(token_ids) - num_kept
+        if self._reasoning_counters is not None:
+            counter = self._reasoning_counters[chunk.index]
+            self.usage.reasoning_tokens_by_choice[chunk.index] = counter.feed(token_ids[:num_kept])
         entries = list(chunk.logprobs[:num_kept])
         logprobs = await self._logprobs(chunk.index, entries) if entries else []
         if check.stopped:

@@ -39,6 +39,9 @@ async def sse_stream(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
 
 
 def usage_dict(usage: UsageCounts) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    counts = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+              "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+              "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return counts

@@ -40,20 +40,24 @@ QUESTION = [{"role": "user", "content": "What's the weather in Paris for 3 days?
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_deepseek_v4(tmp_path_factory.mktemp("models") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
     from transformers import AutoTokenizer
 
-    folder = build_deepseek_v4(tmp_path_factory.mktemp("models") / MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
     script = tokenizer.encode(SCRIPTED_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
     assert tokenizer.decode(script[:-1]) == SCRIPTED_TEXT
-    script_path = folder / "scripted_output.json"
+    script_path = model_folder / "scripted_output.json"
     script_path.write_text(json.dumps(script))
     os.environ[SCRIPT_ENV] = str(script_path)
     os.environ["BACKPORT_ENGINE_LOGITS_PROCESSORS"] = json.dumps(
         ["tests.e2e.scripted_output:ScriptedOutputLogitsProcessor"])
     try:
-        running = start_mesh(tmp_path_factory.mktemp("mesh"), "--model", str(folder),
+        running = start_mesh(tmp_path_factory.mktemp("mesh"), "--model", str(model_folder),
                              "--served-model-name", MODEL, "--max-model-len", "4096",
                              "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4")
     finally:
@@ -124,6 +128,38 @@ def test_non_streamed_message_matches_the_stream(client: openai.OpenAI) -> None:
     assert message.model_extra.get("reasoning") == REASONING
     assert [c.function.name for c in message.tool_calls] == ["get_weather"]
     assert json.loads(message.tool_calls[0].function.arguments) == EXPECTED_ARGUMENTS
+
+
+@pytest.fixture(scope="module")
+def num_reasoning_tokens(model_folder: Path) -> int:
+    """The scripted reasoning's tokens: those before `</think>`, which is one token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    assert len(tokenizer.encode("</think>", add_special_tokens=False)) == 1
+    return len(tokenizer.encode(REASONING, add_special_tokens=False))
+
+
+def test_usage_counts_the_reasoning_tokens(client: openai.OpenAI, num_reasoning_tokens: int) -> None:
+    """Thinking mode: the prompt opened the reasoning, so it counts from the first token."""
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                           temperature=0, max_tokens=400)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == num_reasoning_tokens
+    assert reply.usage.completion_tokens > num_reasoning_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                            temperature=0, max_tokens=400, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert [u.completion_tokens_details.reasoning_tokens for u in usage] == [num_reasoning_tokens]
+    response = client.responses.create(model=MODEL, input="What's the weather in Paris?",
+                                       max_output_tokens=400)
+    assert response.usage.output_tokens_details.reasoning_tokens == num_reasoning_tokens
+    cut = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                         max_tokens=3)
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 3
+    chat_mode = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                               max_tokens=400, reasoning_effort="none")
+    assert chat_mode.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_output_cut_inside_the_tool_call_yields_no_half_call(client: openai.OpenAI) -> None:

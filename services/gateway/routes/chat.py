@@ -17,6 +17,7 @@ from services.gateway.parsing import ChatOutputParser, MessageDelta
 from services.gateway.parsing.forced_tool_calls import ForcedToolCallParser, ForcedToolChoice
 from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
                                                 requested_effort, resolve_session_effort, session_key)
+from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
                                        generate_request, output_constraint)
 from services.gateway.schemas import ChatCompletionRequest, new_id, now
@@ -62,6 +63,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
             f"{constraint.param}: a constrained output cannot follow the model's reasoning here; "
             'turn thinking off (reasoning_effort: "none")', param=constraint.param)
     has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
+    markers = model.reasoning_markers
     generation = Generation(
         backend.pick_engine(prompt_cache_key=body.prompt_cache_key, user=body.user),
         backend.tokenizer,
@@ -69,7 +71,9 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
                          constraint=constraint),
         stop_strings=body.stop_strings, include_stop_str=body.include_stop_str_in_output,
         # Parsers read markup that tokenizers often mark special.
-        skip_special_tokens=body.skip_special_tokens and not has_parser)
+        skip_special_tokens=body.skip_special_tokens and not has_parser,
+        reasoning_counters=([ReasoningTokenCounter(markers, thinking=is_thinking)
+                             for _ in range(body.n)] if markers else None))
     parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
                for _ in range(body.n)]
     try:

@@ -263,5 +263,5 @@ def _usage(usage: UsageCounts) -> dict[str, Any]:
             # OpenAI counts writes to caches a request asks for; the prefix cache here is implicit.
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
