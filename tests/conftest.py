@@ -167,8 +167,32 @@ def embedded_model_path() -> Path:
     return ensure_embedded_model()
 
 
+class SharedMesh:
+    """The default mesh, shared by the test modules that only send it requests: a start and
+    stop take about 30 s on CI's two cores. A module that stops it leaves the next one a new
+    mesh."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: RunningMesh | None = None
+
+    def get(self) -> RunningMesh:
+        if self.running is not None and self.running.process.poll() is None:
+            return self.running
+        if self.running is not None:
+            stop_mesh(self.running)
+        self.running = start_mesh(self.log_dir, "--max-model-len", "2048", "--kv-events")
+        return self.running
+
+
+@pytest.fixture(scope="session")
+def shared_mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
+    shared = SharedMesh(tmp_path_factory.mktemp("mesh"))
+    yield shared
+    if shared.running is not None:
+        stop_mesh(shared.running)
+
+
 @pytest.fixture(scope="module")
-def mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningMesh]:
-    running = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-model-len", "2048", "--kv-events")
-    yield running
-    stop_mesh(running)
+def mesh(shared_mesh: SharedMesh) -> RunningMesh:
+    return shared_mesh.get()

@@ -331,7 +331,7 @@ def test_gateway_imports_no_torch_vllm_or_transformers() -> None:
 
 
 def test_sigterm_to_backport_up_leaves_no_process_or_socket_behind(mesh: RunningMesh) -> None:
-    """Runs last in this module: it stops the shared mesh."""
+    """Runs last in this module: it stops the shared mesh (the next module gets a new one)."""
     session = os.getpgid(mesh.process.pid)
     children = _descendants(mesh.process.pid)
     assert len(children) >= 3, "tokenizer, engine and gateway should be running"
