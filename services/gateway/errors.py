@@ -126,5 +126,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # The exception's headers carry what HTTP asks of the status (a 405's `Allow`).
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"),
-                            status_code=error.status_code)
+                            status_code=error.status_code, headers=error.headers)

@@ -99,10 +99,17 @@ async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: 
     except grpc.aio.AioRpcError as error:
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             details = error.details() or "invalid messages"
-            raise InvalidRequestError(
-                details, param="tools" if details.startswith("tools") else "messages") from error
+            raise InvalidRequestError(details, param=_render_error_param(details)) from error
         raise
     return list(rendered.token_ids), is_thinking
+
+
+def _render_error_param(details: str) -> str:
+    """The request field a render error names first (`tools[0]...`, `chat_template_kwargs.x`)."""
+    for param in ("tools", "chat_template_kwargs"):
+        if details.startswith(param):
+            return param
+    return "messages"
 
 
 async def _template_kwargs(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,

@@ -11,21 +11,34 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from fastapi.exceptions import RequestValidationError
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      model_validator)
 
 from services.gateway.requests import backend_of, check_in_vocabulary, check_model
 from services.gateway.routes.chat import render_chat_prompt
-from services.gateway.schemas import ChatCompletionRequest, TokenId
+from services.gateway.schemas import ChatCompletionRequest, TokenId, check_valid_unicode
 
 router = APIRouter(tags=["tokenize"])
 
 
-class _TokenizeFields(BaseModel):
+class _ModelField(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    # A lone surrogate cannot reach the tokenizer service, nor be echoed in a 404's message.
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        check_valid_unicode(body)
+        return body
 
     # Optional, as in vLLM; when given it must name the served model.
     model: str | None = None
-    return_token_strs: bool = False
+
+
+class _TokenizeFields(_ModelField):
+    # vLLM's type: a client may send null for its default.
+    return_token_strs: bool | None = False
 
 
 class TokenizePromptRequest(_TokenizeFields):
@@ -47,10 +60,7 @@ TokenizeRequest = Annotated[
     Discriminator(lambda body: "Chat" if isinstance(body, dict) and "messages" in body else "Prompt")]
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class DetokenizeRequest(_ModelField):
     tokens: list[TokenId]
 
 
@@ -59,7 +69,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     backend = backend_of(request)
     model = check_model(backend, body.model) if body.model else backend.served_model()
     if isinstance(body, TokenizeChatRequest):
-        chat = ChatCompletionRequest.model_validate(body.model_dump() | {"model": model.name})
+        try:
+            chat = ChatCompletionRequest.model_validate(body.model_dump() | {"model": model.name})
+        except ValidationError as error:
+            # The chat path's own checks on these fields; raised here, past FastAPI's validation,
+            # they would reach the catch-all as a 500.
+            raise RequestValidationError(error.errors()) from error
         token_ids, _ = await render_chat_prompt(backend, model, chat, request)
     else:
         token_ids = await backend.tokenizer.encode(body.prompt,
