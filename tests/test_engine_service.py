@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
@@ -62,7 +63,8 @@ def generate(address: str, request_id: str, prompt_token_ids: list[int],
 OUT_OF_VOCABULARY = 1_000_000
 # Each: what is wrong, the request's prompt and sampling, a word the error must name.
 BAD_REQUESTS = {
-    "prompt token outside the vocabulary": ([1, 2, OUT_OF_VOCABULARY], {}, "out of vocabulary"),
+    "empty prompt": ([], {}, "prompt_token_ids"),
+    "prompt token outside the vocabulary": ([1, 2, OUT_OF_VOCABULARY], {}, "prompt_token_ids"),
     "max_tokens 0": ([1, 2], {"max_tokens": 0}, "max_tokens"),
     "temperature nan": ([1, 2], {"temperature": float("nan")}, "temperature"),
     "temperature inf": ([1, 2], {"temperature": float("inf")}, "temperature"),
@@ -74,11 +76,12 @@ BAD_REQUESTS = {
     "repetition_penalty nan": ([1, 2], {"repetition_penalty": float("nan")}, "repetition_penalty"),
     "logprobs past the limit": ([1, 2], {"logprobs": 1000}, "logprobs"),
     "logit_bias outside the vocabulary": ([1, 2], {"logit_bias": {OUT_OF_VOCABULARY: 1.0}}, "logit_bias"),
+    "logit_bias nan": ([1, 2], {"logit_bias": {5: float("nan")}}, "logit_bias"),
     "stop token outside the vocabulary": ([1, 2], {"stop_token_ids": [OUT_OF_VOCABULARY]}, "stop_token_ids"),
     "min_tokens above max_tokens": ([1, 2], {"max_tokens": 4, "min_tokens": 10}, "min_tokens"),
     "n past the limit": ([1, 2], {"n": 100_000}, "n must be"),
     "max_tokens past the context": ([1, 2], {"max_tokens": 2**31}, "max_tokens"),
-    "prompt past the context": ([1] * (MAX_MODEL_LEN + 1), {}, "context"),
+    "prompt past the context": ([1] * (MAX_MODEL_LEN + 1), {}, "prompt_token_ids"),
 }
 
 
@@ -97,6 +100,42 @@ def test_the_engine_serves_after_bad_requests(engine: RunningEngine) -> None:
     replies = generate(engine.address, "good", [1, 2, 3], pb.SamplingParams(max_tokens=4, temperature=0))
     assert replies[-1].complete.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert replies[-1].complete.completion_tokens == 4
+
+
+def test_infinite_logit_biases_on_two_tokens_sample_both(engine: RunningEngine) -> None:
+    favoured = {5, 7}
+    replies = generate(engine.address, "two-infinite-biases", [1, 2, 3], pb.SamplingParams(
+        max_tokens=16, ignore_eos=True, temperature=1, seed=3,
+        logit_bias={token_id: float("inf") for token_id in favoured}))
+    sampled = [t for reply in replies if reply.HasField("chunk") for t in reply.chunk.token_ids]
+    # Unbounded, the two infinities made every probability NaN, and one token came out each time.
+    assert len(sampled) == 16 and set(sampled) == favoured, sampled
+
+
+def test_get_loads_counts_each_choice_of_a_running_request(engine: RunningEngine) -> None:
+    num_choices = 4
+
+    async def loads_while_running() -> int:
+        client = EngineClient(engine.address)
+        try:
+            call = client.generate(pb.GenerateRequest(
+                request_id="four-choices", prompt_token_ids=[1, 2, 3],
+                sampling=pb.SamplingParams(n=num_choices, temperature=1,
+                                           max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True)))
+            await call.read()
+            # vLLM schedules the four choices as four sequences; a router reading one would
+            # send this engine four times the work it can take.
+            deadline = time.monotonic() + 10
+            while (num_running := (await client.loads()).num_running) < num_choices:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            call.cancel()
+            return num_running
+        finally:
+            await client.close()
+
+    assert asyncio.run(loads_while_running()) == num_choices
 
 
 def test_a_cancelled_stream_aborts_its_vllm_request(engine: RunningEngine) -> None:
@@ -148,3 +187,32 @@ def wait_for_engine_core(process: subprocess.Popen[bytes], log_path: Path) -> ps
                 pass  # a helper process that came and went
         time.sleep(0.2)
     raise TimeoutError("vLLM's engine core never started")
+
+
+def test_an_engine_core_gone_is_unavailable_mid_stream_and_after(engine: RunningEngine) -> None:
+    """Runs last of the module engine's tests: it kills that engine's core. The error was
+    INTERNAL, which the gateway does not retry elsewhere; UNAVAILABLE it does."""
+    long_run = pb.SamplingParams(max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True)
+
+    async def kill_the_core_mid_stream() -> tuple[pb.GenerateResponse, pb.GenerateResponse]:
+        client = EngineClient(engine.address)
+        try:
+            call = client.generate(pb.GenerateRequest(
+                request_id="core-gone", prompt_token_ids=[1, 2, 3], sampling=long_run))
+            assert (await call.read()).HasField("chunk")
+            engine_core = next(p for p in psutil.Process(engine.process.pid).children()
+                               if "EngineCore" in " ".join(p.cmdline()))
+            engine_core.kill()
+            replies = []
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+            after = [reply async for reply in client.generate(pb.GenerateRequest(
+                request_id="after-core-gone", prompt_token_ids=[1, 2, 3], sampling=long_run))]
+            return replies[-1], after[-1]
+        finally:
+            await client.close()
+
+    mid_stream, next_request = asyncio.run(kill_the_core_mid_stream())
+    for reply in (mid_stream, next_request):
+        assert reply.WhichOneof("response") == "error", reply
+        assert reply.error.code == common_pb2.ERROR_CODE_UNAVAILABLE, reply

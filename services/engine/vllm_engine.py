@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -34,6 +35,9 @@ CPU_DEFAULT_KV_CACHE_GIB = 2.0
 # socket is made, and inherited by the engine-core and worker processes.
 RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 _RPC_BASE_PATH = os.environ.get(RPC_BASE_PATH_ENV)  # the setting before any engine's own
+# vLLM's own server bounds each logit bias to this range (OpenAI's); unbounded, an infinite
+# bias on two tokens turns every probability into NaN and the sampled tokens into noise.
+MAX_LOGIT_BIAS = 100.0
 
 
 class InvalidRequestError(ValueError):
@@ -123,7 +127,7 @@ class VllmEngine:
         self.settings = settings
         self._llm: AsyncLLM | None = None
         self._scheduler_loads = Loads()
-        self._num_in_flight = 0
+        self._num_sequences_in_flight = 0
         self._defaults: dict[str, Any] = {}
         self._ipc_dir: str | None = None
         self.info: ModelInfo | None = None
@@ -187,11 +191,13 @@ class VllmEngine:
 
     def loads(self) -> Loads:
         # Scheduler stats arrive only while the engine steps; once the last request is gone
-        # they are stale, and the count of open streams is the truth.
-        if self._num_in_flight == 0:
+        # they are stale, and the sequences of the open streams are the truth (vLLM runs and
+        # counts each of a request's n choices as a request of its own).
+        in_flight = self._num_sequences_in_flight
+        if in_flight == 0:
             return Loads(kv_cache_usage=self._scheduler_loads.kv_cache_usage)
-        return Loads(num_running=min(self._scheduler_loads.num_running, self._num_in_flight),
-                     num_waiting=min(self._scheduler_loads.num_waiting, self._num_in_flight),
+        return Loads(num_running=min(self._scheduler_loads.num_running, in_flight),
+                     num_waiting=min(self._scheduler_loads.num_waiting, in_flight),
                      kv_cache_usage=self._scheduler_loads.kv_cache_usage)
 
     async def abort(self, request_id: str) -> None:
@@ -201,13 +207,20 @@ class VllmEngine:
                        sampling: SamplingRequest) -> AsyncIterator[ChoiceUpdate]:
         assert self.info is not None
         if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("prompt_token_ids is empty")
         if len(prompt_token_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens, more than the model's context "
-                f"of {self.info.max_model_len} tokens allows")
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens, more than the model's "
+                f"context of {self.info.max_model_len} tokens allows")
+        # vLLM's own check names no field: a client could not tell the prompt from a sampling
+        # field that also holds token ids.
+        for token_id in (min(prompt_token_ids), max(prompt_token_ids)):
+            if not 0 <= token_id < self.info.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt_token_ids holds token id {token_id}, out of vocabulary (the "
+                    f"model's token ids are 0 to {self.info.vocab_size - 1})")
         params = self._sampling_params(sampling, len(prompt_token_ids))
-        self._num_in_flight += 1
+        self._num_sequences_in_flight += params.n
         completion_tokens: dict[int, int] = {}
         # vLLM hands the prompt's logprobs over once, with the output that ends the prefill.
         unsent_prompt_logprobs: list[TokenLogprob] | None = None
@@ -230,7 +243,7 @@ class VllmEngine:
             # logprobs count past its limit); it wraps anything else in EngineGenerateError.
             raise InvalidRequestError(str(error)) from error
         finally:
-            self._num_in_flight -= 1
+            self._num_sequences_in_flight -= params.n
 
     def _sampling_params(self, s: SamplingRequest, prompt_len: int) -> SamplingParams:
         assert self.info is not None
@@ -252,7 +265,7 @@ class VllmEngine:
                 min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                logit_bias=dict(s.logit_bias) or None,
+                logit_bias=_bounded_logit_bias(s.logit_bias) or None,
                 structured_outputs=(StructuredOutputsParams(**{s.constraint.kind: s.constraint.value})
                                     if s.constraint is not None else None),
                 # Detokenization and stop strings belong to the tokenizer service and gateway.
@@ -262,6 +275,14 @@ class VllmEngine:
 
     def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> StatLoggerBase:
         return _LoadRecorder(self._scheduler_loads)
+
+
+def _bounded_logit_bias(logit_bias: dict[int, float]) -> dict[int, float]:
+    for token_id, bias in logit_bias.items():
+        if math.isnan(bias):
+            raise InvalidRequestError(f"logit_bias of token id {token_id} is NaN")
+    return {token_id: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))
+            for token_id, bias in logit_bias.items()}
 
 
 def _choice_update(completion: CompletionOutput, prompt_tokens: int, completion_tokens: int,
