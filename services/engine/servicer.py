@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
@@ -66,6 +67,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except InvalidRequestError as error:
             settle("invalid")
             yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error))
+        except EngineDeadError:
+            settle("failed")
+            # UNAVAILABLE is what sends the gateway to another engine (INTERNAL ends there).
+            yield _error(common_pb2.ERROR_CODE_UNAVAILABLE, "vLLM's engine core is gone")
         except Exception:
             settle("failed")
             logger.exception("request %s failed", request.request_id)
