@@ -103,3 +103,17 @@ def test_a_reserved_template_kwarg_is_400_naming_chat_template_kwargs(
     error = openai_error(reply, 400)
     assert error["param"] == "chat_template_kwargs"
     assert error["message"].startswith("chat_template_kwargs.add_generation_prompt")
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_continue_final_message_with_add_generation_prompt_sent_true_is_400(
+        mesh: RunningMesh, path: str) -> None:
+    """As vLLM: the two end the prompt in opposite ways (continue_final_message won before).
+    Sent alone, continue_final_message overrides add_generation_prompt's default."""
+    body = {"model": "SmolLM2-135M-Instruct-bf16", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+            "continue_final_message": True}
+    error = openai_error(httpx.post(f"{root_of(mesh)}{path}", timeout=60,
+                                    json=body | {"add_generation_prompt": True}), 400)
+    assert error["param"] == "continue_final_message"
+    assert httpx.post(f"{root_of(mesh)}{path}", json=body, timeout=60).status_code == 200

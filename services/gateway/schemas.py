@@ -207,6 +207,15 @@ class ChatCompletionRequest(SamplingFields):
             raise RequestFieldError("top_logprobs", "requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:
+        # As vLLM: only an add_generation_prompt the client sent conflicts; the default yields.
+        if (self.continue_final_message and self.add_generation_prompt
+                and "add_generation_prompt" in self.model_fields_set):
+            raise RequestFieldError("continue_final_message",
+                                    "cannot be true together with add_generation_prompt")
+        return self
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:

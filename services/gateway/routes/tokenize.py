@@ -70,7 +70,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     model = check_model(backend, body.model) if body.model else backend.served_model()
     if isinstance(body, TokenizeChatRequest):
         try:
-            chat = ChatCompletionRequest.model_validate(body.model_dump() | {"model": model.name})
+            chat = ChatCompletionRequest.model_validate(body.model_dump(exclude_unset=True)
+                                                        | {"model": model.name})
         except ValidationError as error:
             # The chat path's own checks on these fields; raised here, past FastAPI's validation,
             # they would reach the catch-all as a 500.
