@@ -34,7 +34,7 @@ def two_engine_mesh(embedded_model_path: Path,
     engine_port = free_port(2)
     running = start_mesh(tmp_path_factory.mktemp("killed-mesh"), "--engines", "2",
                          "--engine-port", str(engine_port), "--max-model-len", "2048",
-                         *kv_cache_args)
+                         "--kv-events", *kv_cache_args)
     descendants = psutil.Process(running.process.pid).children(recursive=True)
     yield running
     stop_mesh(running)
@@ -69,6 +69,9 @@ def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh)
     assert any("EngineCore" in " ".join(p.cmdline()) for p in descendants)
     ipc_dirs = _environment_values(descendants, "VLLM_RPC_BASE_PATH")
     assert ipc_dirs, "the engine core runs in the engine's own ipc folder"
+    kv_event_sockets = {Path(endpoint.removeprefix("ipc://"))
+                        for endpoint in _flag_values(descendants, "--kv-events-endpoint")}
+    assert kv_event_sockets and all(path.is_socket() for path in kv_event_sockets)
 
     os.kill(launcher, signal.SIGKILL)
     two_engine_mesh.process.wait()
@@ -78,6 +81,8 @@ def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh)
         two_engine_mesh.log_tail()
     # The engine's shutdown removes vLLM's sockets: it stopped, it was not killed.
     assert not any(ipc_dir.exists() for ipc_dir in ipc_dirs), two_engine_mesh.log_tail()
+    # So does vLLM's KV-event socket, which only `up`'s own stop removed before.
+    assert not any(path.exists() for path in kv_event_sockets)
     assert exited_at[services["gateway"]] <= exited_at[services["engine"]]
     if HAS_LMCACHE:
         assert exited_at[services["engine"]] <= exited_at[services["kvcache"]]
@@ -92,4 +97,15 @@ def _environment_values(processes: list[psutil.Process], name: str) -> set[Path]
             continue
         if value:
             values.add(Path(value))
+    return values
+
+
+def _flag_values(processes: list[psutil.Process], flag: str) -> set[str]:
+    values = set()
+    for process in processes:
+        try:
+            args = process.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        values.update(value for name, value in zip(args, args[1:]) if name == flag)
     return values

@@ -184,6 +184,10 @@ class VllmEngine:
             self._llm.shutdown()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        endpoint = self.settings.kv_events_endpoint
+        if endpoint is not None and endpoint.startswith("ipc://"):
+            # vLLM's KV-event publisher binds this socket file and leaves it when it stops.
+            Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
     @property
     def is_healthy(self) -> bool:
