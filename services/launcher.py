@@ -178,6 +178,9 @@ class Mesh:
         self._lifelines = [os.pipe() for _ in range(NUM_STOP_TIERS)]
         self._stop_requested = False
         self._is_ready = False
+        # From the moment every engine served, losing one is losing it while serving: the
+        # gateway may answer /health (and clients arrive) before `_is_ready` is set.
+        self._engines_served = False
         self._lost_engines: set[str] = set()
         # The KV service's chunk size, once it is started; engines are given the same.
         self._kv_chunk_size_tokens: int | None = None
@@ -219,6 +222,7 @@ class Mesh:
         self._wait_grpc("tokenizer", tokenizer_address, TOKENIZER_GRPC)
         for index, address in enumerate(engine_addresses):
             self._wait_grpc(self._engine_name(index), address, ENGINE_GRPC)
+        self._engines_served = True
         gateway_args = ["gateway", "--host", s.host, "--port", str(s.port),
                         "--tokenizer", tokenizer_address]
         if s.redis_url:
@@ -373,7 +377,7 @@ class Mesh:
         for service in self.services:
             if service.process.poll() is None:
                 continue
-            if self._is_engine(service) and self._is_ready and self._num_engines_alive():
+            if self._is_engine(service) and self._engines_served and self._num_engines_alive():
                 # The gateway routes around a lost engine; the mesh serves on with the others.
                 if service.name not in self._lost_engines:
                     self._lost_engines.add(service.name)
@@ -409,7 +413,7 @@ class Mesh:
             for service in group:
                 service.wait_stopped(deadline)
         if self.settings.kv_events:
-            # vLLM's publisher binds the file and leaves it behind when its engine stops.
+            # An engine removes its KV-event socket as it stops; one killed outright cannot.
             for index in range(self.settings.engines):
                 self._kv_events_socket(index).unlink(missing_ok=True)
         for reader, writer in self._lifelines:  # every service has stopped: nothing reads them
