@@ -52,9 +52,13 @@ class AdmissionMiddleware:
             return
         started_at = time.monotonic()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if not self.api_keys.allows(headers.get("authorization")):
+        authorization = headers.get("authorization")
+        if not self.api_keys.allows(authorization):
+            # OpenAI's two wordings: a client with no key set is told so, not that it is wrong.
+            problem = ("You didn't provide an API key." if not authorization
+                       else "Incorrect API key provided.")
             await self._refuse(send, UnauthorizedError(
-                "Incorrect API key provided. Pass it as `Authorization: Bearer <key>`."))
+                f"{problem} Pass it as `Authorization: Bearer <key>`."))
             return
         if self.traffic.is_draining:
             await self._refuse(send, ServiceUnavailableError(

@@ -146,10 +146,13 @@ def _complete(cluster: Cluster, prompt: list[int], max_tokens: int = 2) -> httpx
 
 def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster) -> None:
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    for headers, problem in (({}, "You didn't provide an API key."),
+                             ({"Authorization": "Bearer wrong"}, "Incorrect API key provided."),
+                             ({"Authorization": API_KEY}, "Incorrect API key provided.")):
         reply = httpx.post(f"{cluster.base_url}/completions", json=body, headers=headers)
         assert reply.status_code == 401
         assert reply.json()["error"]["code"] == "invalid_api_key"
+        assert reply.json()["error"]["message"].startswith(problem)
     assert httpx.get(f"{cluster.base_url}/models").status_code == 401
     root = cluster.base_url.removesuffix("/v1")
     assert httpx.post(f"{root}/tokenize", json={"prompt": "hi"}).status_code == 401
