@@ -36,6 +36,7 @@ def two_engine_mesh(embedded_model_path: Path,
                          "--engine-port", str(engine_port), "--max-model-len", "2048",
                          "--kv-events", *kv_cache_args)
     descendants = psutil.Process(running.process.pid).children(recursive=True)
+    kv_event_endpoints = _flag_values(descendants, "--kv-events-endpoint")
     yield running
     stop_mesh(running)
     for process in descendants:  # whatever a failed test left behind
@@ -43,6 +44,9 @@ def two_engine_mesh(embedded_model_path: Path,
             process.kill()
         except psutil.NoSuchProcess:
             pass
+    # An engine killed outright under a launcher then killed too: no one else removes it.
+    for endpoint in kv_event_endpoints:
+        Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def test_a_killed_engines_vllm_processes_stop_and_the_mesh_serves_on(
