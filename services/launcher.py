@@ -17,7 +17,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from backport.v1 import engine_pb2, ple_pb2, tokenizer_pb2
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -27,6 +26,7 @@ from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
 from services.mesh.errors import ServiceStartError
+from services.mesh.service_names import ENGINE_GRPC, PLE_GRPC, TOKENIZER_GRPC
 from services.mesh.settings import ServiceSettings
 from services.ple_offload.errors import TableFileError
 from services.ple_offload.model_table import ple_table_for_model
@@ -38,12 +38,6 @@ POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
 PLE_SERVICE = "ple"
 GATEWAY_SERVICE = "gateway"
-
-# Health is asked of the service a port should hold, by its proto name: a server of another
-# service on that port (the tokenizer on an engine's, say) answers NOT_FOUND, not SERVING.
-TOKENIZER_GRPC = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-ENGINE_GRPC = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
-PLE_GRPC = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
 # The order services stop in: the gateway first so no new work arrives, then the services
 # behind it, the KV and PLE services last, once no engine uses them (the KV service frees
 # every engine's segment; engines would wait for a stopped PLE service to come back).
@@ -350,6 +344,8 @@ class Mesh:
         return Path(tempfile.gettempdir()) / f"backport-kv-events-{port}"
 
     def _wait_grpc(self, name: str, address: str, grpc_service: str) -> None:
+        """Health is asked of the service the port should hold: a server of another service
+        there (the tokenizer on an engine's port, say) answers NOT_FOUND, not SERVING."""
         deadline = time.monotonic() + self.settings.startup_timeout_s
         while time.monotonic() < deadline:
             self._check_alive()

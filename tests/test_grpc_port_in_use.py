@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import ENGINE_GRPC, TOKENIZER_GRPC
 from services.mesh.channels import wait_until_serving
 from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.service_names import ENGINE_GRPC, TOKENIZER_GRPC
 from tests.conftest import REPO_ROOT, engine_environment, free_port, wait_for_grpc_serving
 
 

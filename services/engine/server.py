@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from backport.v1 import engine_pb2, engine_pb2_grpc
+from backport.v1 import engine_pb2_grpc
 from services.engine.kv_events import collector_for
 from services.engine.metrics import EngineMetrics
 from services.engine.registry import EngineRecord, EngineRegistration
@@ -17,6 +17,7 @@ from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 from services.engine.vllm_engine import VllmEngine
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.service_names import ENGINE_GRPC
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,8 @@ class StartupInterrupted(BaseException):
 async def serve(settings: EngineSettings) -> None:
     engine = VllmEngine(settings)
     metrics = EngineMetrics()
-    server = GrpcServer(engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
-                        f"{settings.host}:{settings.port}", grace_s=settings.drain_timeout_s)
+    server = GrpcServer(ENGINE_GRPC, f"{settings.host}:{settings.port}",
+                        grace_s=settings.drain_timeout_s)
     kv_events = collector_for(settings.kv_events_endpoint)
     servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))

@@ -8,11 +8,11 @@ import numpy as np
 from backport.v1 import ple_pb2
 
 from services.mesh.channels import MAX_MESSAGE_BYTES
+from services.mesh.service_names import PLE_GRPC
 from services.ple_offload.row_gather import take_checked_rows
 
-_SERVICE = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
-LOOKUP_METHOD = f"/{_SERVICE}/Lookup"
-LOOKUP_STREAM_METHOD = f"/{_SERVICE}/LookupStream"
+LOOKUP_METHOD = f"/{PLE_GRPC}/Lookup"
+LOOKUP_STREAM_METHOD = f"/{PLE_GRPC}/LookupStream"
 
 # The layout `encode_lookup_reply` writes: generation (field 2, fixed64) first, so its
 # 8 bytes sit at a fixed offset, then rows (field 1, length-delimited) up to the end.

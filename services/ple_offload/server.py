@@ -11,8 +11,9 @@ import threading
 
 from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.service_names import PLE_GRPC
 from services.ple_offload.errors import PleError, TableFileError
-from services.ple_offload.servicer import SERVICE_NAME, PleOffloadServicer
+from services.ple_offload.servicer import PleOffloadServicer
 from services.ple_offload.settings import PleSettings
 from services.ple_offload.table_format import find_table
 from services.ple_offload.table_loading_progress import LoadingProgress
@@ -34,7 +35,7 @@ async def serve(settings: PleSettings) -> None:
                 source.num_rows, source.row_width, source.dtype.name,
                 source.table_bytes / 2**30, source.header_sha256.hex())
     segment = TableSegment(settings.shm_name, source, settings.shm_dir)
-    server = GrpcServer(SERVICE_NAME, settings.address, grace_s=settings.grace_s)
+    server = GrpcServer(PLE_GRPC, settings.address, grace_s=settings.grace_s)
     servicer = PleOffloadServicer(segment)
     server.add(servicer.add_to_server)
     # Listening before the load, so a taken or wrong address fails now, not after minutes

@@ -11,12 +11,11 @@ import numpy as np
 from backport.v1 import ple_pb2
 
 from services.mesh.channels import MAX_MESSAGE_BYTES
+from services.mesh.service_names import PLE_GRPC
 from services.ple_offload.errors import RowIdError
 from services.ple_offload.lookup_wire import encode_lookup_reply, max_rows_per_reply
 from services.ple_offload.row_gather import check_row_ids
 from services.ple_offload.table_segment import TableSegment
-
-SERVICE_NAME = ple_pb2.DESCRIPTOR.services_by_name["PleOffload"].full_name
 
 # Gathers larger than this run on a worker thread so one prefill batch cannot stall
 # the decode-step lookups of other engines (1 M rows x 160 B is about 10 ms of copying).
@@ -58,7 +57,7 @@ class PleOffloadServicer:
                 response_serializer=None),
         }
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+            (grpc.method_handlers_generic_handler(PLE_GRPC, handlers),))
 
     async def Describe(self, request: ple_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> ple_pb2.TableInfo:

@@ -14,13 +14,13 @@ from backport.v1 import ple_pb2
 
 from services.ple_offload.client import PleTableClient
 from services.ple_offload.lookup_wire import LOOKUP_METHOD, LOOKUP_STREAM_METHOD, encode_lookup_reply
-from services.ple_offload.servicer import SERVICE_NAME
+from services.mesh.service_names import PLE_GRPC
 from tests.conftest import free_port
 
 ROW_BYTES = 160
 GENERATION = 0x1234
 TABLE_ROWS = np.random.default_rng(12).integers(0, 256, (3000, ROW_BYTES), dtype=np.uint8)
-DESCRIBE_METHOD = f"/{SERVICE_NAME}/Describe"
+DESCRIBE_METHOD = f"/{PLE_GRPC}/Describe"
 
 
 class _MethodLog(grpc.ServerInterceptor):
@@ -51,7 +51,7 @@ def older_service() -> Iterator[tuple[str, _MethodLog]]:
     """A real gRPC server with the contract before LookupStream: Describe and Lookup only."""
     log = _MethodLog()
     server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=(log,))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PLE_GRPC, {
         "Describe": grpc.unary_unary_rpc_method_handler(
             _describe, request_deserializer=ple_pb2.DescribeRequest.FromString,
             response_serializer=ple_pb2.TableInfo.SerializeToString),
