@@ -84,13 +84,13 @@ def test_malformed_tokenize_and_detokenize_bodies_are_400_naming_the_field(
 
 @pytest.mark.parametrize(("method", "path", "allowed"), [
     ("GET", "/tokenize", "POST"), ("PUT", "/detokenize", "POST"), ("POST", "/v1/models", "GET"),
-    ("DELETE", "/v1/models/SmolLM2-135M-Instruct-bf16", "GET"), ("POST", "/health", "GET"),
+    ("DELETE", "/v1/models/SmolLM2-135M-Instruct-bf16", "GET"), ("POST", "/health", "GET, HEAD"),
 ])
 def test_a_wrong_method_is_405_in_openai_shape_naming_the_allowed_one(
         mesh: RunningMesh, method: str, path: str, allowed: str) -> None:
     reply = httpx.request(method, f"{root_of(mesh)}{path}", timeout=60)
     openai_error(reply, 405)
-    assert reply.headers["allow"] == allowed
+    assert set(reply.headers["allow"].split(", ")) == set(allowed.split(", "))
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])

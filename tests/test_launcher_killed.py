@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -62,6 +64,31 @@ def test_a_killed_engines_vllm_processes_stop_and_the_mesh_serves_on(
         two_engine_mesh.log_tail()
     assert two_engine_mesh.process.poll() is None
     assert http_ok(two_engine_mesh.base_url.removesuffix("/v1") + "/health")
+
+
+def test_health_is_503_while_no_engine_answers_and_200_once_one_is_back(
+        two_engine_mesh: RunningMesh) -> None:
+    """Runs after the kill above: the engine left is stopped (SIGSTOP), so neither answers
+    the gateway's health probes; a load balancer must then send traffic elsewhere."""
+    health_url = two_engine_mesh.base_url.removesuffix("/v1") + "/health"
+    engine = psutil.Process(child_pid(two_engine_mesh.process.pid, "services.cli", "engine"))
+    engine.suspend()
+    try:
+        reply = _wait_for_health_status(health_url, 503, timeout_s=60)
+        assert reply.json() == {"status": "unavailable", "reason": "no engine is serving"}
+        assert httpx.head(health_url, timeout=10).status_code == 503
+    finally:
+        engine.resume()
+    _wait_for_health_status(health_url, 200, timeout_s=60)
+    assert httpx.head(health_url, timeout=10).status_code == 200
+
+
+def _wait_for_health_status(url: str, status: int, timeout_s: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while (reply := httpx.get(url, timeout=10)).status_code != status:
+        assert time.monotonic() < deadline, f"/health stayed {reply.status_code}: {reply.text}"
+        time.sleep(0.2)
+    return reply
 
 
 def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh) -> None:

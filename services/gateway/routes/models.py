@@ -28,9 +28,20 @@ def _model_object(model: ServedModel) -> dict[str, Any]:
             "max_model_len": model.max_model_len}
 
 
-@router.get("/health")
+# HEAD too: some load balancers probe with it.
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> JSONResponse:
+    """200 while a request sent now could be served; otherwise 503 with the reason, so a load
+    balancer sends traffic to another replica."""
     backend = backend_of(request)
-    if backend.model is None or request.app.state.draining:
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+    if request.app.state.draining:
+        return _unavailable("the gateway is shutting down")
+    if backend.model is None:
+        return _unavailable("the gateway is still connecting to the mesh")
+    if not backend.pool.routable():
+        return _unavailable("no engine is serving")
     return JSONResponse({"status": "ok"})
+
+
+def _unavailable(reason: str) -> JSONResponse:
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
