@@ -77,6 +77,9 @@ class UpSettings(ServiceSettings):
                                                               "mesh's other ports)")
     api_key: list[str] = Field(default_factory=list, description="accepted API key")
     api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
+    allowed_origin: list[str] = Field(default_factory=list,
+                                      description="browser origin allowed to call the API (CORS; "
+                                                  "`*` for any)")
     kv_cache: bool = Field(False, description="start the KV cache service (LMCache) first and "
                                               "wire every engine to it")
     kv_cache_port: int = Field(5555, ge=1, le=65535, description="KV cache service's request port")
@@ -232,6 +235,8 @@ class Mesh:
                 gateway_args += [flag, value]
         for key in s.api_key:
             gateway_args += ["--api-key", key]
+        for origin in s.allowed_origin:
+            gateway_args += ["--allowed-origin", origin]
         self._spawn(GATEWAY_SERVICE, gateway_args)
         self._wait_http("gateway", f"http://{s.host}:{s.port}/health")
         self._is_ready = True

@@ -22,3 +22,10 @@ def test_a_key_with_non_ascii_characters_matches_when_sent_as_utf8() -> None:
     keys = ApiKeys(["clé-secrète"])
     assert keys.allows(header("Bearer clé-secrète"))
     assert not keys.allows(header("Bearer cle-secrete"))
+
+
+def test_a_configured_key_with_surrounding_whitespace_matches_the_key_sent() -> None:
+    """As a key read from a secret file or an environment variable ending in a newline."""
+    keys = ApiKeys(["sk-one\n", " ", ""])
+    assert keys.allows(header("Bearer sk-one"))
+    assert keys.is_required and not keys.allows(header("Bearer  "))

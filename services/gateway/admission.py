@@ -58,7 +58,8 @@ class AdmissionMiddleware:
             problem = ("You didn't provide an API key." if not authorization
                        else "Incorrect API key provided.")
             await self._refuse(send, UnauthorizedError(
-                f"{problem} Pass it as `Authorization: Bearer <key>`."))
+                f"{problem} Pass it as `Authorization: Bearer <key>`.",
+                key_given=bool(authorization)))
             return
         if self.traffic.is_draining:
             await self._refuse(send, ServiceUnavailableError(
@@ -94,6 +95,8 @@ class AdmissionMiddleware:
         body = json.dumps(error.body()).encode()
         head: dict[str, Any] = {"type": "http.response.start", "status": error.status,
                                 "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode())]}
+                                            (b"content-length", str(len(body)).encode()),
+                                            *((name.lower().encode(), value.encode())
+                                              for name, value in error.headers.items())]}
         await send(head)
         await send({"type": "http.response.body", "body": body})

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 
 from services.gateway.admission import AdmissionMiddleware, Traffic
 from services.gateway.auth import ApiKeys
@@ -36,6 +37,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                        api_keys=ApiKeys.load(settings.api_key, settings.api_keys_file),
                        traffic=app.state.traffic, metrics=metrics,
                        expose_engine_header=settings.expose_engine_header)
+    if settings.allowed_origin:
+        # Added last, so outermost: a preflight carries no API key and must not meet the check,
+        # and a refusal must carry the CORS headers for the page to read its error.
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origin,
+                           allow_methods=["*"], allow_headers=["*"])
     install_error_handlers(app)
     for router in (models.router, chat.router, completions.router, responses.router, tokenize.router):
         app.include_router(router)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 class ApiKeys:
     def __init__(self, keys: list[str]) -> None:
-        self._keys = [k.encode() for k in keys if k]
+        # A key from an environment variable or a mounted secret often ends in a newline, and a
+        # header's token is stripped before the compare: stripped here too, so the two can meet.
+        self._keys = [key.strip().encode() for key in keys if key.strip()]
 
     @classmethod
     def load(cls, keys: list[str], keys_file: str | None) -> ApiKeys:

@@ -29,6 +29,11 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What HTTP asks a response of this status to carry."""
+        return {}
+
 
 class InvalidRequestError(GatewayError):
     status, type = 400, "invalid_request_error"
@@ -40,6 +45,15 @@ class ContextLengthError(InvalidRequestError):
 
 class UnauthorizedError(GatewayError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+    def __init__(self, message: str, *, key_given: bool) -> None:
+        super().__init__(message)
+        self.key_given = key_given
+
+    @property
+    def headers(self) -> dict[str, str]:
+        # RFC 9110 asks a 401 for its challenge; RFC 6750 words a rejected bearer token.
+        return {"WWW-Authenticate": 'Bearer error="invalid_token"' if self.key_given else "Bearer"}
 
 
 class ModelNotFoundError(GatewayError):
@@ -89,7 +103,7 @@ def tokenizer_failure(error: grpc.aio.AioRpcError | TokenizerTimeoutError) -> Ga
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, error: GatewayError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -52,6 +52,11 @@ class GatewaySettings(ServiceSettings):
     api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
     expose_engine_header: bool = Field(False, description="answer with an X-Backport-Engine header "
                                                           "naming the engines that served")
+    # None by default, unlike vLLM's "*": with no API key, "*" would let any web page a user
+    # opens read this server's answers.
+    allowed_origin: list[str] = Field(default_factory=list,
+                                      description="browser origin allowed to call the API (CORS; "
+                                                  "`*` for any)")
 
     @field_validator("api_keys_file")
     @classmethod

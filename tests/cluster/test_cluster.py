@@ -32,6 +32,7 @@ from tests.conftest import REPO_ROOT, engine_environment, free_port
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 API_KEY = "sk-cluster-test"
+ALLOWED_ORIGIN = "https://chat.example"
 REGISTRY_TTL_S = 4.0
 START_TIMEOUT_S = 900.0
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-gib", "0.5")
@@ -85,7 +86,8 @@ def cluster(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
             [sys.executable, "-m", "services.cli", "up", "--port", str(port),
              "--tokenizer-port", str(tokenizer_port), "--engine-port", str(engine_port),
              "--engines", "2", "--enforce-eager", *ENGINE_ARGS, "--redis-url", redis.url,
-             "--engine-metrics-port", str(metrics_port), "--api-key", API_KEY],
+             "--engine-metrics-port", str(metrics_port), "--api-key", API_KEY,
+             "--allowed-origin", ALLOWED_ORIGIN],
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     addresses = {"A": f"127.0.0.1:{engine_port}", "B": f"127.0.0.1:{engine_port + 1}",
                  "C": f"127.0.0.1:{c_port}"}
@@ -146,11 +148,14 @@ def _complete(cluster: Cluster, prompt: list[int], max_tokens: int = 2) -> httpx
 
 def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster) -> None:
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    for headers, problem in (({}, "You didn't provide an API key."),
-                             ({"Authorization": "Bearer wrong"}, "Incorrect API key provided."),
-                             ({"Authorization": API_KEY}, "Incorrect API key provided.")):
+    rejected = 'Bearer error="invalid_token"'
+    for headers, problem, challenge in (
+            ({}, "You didn't provide an API key.", "Bearer"),
+            ({"Authorization": "Bearer wrong"}, "Incorrect API key provided.", rejected),
+            ({"Authorization": API_KEY}, "Incorrect API key provided.", rejected)):
         reply = httpx.post(f"{cluster.base_url}/completions", json=body, headers=headers)
         assert reply.status_code == 401
+        assert reply.headers["www-authenticate"] == challenge
         assert reply.json()["error"]["code"] == "invalid_api_key"
         assert reply.json()["error"]["message"].startswith(problem)
     assert httpx.get(f"{cluster.base_url}/models").status_code == 401
@@ -160,6 +165,26 @@ def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster)
     assert httpx.get(cluster.health_url).status_code == 200
     ok = httpx.get(f"{cluster.base_url}/models", headers=cluster.headers())
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+
+
+def test_a_browser_page_of_an_allowed_origin_may_call_the_api(cluster: Cluster) -> None:
+    """CORS: the preflight needs no key (a browser sends none with it); the answers, a 401
+    included, carry the origin for the page to read them; other origins get no such header."""
+    url = f"{cluster.base_url}/chat/completions"
+    preflight = {"Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    reply = httpx.options(url, headers=preflight)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    assert "authorization" in reply.headers["access-control-allow-headers"].lower()
+    assert httpx.options(url, headers=preflight | {"Origin": "https://elsewhere.example"}
+                         ).status_code == 400
+    refused = httpx.get(f"{cluster.base_url}/models", headers={"Origin": ALLOWED_ORIGIN})
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    served = httpx.get(f"{cluster.base_url}/models",
+                       headers=cluster.headers() | {"Origin": "https://elsewhere.example"})
+    assert served.status_code == 200 and "access-control-allow-origin" not in served.headers
 
 
 def test_repeated_shared_prefixes_land_on_the_same_engine(cluster: Cluster) -> None:
