@@ -178,6 +178,8 @@ def test_invalid_field_is_400_naming_the_field(client: openai.OpenAI) -> None:
     ("chat/completions", {"stop_token_ids": [2**40]}, "stop_token_ids"),
     ("chat/completions", {"stop_token_ids": [49152]}, "stop_token_ids"),
     ("chat/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("chat/completions", {"min_tokens": 3}, "min_tokens"),
+    ("completions", {"min_tokens": 3, "prompt": "hi"}, "min_tokens"),
     ("completions", {"prompt": [999999999]}, "prompt"),
     ("completions", {"prompt": [[1, 2], [-5]]}, "prompt"),
     ("completions", {"prompt": ["text", [1, 2]]}, "prompt"),

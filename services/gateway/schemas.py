@@ -148,6 +148,20 @@ class SamplingFields(BaseModel):
             raise RequestFieldError("prompt_logprobs", "not available when `stream=True`")
         return self
 
+    @model_validator(mode="after")
+    def _min_tokens_within_the_limit(self) -> SamplingFields:
+        # vLLM's sampling params refuse it too, in a message the gateway cannot tie to a field.
+        limit = self.token_limit
+        if limit is not None and self.min_tokens > limit:
+            raise RequestFieldError("min_tokens", f"must be at most the token limit ({limit}), "
+                                                  f"got {self.min_tokens}")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        """The most tokens a choice may generate, as the request caps them."""
+        raise NotImplementedError
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
