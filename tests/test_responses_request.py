@@ -98,6 +98,19 @@ def test_bad_fields_are_refused_by_name(fields: dict[str, Any], param: str, prob
     assert isinstance(cause, RequestFieldError) and cause.param == param and problem in str(cause)
 
 
+@pytest.mark.parametrize(("item", "message"), [
+    ({"type": "computer_call"}, "input[1]: unsupported item type 'computer_call'"),
+    ({"type": "function_call_output", "output": "x"}, "input[1].call_id: Field required"),
+    ({"type": "function_call_output", "call_id": "c9", "output": "x"},
+     "input[1]: no function_call item before it has call_id 'c9'"),
+])
+def test_an_input_items_error_begins_with_the_item_once(item: dict[str, Any], message: str) -> None:
+    """Was `input: input[1]...`: the field named twice."""
+    with pytest.raises(ValidationError) as caught:
+        request(input=[{"role": "user", "content": "hi"}, item])
+    assert str(caught.value.errors()[0]["ctx"]["error"]).startswith(message)
+
+
 @pytest.mark.parametrize(("fields", "param", "where"), [
     ({"input": [{"role": "user", "content": "a\ud800"}]}, "input", "input[0].content"),
     ({"metadata": {"k": "\ud800"}}, "metadata", "metadata.k"),  # echoed back, never sent on

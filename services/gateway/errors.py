@@ -77,10 +77,11 @@ class EngineFailedError(GatewayError):
 
 
 class RequestFieldError(ValueError):
-    """A request check across fields, raised in validation; `param` is the field to change."""
+    """A request check across fields, raised in validation; `param` is the field to change, and
+    `where` the place inside it (`input[2].role`) when the message should name that instead."""
 
-    def __init__(self, param: str, problem: str) -> None:
-        super().__init__(f"{param}: {problem}")
+    def __init__(self, param: str, problem: str, *, where: str | None = None) -> None:
+        super().__init__(f"{where or param}: {problem}")
         self.param = param
 
 

@@ -121,7 +121,7 @@ def _item(index: int, item: Any) -> MessageItem | FunctionCallItem | FunctionCal
         # The location starts with the item's tag; union members name themselves as `list[...]`.
         where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
                         for part in first["loc"][1:] if isinstance(part, int) or "[" not in part)
-        raise RequestFieldError("input", f"input[{index}]{where}: {first['msg']}") from error
+        raise RequestFieldError("input", first["msg"], where=f"input[{index}]{where}") from error
 
 
 class FunctionTool(_Item):
@@ -213,10 +213,12 @@ class ResponsesRequest(BaseModel):
             for index, item in enumerate(value):
                 kind = item.get("type", "message") if isinstance(item, dict) else None
                 if kind not in ITEM_TYPES:
-                    raise RequestFieldError("input", f"input[{index}]: unsupported item type {kind!r}; "
-                                                     f"expected one of {', '.join(ITEM_TYPES)}")
+                    raise RequestFieldError("input", f"unsupported item type {kind!r}; expected one "
+                                                     f"of {', '.join(ITEM_TYPES)}",
+                                            where=f"input[{index}]")
                 if kind == "reasoning" and item.get("encrypted_content"):
-                    raise RequestFieldError("input", f"input[{index}]: encrypted reasoning is not supported")
+                    raise RequestFieldError("input", "encrypted reasoning is not supported",
+                                            where=f"input[{index}]")
             return [_item(index, item) for index, item in enumerate(value)]
         return value
 
@@ -325,8 +327,8 @@ def _check_call_outputs(items: list[MessageItem | FunctionCallItem | FunctionCal
         if isinstance(item, FunctionCallItem):
             call_ids.add(item.call_id)
         elif isinstance(item, FunctionCallOutputItem) and item.call_id not in call_ids:
-            raise RequestFieldError("input", f"input[{index}]: no function_call item before it has "
-                                             f"call_id {item.call_id!r}")
+            raise RequestFieldError("input", f"no function_call item before it has call_id "
+                                             f"{item.call_id!r}", where=f"input[{index}]")
 
 
 def _chat_message(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
