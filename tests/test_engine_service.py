@@ -95,6 +95,20 @@ def test_a_bad_request_is_invalid_argument_naming_what_is_wrong(engine: RunningE
     assert named in replies[0].error.message
 
 
+def test_a_constraint_that_does_not_compile_is_an_error_of_the_structured_output_field(
+        engine: RunningEngine) -> None:
+    bad_regex = pb.StructuredOutput(regex="(")
+    replies = generate(engine.address, "bad-regex", [1, 2], pb.SamplingParams(structured_output=bad_regex))
+    assert [reply.WhichOneof("response") for reply in replies] == ["error"]
+    assert replies[0].error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
+    assert replies[0].error.message.startswith("invalid regex: "), replies[0].error.message
+    assert replies[0].error.field == "sampling.structured_output"
+    # Another field's error, beside a constraint that compiles, is not the constraint's.
+    replies = generate(engine.address, "good-regex-bad-min-tokens", [1, 2], pb.SamplingParams(
+        max_tokens=4, min_tokens=10, structured_output=pb.StructuredOutput(regex="a+")))
+    assert "min_tokens" in replies[0].error.message and replies[0].error.field == ""
+
+
 def test_the_engine_serves_after_bad_requests(engine: RunningEngine) -> None:
     generate(engine.address, "bad-before-good", [1, 2], pb.SamplingParams(temperature=float("nan")))
     replies = generate(engine.address, "good", [1, 2, 3], pb.SamplingParams(max_tokens=4, temperature=0))
@@ -157,6 +171,62 @@ def test_a_cancelled_stream_aborts_its_vllm_request(engine: RunningEngine) -> No
     while metric(scrape(engine.metrics_url), "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "vLLM still runs the cancelled request"
         time.sleep(0.2)
+
+
+def test_a_request_id_in_flight_is_refused_until_its_request_ends(engine: RunningEngine) -> None:
+    num_tokens = 96  # seconds of decoding on two cores: the first runs while the second asks
+    request = pb.GenerateRequest(request_id="one-id", prompt_token_ids=[1, 2, 3],
+                                 sampling=pb.SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+
+    async def same_id_thrice() -> tuple[list[pb.GenerateResponse], ...]:
+        client = EngineClient(engine.address)
+        try:
+            first = client.generate(request)
+            first_replies = [await first.read()]
+            assert first_replies[0].HasField("chunk")
+            during = [reply async for reply in client.generate(request)]
+            while (reply := await first.read()) is not grpc.aio.EOF:
+                first_replies.append(reply)
+            # At once: the id is free from the first request's last message on.
+            after = [reply async for reply in client.generate(request)]
+            return first_replies, during, after
+        finally:
+            await client.close()
+
+    first, during, after = asyncio.run(same_id_thrice())
+    assert [reply.WhichOneof("response") for reply in during] == ["error"]
+    assert during[0].error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
+    assert "request_id 'one-id' is already in flight" in during[0].error.message
+    # The refusal leaves the first request to run to its end, alone under its id.
+    for replies in (first, after):
+        assert sum(len(reply.chunk.token_ids) for reply in replies) == num_tokens
+        assert replies[-1].complete.finish_reason == common_pb2.FINISH_REASON_LENGTH, replies[-1]
+        assert replies[-1].complete.completion_tokens == num_tokens
+
+
+def test_a_cancelled_request_frees_its_id(engine: RunningEngine) -> None:
+    def request(max_tokens: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(request_id="cancelled-then-reused", prompt_token_ids=[1, 2, 3],
+                                  sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    async def cancel_then_reuse() -> list[pb.GenerateResponse]:
+        client = EngineClient(engine.address)
+        try:
+            call = client.generate(request(MAX_MODEL_LEN - 8))
+            await call.read()
+            call.cancel()
+            # The engine learns of the cancel a moment after the client sent it.
+            deadline = time.monotonic() + 10
+            while True:
+                replies = [reply async for reply in client.generate(request(4))]
+                if replies[0].WhichOneof("response") != "error" or time.monotonic() > deadline:
+                    return replies
+                await asyncio.sleep(0.1)
+        finally:
+            await client.close()
+
+    replies = asyncio.run(cancel_then_reuse())
+    assert replies[-1].complete.finish_reason == common_pb2.FINISH_REASON_LENGTH, replies[-1]
 
 
 def test_sigterm_while_vllm_starts_stops_its_processes(embedded_model_path: Path,

@@ -13,10 +13,14 @@ from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
 from services.engine.kv_events import KvEventCollector, WatchEnded, block_hash_u64
 from services.engine.metrics import EngineMetrics
-from services.engine.vllm_engine import (ChoiceUpdate, InvalidRequestError, OutputConstraint,
-                                         SamplingRequest, TokenLogprob, VllmEngine)
+from services.engine.vllm_engine import (ChoiceUpdate, InvalidConstraintError, InvalidRequestError,
+                                         OutputConstraint, SamplingRequest, TokenLogprob,
+                                         VllmEngine)
 
 logger = logging.getLogger(__name__)
+
+# GenerateError.field of an output constraint the engine cannot compile.
+STRUCTURED_OUTPUT_FIELD = "sampling.structured_output"
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -66,7 +70,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     yield _complete(update)
         except InvalidRequestError as error:
             settle("invalid")
-            yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error))
+            yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error),
+                         field=STRUCTURED_OUTPUT_FIELD if isinstance(error, InvalidConstraintError) else "")
         except EngineDeadError:
             settle("failed")
             # UNAVAILABLE is what sends the gateway to another engine (INTERNAL ends there).
@@ -181,5 +186,5 @@ def _complete(update: ChoiceUpdate) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=complete)
 
 
-def _error(code: int, message: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(error=pb.GenerateError(code=code, message=message))
+def _error(code: int, message: str, *, field: str = "") -> pb.GenerateResponse:
+    return pb.GenerateResponse(error=pb.GenerateError(code=code, message=message, field=field))

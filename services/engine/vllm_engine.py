@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -38,10 +39,17 @@ _RPC_BASE_PATH = os.environ.get(RPC_BASE_PATH_ENV)  # the setting before any eng
 # vLLM's own server bounds each logit bias to this range (OpenAI's); unbounded, an infinite
 # bias on two tokens turns every probability into NaN and the sampled tokens into noise.
 MAX_LOGIT_BIAS = 100.0
+# Each kind of output constraint as an error message names it.
+CONSTRAINT_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint",
+                         "regex": "regex", "choice": "choices", "grammar": "grammar"}
 
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as given; the message is safe to show the client."""
+
+
+class InvalidConstraintError(InvalidRequestError):
+    """The request's output constraint is what cannot be served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,9 @@ class OutputConstraint:
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     value: str | bool | list[str]
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**{self.kind: self.value})
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +139,9 @@ class VllmEngine:
         self._llm: AsyncLLM | None = None
         self._scheduler_loads = Loads()
         self._num_sequences_in_flight = 0
+        # vLLM aborts by the caller's id every request that carries it: two requests under one
+        # id would share their aborts.
+        self._request_ids_in_flight: set[str] = set()
         self._defaults: dict[str, Any] = {}
         self._ipc_dir: str | None = None
         self.info: ModelInfo | None = None
@@ -224,6 +238,14 @@ class VllmEngine:
                     f"prompt_token_ids holds token id {token_id}, out of vocabulary (the "
                     f"model's token ids are 0 to {self.info.vocab_size - 1})")
         params = self._sampling_params(sampling, len(prompt_token_ids))
+        if sampling.constraint is not None:
+            await self._check_constraint(sampling.constraint)
+        if request_id in self._request_ids_in_flight:
+            raise InvalidRequestError(
+                f"request_id {request_id!r} is already in flight on this engine; an id is free "
+                "again once its request has finished or been cancelled")
+        self._request_ids_in_flight.add(request_id)
+        holds_request_id = True
         self._num_sequences_in_flight += params.n
         completion_tokens: dict[int, int] = {}
         # vLLM hands the prompt's logprobs over once, with the output that ends the prefill.
@@ -232,6 +254,11 @@ class VllmEngine:
             stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
                                        params, request_id)
             async for output in stream:
+                if output.finished:
+                    # A client that has the request's last output may reuse its id at once,
+                    # before this generator resumes to end.
+                    self._request_ids_in_flight.discard(request_id)
+                    holds_request_id = False
                 if output.prompt_logprobs and sampling.prompt_logprobs is not None:
                     unsent_prompt_logprobs = _prompt_logprobs(
                         prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs)
@@ -248,6 +275,22 @@ class VllmEngine:
             raise InvalidRequestError(str(error)) from error
         finally:
             self._num_sequences_in_flight -= params.n
+            if holds_request_id:
+                self._request_ids_in_flight.discard(request_id)
+
+    async def _check_constraint(self, constraint: OutputConstraint) -> None:
+        """vLLM checks the constraint among the request's other fields, and its errors name
+        none of them: checked alone first, a failure is known to be the constraint's."""
+        vllm_config = self.llm.vllm_config
+        try:
+            alone = SamplingParams(structured_outputs=constraint.params())
+            # Off the event loop, as vLLM checks it: compiling a regex may take seconds.
+            await asyncio.to_thread(alone.verify, vllm_config.model_config,
+                                    vllm_config.speculative_config,
+                                    vllm_config.structured_outputs_config, self.llm.get_tokenizer())
+        except (VLLMClientError, ValueError) as error:
+            raise InvalidConstraintError(
+                f"invalid {CONSTRAINT_KIND_NAMES[constraint.kind]}: {error}") from error
 
     def _sampling_params(self, s: SamplingRequest, prompt_len: int) -> SamplingParams:
         assert self.info is not None
@@ -270,8 +313,7 @@ class VllmEngine:
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 logit_bias=_bounded_logit_bias(s.logit_bias) or None,
-                structured_outputs=(StructuredOutputsParams(**{s.constraint.kind: s.constraint.value})
-                                    if s.constraint is not None else None),
+                structured_outputs=s.constraint.params() if s.constraint is not None else None,
                 # Detokenization and stop strings belong to the tokenizer service and gateway.
                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         except VLLMClientError as error:

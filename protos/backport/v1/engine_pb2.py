@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from backport.v1 import common_pb2 as backport_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61\x63kport/v1/engine.proto\x12\x0b\x62\x61\x63kport.v1\x1a\x18\x62\x61\x63kport/v1/common.proto\"\x92\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.backport.v1.SamplingParams.LogitBiasEntry\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.backport.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.backport.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"n\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.backport.v1.SamplingParams\"\xab\x01\n\x10GenerateResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.backport.v1.GenerateChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.backport.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.backport.v1.GenerateErrorH\x00\x42\n\n\x08response\"\xe2\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.backport.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.backport.v1.TokenLogprob\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.backport.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xd1\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.backport.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\rB\x10\n\x0e_stop_token_id\"F\n\rGenerateError\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.backport.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x11\n\ttokenizer\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\"\x11\n\x0fGetLoadsRequest\"I\n\x05Loads\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\"\x16\n\x14WatchKvEventsRequest\"x\n\x0eKvEventsUpdate\x12\x30\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1c.backport.v1.KvBlockSnapshotH\x00\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.backport.v1.KvEventBatchH\x00\x42\x08\n\x06update\":\n\x0fKvBlockSnapshot\x12\'\n\x04held\x18\x01 \x03(\x0b\x32\x19.backport.v1.KvHeldBlocks\"4\n\x0cKvHeldBlocks\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"G\n\x0cKvEventBatch\x12\x11\n\ttimestamp\x18\x01 \x01(\x01\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.backport.v1.KvEvent\"\xaa\x01\n\x07KvEvent\x12-\n\x06stored\x18\x01 \x01(\x0b\x32\x1b.backport.v1.KvBlocksStoredH\x00\x12/\n\x07removed\x18\x02 \x01(\x0b\x32\x1c.backport.v1.KvBlocksRemovedH\x00\x12\x36\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1f.backport.v1.KvAllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x93\x01\n\x0eKvBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06medium\x18\x05 \x01(\tB\x14\n\x12_parent_block_hash\"7\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\x14\n\x12KvAllBlocksCleared2\xee\x02\n\x06\x45ngine\x12I\n\x08Generate\x12\x1c.backport.v1.GenerateRequest\x1a\x1d.backport.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.backport.v1.AbortRequest\x1a\x1a.backport.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .backport.v1.GetModelInfoRequest\x1a\x16.backport.v1.ModelInfo\x12<\n\x08GetLoads\x12\x1c.backport.v1.GetLoadsRequest\x1a\x12.backport.v1.Loads\x12Q\n\rWatchKvEvents\x12!.backport.v1.WatchKvEventsRequest\x1a\x1b.backport.v1.KvEventsUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61\x63kport/v1/engine.proto\x12\x0b\x62\x61\x63kport.v1\x1a\x18\x62\x61\x63kport/v1/common.proto\"\x92\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.backport.v1.SamplingParams.LogitBiasEntry\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.backport.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.backport.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"n\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.backport.v1.SamplingParams\"\xab\x01\n\x10GenerateResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.backport.v1.GenerateChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.backport.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.backport.v1.GenerateErrorH\x00\x42\n\n\x08response\"\xe2\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.backport.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.backport.v1.TokenLogprob\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.backport.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xd1\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.backport.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\rB\x10\n\x0e_stop_token_id\"U\n\rGenerateError\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.backport.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x11\n\ttokenizer\x18\x05 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x06 \x01(\t\"\x11\n\x0fGetLoadsRequest\"I\n\x05Loads\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\"\x16\n\x14WatchKvEventsRequest\"x\n\x0eKvEventsUpdate\x12\x30\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1c.backport.v1.KvBlockSnapshotH\x00\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.backport.v1.KvEventBatchH\x00\x42\x08\n\x06update\":\n\x0fKvBlockSnapshot\x12\'\n\x04held\x18\x01 \x03(\x0b\x32\x19.backport.v1.KvHeldBlocks\"4\n\x0cKvHeldBlocks\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"G\n\x0cKvEventBatch\x12\x11\n\ttimestamp\x18\x01 \x01(\x01\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.backport.v1.KvEvent\"\xaa\x01\n\x07KvEvent\x12-\n\x06stored\x18\x01 \x01(\x0b\x32\x1b.backport.v1.KvBlocksStoredH\x00\x12/\n\x07removed\x18\x02 \x01(\x0b\x32\x1c.backport.v1.KvBlocksRemovedH\x00\x12\x36\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1f.backport.v1.KvAllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x93\x01\n\x0eKvBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06medium\x18\x05 \x01(\tB\x14\n\x12_parent_block_hash\"7\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\x14\n\x12KvAllBlocksCleared2\xee\x02\n\x06\x45ngine\x12I\n\x08Generate\x12\x1c.backport.v1.GenerateRequest\x1a\x1d.backport.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.backport.v1.AbortRequest\x1a\x1a.backport.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .backport.v1.GetModelInfoRequest\x1a\x16.backport.v1.ModelInfo\x12<\n\x08GetLoads\x12\x1c.backport.v1.GetLoadsRequest\x1a\x12.backport.v1.Loads\x12Q\n\rWatchKvEvents\x12!.backport.v1.WatchKvEventsRequest\x1a\x1b.backport.v1.KvEventsUpdate0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,37 +55,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECOMPLETE']._serialized_start=1595
   _globals['_GENERATECOMPLETE']._serialized_end=1804
   _globals['_GENERATEERROR']._serialized_start=1806
-  _globals['_GENERATEERROR']._serialized_end=1876
-  _globals['_ABORTREQUEST']._serialized_start=1878
-  _globals['_ABORTREQUEST']._serialized_end=1912
-  _globals['_ABORTRESPONSE']._serialized_start=1914
-  _globals['_ABORTRESPONSE']._serialized_end=1929
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1931
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1952
-  _globals['_MODELINFO']._serialized_start=1955
-  _globals['_MODELINFO']._serialized_end=2100
-  _globals['_GETLOADSREQUEST']._serialized_start=2102
-  _globals['_GETLOADSREQUEST']._serialized_end=2119
-  _globals['_LOADS']._serialized_start=2121
-  _globals['_LOADS']._serialized_end=2194
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=2196
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=2218
-  _globals['_KVEVENTSUPDATE']._serialized_start=2220
-  _globals['_KVEVENTSUPDATE']._serialized_end=2340
-  _globals['_KVBLOCKSNAPSHOT']._serialized_start=2342
-  _globals['_KVBLOCKSNAPSHOT']._serialized_end=2400
-  _globals['_KVHELDBLOCKS']._serialized_start=2402
-  _globals['_KVHELDBLOCKS']._serialized_end=2454
-  _globals['_KVEVENTBATCH']._serialized_start=2456
-  _globals['_KVEVENTBATCH']._serialized_end=2527
-  _globals['_KVEVENT']._serialized_start=2530
-  _globals['_KVEVENT']._serialized_end=2700
-  _globals['_KVBLOCKSSTORED']._serialized_start=2703
-  _globals['_KVBLOCKSSTORED']._serialized_end=2850
-  _globals['_KVBLOCKSREMOVED']._serialized_start=2852
-  _globals['_KVBLOCKSREMOVED']._serialized_end=2907
-  _globals['_KVALLBLOCKSCLEARED']._serialized_start=2909
-  _globals['_KVALLBLOCKSCLEARED']._serialized_end=2929
-  _globals['_ENGINE']._serialized_start=2932
-  _globals['_ENGINE']._serialized_end=3298
+  _globals['_GENERATEERROR']._serialized_end=1891
+  _globals['_ABORTREQUEST']._serialized_start=1893
+  _globals['_ABORTREQUEST']._serialized_end=1927
+  _globals['_ABORTRESPONSE']._serialized_start=1929
+  _globals['_ABORTRESPONSE']._serialized_end=1944
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1946
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1967
+  _globals['_MODELINFO']._serialized_start=1970
+  _globals['_MODELINFO']._serialized_end=2115
+  _globals['_GETLOADSREQUEST']._serialized_start=2117
+  _globals['_GETLOADSREQUEST']._serialized_end=2134
+  _globals['_LOADS']._serialized_start=2136
+  _globals['_LOADS']._serialized_end=2209
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=2211
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=2233
+  _globals['_KVEVENTSUPDATE']._serialized_start=2235
+  _globals['_KVEVENTSUPDATE']._serialized_end=2355
+  _globals['_KVBLOCKSNAPSHOT']._serialized_start=2357
+  _globals['_KVBLOCKSNAPSHOT']._serialized_end=2415
+  _globals['_KVHELDBLOCKS']._serialized_start=2417
+  _globals['_KVHELDBLOCKS']._serialized_end=2469
+  _globals['_KVEVENTBATCH']._serialized_start=2471
+  _globals['_KVEVENTBATCH']._serialized_end=2542
+  _globals['_KVEVENT']._serialized_start=2545
+  _globals['_KVEVENT']._serialized_end=2715
+  _globals['_KVBLOCKSSTORED']._serialized_start=2718
+  _globals['_KVBLOCKSSTORED']._serialized_end=2865
+  _globals['_KVBLOCKSREMOVED']._serialized_start=2867
+  _globals['_KVBLOCKSREMOVED']._serialized_end=2922
+  _globals['_KVALLBLOCKSCLEARED']._serialized_start=2924
+  _globals['_KVALLBLOCKSCLEARED']._serialized_end=2944
+  _globals['_ENGINE']._serialized_start=2947
+  _globals['_ENGINE']._serialized_end=3313
 # @@protoc_insertion_point(module_scope)
