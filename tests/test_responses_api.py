@@ -4,6 +4,7 @@ constrained output)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from services.engine.client import EngineClient
 from tests.conftest import RunningMesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -189,3 +191,28 @@ def test_previous_response_id_says_responses_are_not_stored(client: openai.OpenA
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
     assert "not stored" in caught.value.body["message"]
+
+
+def test_a_response_its_engine_aborts_ends_cancelled_and_its_id_is_the_engine_requests(
+        client: openai.OpenAI, mesh: RunningMesh) -> None:
+    """An operator's `Abort` takes the id the client was given; the stream then ends with the
+    output so far and status `cancelled` (vLLM's), on OpenAI's `response.incomplete` event."""
+    stream = client.responses.create(model=MODEL, input="Count from 1 to 1000, one number a line.",
+                                     temperature=0, max_output_tokens=1500, stream=True)
+    events = [next(stream)]
+    assert events[0].type == "response.created"
+    asyncio.run(_abort(mesh.engine_address, events[0].response.id))
+    events += list(stream)
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled", last
+    assert last.response.usage.output_tokens < 1500
+    assert all(item.status == "incomplete" for item in last.response.output
+               if item.type == "message")
+
+
+async def _abort(engine_address: str, request_id: str) -> None:
+    engine = EngineClient(engine_address)
+    try:
+        await engine.abort(request_id)
+    finally:
+        await engine.close()

@@ -96,12 +96,52 @@ def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> N
     assert (calls[0].function.name, sorted(arguments)) in [("get_weather", ["city"]), ("get_time", [])]
 
 
-def test_a_constraint_the_engine_cannot_compile_is_400(client: openai.OpenAI) -> None:
+# Each: the request field, a constraint in it that the engine cannot compile, and what the
+# error says is wrong.
+UNCOMPILABLE_CONSTRAINTS = {
+    "response_format schema of no type": (
+        "response_format", {"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+        "invalid JSON schema"),
+    "structured_outputs schema of bad properties": (
+        "structured_outputs", {"json": {"type": "object", "properties": 5}}, "invalid JSON schema"),
+    "structured_outputs regex": ("structured_outputs", {"regex": "("}, "invalid regex"),
+    "structured_outputs grammar": ("structured_outputs", {"grammar": "root ::= ("}, "invalid grammar"),
+}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("case", UNCOMPILABLE_CONSTRAINTS)
+def test_a_constraint_the_engine_cannot_compile_is_400_naming_its_field(
+        client: openai.OpenAI, endpoint: str, case: str) -> None:
+    param, constraint, problem = UNCOMPILABLE_CONSTRAINTS[case]
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "chat":
+            client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4,
+                                           extra_body={param: constraint})
+        else:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=4,
+                                      extra_body={param: constraint})
+    assert caught.value.body["param"] == param
+    assert caught.value.body["message"].startswith(f"{param}: {problem}: "), caught.value.body
+
+
+def test_a_streamed_request_with_a_constraint_the_engine_cannot_compile_is_400(
+        client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4, stream=True,
+                                       extra_body={"structured_outputs": {"regex": "("}})
+    assert caught.value.body["param"] == "structured_outputs"
+    assert client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=2).choices
+
+
+def test_an_engine_error_beside_a_constraint_is_not_the_constraints(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4,
-                                       extra_body={"structured_outputs": {"regex": "("}})
-    assert "regex" in caught.value.body["message"]
-    assert client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=2).choices
+                                       response_format={"type": "json_object"},
+                                       extra_body={"min_tokens": 10})
+    assert caught.value.body["param"] != "response_format"
+    assert caught.value.body["message"].startswith("min_tokens"), caught.value.body
 
 
 def test_two_constraints_at_once_are_400(client: openai.OpenAI) -> None:

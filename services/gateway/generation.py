@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 # vLLM writes a logprob of -inf, which JSON cannot hold, as this.
 MIN_LOGPROB = -9999.0
 
+# The engine's GenerateError.field for an output constraint it cannot compile.
+ENGINE_CONSTRAINT_FIELD = "sampling.structured_output"
+
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -101,12 +104,16 @@ class UsageCounts:
 
 
 class Generation:
-    """Runs one `Generate` call; iterating `deltas()` drives it and closing it aborts it."""
+    """Runs one `Generate` call; iterating `deltas()` drives it and closing it aborts it.
+
+    `constraint_param` is the request field that asked for the output constraint, if any:
+    the engine's errors about the constraint name it."""
 
     def __init__(self, route: EngineRoute, tokenizer: TokenizerClient, request: pb.GenerateRequest,
                  *, stop_strings: list[str], skip_special_tokens: bool,
                  include_stop_str: bool = False,
-                 reasoning_counters: list[ReasoningTokenCounter] | None = None) -> None:
+                 reasoning_counters: list[ReasoningTokenCounter] | None = None,
+                 constraint_param: str | None = None) -> None:
         self.route = route
         self.tokenizer = tokenizer
         self.request = request
@@ -114,6 +121,7 @@ class Generation:
         self.usage = UsageCounts(prompt_tokens=len(request.prompt_token_ids),
                                  counts_reasoning=reasoning_counters is not None)
         self._reasoning_counters = reasoning_counters
+        self._constraint_param = constraint_param
         self._stop_strings = stop_strings
         self._include_stop_str = include_stop_str
         self._skip_special_tokens = skip_special_tokens
@@ -137,7 +145,7 @@ class Generation:
         first = opened.first
         if first is not None and first.WhichOneof("response") == "error":
             self._call.cancel()
-            raise _request_error(first.error)
+            raise _request_error(first.error, self._constraint_param)
         self._first = first
 
     def cancel(self) -> None:
@@ -200,7 +208,7 @@ class Generation:
         if response is grpc.aio.EOF:
             return None
         if response.WhichOneof("response") == "error":
-            raise _request_error(response.error)
+            raise _request_error(response.error, self._constraint_param)
         return response
 
     async def _on_chunk(self, chunk: pb.GenerateChunk, finished: set[int]) -> ChoiceDelta | None:
@@ -333,8 +341,11 @@ def _num_tokens_reaching(token_texts: list[str], text_end: int) -> int:
     return len(token_texts)
 
 
-def _request_error(error: pb.GenerateError) -> Exception:
+def _request_error(error: pb.GenerateError, constraint_param: str | None) -> Exception:
     if error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT:
+        if error.field == ENGINE_CONSTRAINT_FIELD and constraint_param is not None:
+            # The client wrote the field that asked for the constraint, not the engine's.
+            return InvalidRequestError(f"{constraint_param}: {error.message}", param=constraint_param)
         return InvalidRequestError(error.message)
     if error.code == common_pb2.ERROR_CODE_UNAVAILABLE:
         return ServiceUnavailableError(error.message)

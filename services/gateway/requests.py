@@ -11,7 +11,7 @@ from backport.v1 import engine_pb2 as pb
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from services.gateway.parsing.forced_tool_calls import ForcedToolChoice
-from services.gateway.schemas import SamplingFields, new_id
+from services.gateway.schemas import SamplingFields
 
 
 def backend_of(request: Request) -> GatewayBackend:
@@ -93,9 +93,11 @@ def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | Non
         json_schema=json.dumps(body.response_format.json_schema.schema_)))
 
 
-def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, token_limit: int | None,
-                     num_logprobs: int | None,
+def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, request_id: str,
+                     token_limit: int | None, num_logprobs: int | None,
                      constraint: RequestedConstraint | None = None) -> pb.GenerateRequest:
+    """`request_id` is the id the client sees (as vLLM's server does), so an operator's logs
+    and the engine's `Abort` take the id a client reports."""
     sampling = pb.SamplingParams(
         n=body.n, min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
@@ -113,5 +115,5 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, token
         sampling.prompt_logprobs = body.num_prompt_logprobs
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint.engine_form)
-    return pb.GenerateRequest(request_id=new_id("req"), prompt_token_ids=prompt_token_ids,
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                               sampling=sampling)

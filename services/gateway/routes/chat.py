@@ -29,8 +29,8 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 @router.post("/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest,
                                  request: Request) -> JSONResponse | StreamingResponse:
-    started = await start_chat_generation(body, request)
-    completion = _ChatCompletion(started.model_name, started.generation, started.parsers)
+    started = await start_chat_generation(body, request, request_id=new_id("chatcmpl"))
+    completion = _ChatCompletion(started)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
                                                               body.include_continuous_usage)),
@@ -42,13 +42,16 @@ async def create_chat_completion(body: ChatCompletionRequest,
 class StartedChatGeneration:
     """A chat request's generation, started, and the output parser of each of its choices."""
 
+    request_id: str
     model_name: str
     generation: Generation
     parsers: list[ChatOutputParser | ForcedToolCallParser | None]
 
 
-async def start_chat_generation(body: ChatCompletionRequest, request: Request) -> StartedChatGeneration:
-    """Renders, checks and starts a chat request; the Responses API is served through it too."""
+async def start_chat_generation(body: ChatCompletionRequest, request: Request, *,
+                                request_id: str) -> StartedChatGeneration:
+    """Renders, checks and starts a chat request; the Responses API is served through it too.
+    `request_id` is the engine request's id, the one the client's response carries."""
     backend = backend_of(request)
     model = check_model(backend, body.model)
     check_token_ids(model, body)
@@ -67,24 +70,18 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request) -
     generation = Generation(
         backend.pick_engine(prompt_cache_key=body.prompt_cache_key, user=body.user),
         backend.tokenizer,
-        generate_request(body, prompt_ids, token_limit=body.token_limit, num_logprobs=body.num_logprobs,
-                         constraint=constraint),
+        generate_request(body, prompt_ids, request_id=request_id, token_limit=body.token_limit,
+                         num_logprobs=body.num_logprobs, constraint=constraint),
         stop_strings=body.stop_strings, include_stop_str=body.include_stop_str_in_output,
         # Parsers read markup that tokenizers often mark special.
         skip_special_tokens=body.skip_special_tokens and not has_parser,
         reasoning_counters=([ReasoningTokenCounter(markers, thinking=is_thinking)
-                             for _ in range(body.n)] if markers else None))
+                             for _ in range(body.n)] if markers else None),
+        constraint_param=constraint.param if constraint is not None else None)
     parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
                for _ in range(body.n)]
-    try:
-        await generation.start()
-    except InvalidRequestError as error:
-        if constraint is None or error.param is not None:
-            raise
-        # What the engine refuses of a request the gateway checked is the constraint it could
-        # not compile; the client wrote the field that asked for it.
-        raise InvalidRequestError(f"{constraint.param}: {error.message}", param=constraint.param) from error
-    return StartedChatGeneration(model.name, generation, parsers)
+    await generation.start()
+    return StartedChatGeneration(request_id, model.name, generation, parsers)
 
 
 async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
@@ -144,13 +141,12 @@ def _output_parser(backend: GatewayBackend, body: ChatCompletionRequest,
 class _ChatCompletion:
     """Shapes one generation's deltas as chat.completion(.chunk) objects."""
 
-    def __init__(self, model_name: str, generation: Generation,
-                 parsers: list[ChatOutputParser | ForcedToolCallParser | None]) -> None:
-        self.id = new_id("chatcmpl")
+    def __init__(self, started: StartedChatGeneration) -> None:
+        self.id = started.request_id
         self.created = now()
-        self.model_name = model_name
-        self.generation = generation
-        self.parsers = parsers
+        self.model_name = started.model_name
+        self.generation = started.generation
+        self.parsers = started.parsers
 
     def _finish_reason(self, delta: ChoiceDelta) -> str | None:
         parser = self.parsers[delta.index]

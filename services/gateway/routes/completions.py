@@ -29,16 +29,20 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     prompts = await _prompt_token_ids(backend, body.prompt)
     check_token_ids(model, body, prompts)
     constraint = output_constraint(body)
+    completion_id = new_id("cmpl")
     generations = []
-    for prompt_ids in prompts:
+    for index, prompt_ids in enumerate(prompts):
         check_context(model, len(prompt_ids), body.token_limit, prompt_param="prompt",
                       limit_param="max_tokens")
         generations.append(Generation(
             backend.pick_engine(user=body.user), backend.tokenizer,
-            generate_request(body, prompt_ids, token_limit=body.token_limit,
-                             num_logprobs=body.num_logprobs, constraint=constraint),
+            # One engine request a prompt, numbered as vLLM's server numbers them.
+            generate_request(body, prompt_ids, request_id=f"{completion_id}-{index}",
+                             token_limit=body.token_limit, num_logprobs=body.num_logprobs,
+                             constraint=constraint),
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str=body.include_stop_str_in_output))
+            include_stop_str=body.include_stop_str_in_output,
+            constraint_param=constraint.param if constraint is not None else None))
     echoes = await _echoes(backend, body.prompt, prompts) if body.echo else None
     try:
         for generation in generations:
@@ -47,7 +51,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         for generation in generations:
             generation.cancel()
         raise
-    completion = _Completion(model, body.n, generations, echoes, body.logprobs)
+    completion = _Completion(completion_id, model, body.n, generations, echoes, body.logprobs)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
                                                               body.include_continuous_usage)),
@@ -82,9 +86,9 @@ class _Completion:
     Choice `i` of prompt `p` is index `p * n + i`, as in OpenAI's batched completions.
     """
 
-    def __init__(self, model: ServedModel, n: int, generations: list[Generation],
+    def __init__(self, completion_id: str, model: ServedModel, n: int, generations: list[Generation],
                  echoes: list[str] | None, num_logprobs: int | None) -> None:
-        self.id = new_id("cmpl")
+        self.id = completion_id
         self.created = now()
         self.model = model
         self.n = n

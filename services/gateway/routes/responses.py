@@ -6,8 +6,10 @@ completion is (`start_chat_generation`); the parsed message is then shaped as ou
 `function_call` item per tool call. Streaming sends OpenAI's typed events, each with a
 `sequence_number` from 0, built by the same code that builds the non-streamed output, so a
 client that accumulates them gets the same items; `response.completed` (or `response.incomplete`
-when `max_output_tokens` cut the output) carries the whole response last. A stream that fails
-once begun sends an `error` event, then `response.failed` with the output so far.
+when `max_output_tokens` cut the output) carries the whole response last. A request the engine
+aborted (its `Abort` call) ends with status `cancelled`, as in vLLM; streamed, its last event is
+`response.incomplete`, since OpenAI's stream has no cancelled event. A stream that fails once
+begun sends an `error` event, then `response.failed` with the output so far.
 
 Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`,
 `conversation`, `background` and stored `prompt`s are a 400, and there is no GET, DELETE or cancel
@@ -45,13 +47,14 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 ItemStatus = Literal["completed", "incomplete"]
-ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
 
 
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
     try:
-        started = await start_chat_generation(body.chat_request(), request)
+        started = await start_chat_generation(body.chat_request(), request,
+                                              request_id=_new_id("resp"))
     except InvalidRequestError as error:
         # The chat path names its own fields; the client wrote ours.
         param = responses_param(error.param)
@@ -90,7 +93,8 @@ class OutputItems:
         return events
 
     def close(self, status: ItemStatus) -> list[dict[str, Any]]:
-        """Ends the open item; `status` is the status of the response, which that item shares."""
+        """Ends the open item with `status`: the response's own, or `incomplete` where the
+        response did not complete."""
         if self._open_index is None:
             return []
         index, self._open_index = self._open_index, None
@@ -174,7 +178,7 @@ class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
     def __init__(self, body: ResponsesRequest, started: StartedChatGeneration) -> None:
-        self.id = _new_id("resp")
+        self.id = started.request_id
         self.created_at = now()
         self.body = body
         self.model_name = started.model_name
@@ -187,7 +191,7 @@ class _Response:
         output.add(parse_choice_delta(self.parser, ChoiceDelta(0, choice.text,
                                                                 finish_reason=choice.finish_reason)))
         status = _status(choice.finish_reason)
-        output.close(status)
+        output.close(_item_status(status))
         return self._shape(status, output.items, self.generation.usage)
 
     async def events(self) -> AsyncGenerator[str, None]:
@@ -227,9 +231,10 @@ class _Response:
                 error={"code": "server_error", "message": failure["message"]})})
             return
         status = _status(finish_reason)
-        for event in output.close(status):
+        for event in output.close(_item_status(status)):
             yield sse(event)
-        yield sse({"type": f"response.{status}",
+        event_type = "response.incomplete" if status == "cancelled" else f"response.{status}"
+        yield sse({"type": event_type,
                    "response": self._shape(status, output.items, self.generation.usage)})
 
     def _shape(self, status: ResponseStatus, output: list[dict[str, Any]], usage: UsageCounts | None,
@@ -254,8 +259,14 @@ class _Response:
         }
 
 
-def _status(finish_reason: str | None) -> ItemStatus:
+def _status(finish_reason: str | None) -> ResponseStatus:
+    if finish_reason == "abort":
+        return "cancelled"
     return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _item_status(status: ResponseStatus) -> ItemStatus:
+    return "completed" if status == "completed" else "incomplete"
 
 
 def _usage(usage: UsageCounts) -> dict[str, Any]:
