@@ -26,6 +26,7 @@ from vllm.outputs import CompletionOutput
 from vllm.platforms import current_platform
 
 from services.engine.backport.engine_core_watch import SERVICE_PID_ENV
+from services.engine.kv_events import ipc_socket_path
 from services.engine.kv_transfer import engine_kv_args
 from services.engine.settings import EngineSettings
 
@@ -199,9 +200,10 @@ class VllmEngine:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         endpoint = self.settings.kv_events_endpoint
-        if endpoint is not None and endpoint.startswith("ipc://"):
+        socket_path = ipc_socket_path(endpoint) if endpoint is not None else None
+        if socket_path is not None:
             # vLLM's KV-event publisher binds this socket file and leaves it when it stops.
-            Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+            socket_path.unlink(missing_ok=True)
 
     @property
     def is_healthy(self) -> bool:
@@ -359,7 +361,10 @@ def _prompt_logprobs(prompt_token_ids: list[int], scored: list[dict[int, Logprob
 
 def _token_logprob(token_id: int, candidates: dict[int, Logprob], num_top: int) -> TokenLogprob:
     # vLLM's candidates: the token itself, then the top `num_top`, the token among them once.
-    ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
+    # Most likely first; of equal logprobs (bf16 logits tie) the token itself first, as vLLM's
+    # server lists them, whatever order its top-k gave the tied ranks.
+    ranked = sorted(candidates.items(), key=lambda item: (
+        -item[1].logprob, item[0] != token_id, item[1].rank or 0))
     is_among_top = len(candidates) == num_top
     top = [(candidate_id, lp.logprob, lp.rank or 0) for candidate_id, lp in ranked
            if is_among_top or candidate_id != token_id]
