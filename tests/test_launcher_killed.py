@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 
+from services.engine.kv_events import ipc_socket_path
 from tests.cluster.processes import child_pid, commands_of, http_ok, wait_for_exits
 from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
 
@@ -48,7 +49,9 @@ def two_engine_mesh(embedded_model_path: Path,
             pass
     # An engine killed outright under a launcher then killed too: no one else removes it.
     for endpoint in kv_event_endpoints:
-        Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+        socket_path = ipc_socket_path(endpoint)
+        if socket_path is not None:
+            socket_path.unlink(missing_ok=True)
 
 
 def test_a_killed_engines_vllm_processes_stop_and_the_mesh_serves_on(
@@ -100,7 +103,7 @@ def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh)
     assert any("EngineCore" in " ".join(p.cmdline()) for p in descendants)
     ipc_dirs = _environment_values(descendants, "VLLM_RPC_BASE_PATH")
     assert ipc_dirs, "the engine core runs in the engine's own ipc folder"
-    kv_event_sockets = {Path(endpoint.removeprefix("ipc://"))
+    kv_event_sockets = {ipc_socket_path(endpoint)
                         for endpoint in _flag_values(descendants, "--kv-events-endpoint")}
     assert kv_event_sockets and all(path.is_socket() for path in kv_event_sockets)
 

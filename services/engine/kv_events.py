@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Batches a watcher may have unread before it is dropped; it then re-syncs from a snapshot.
 MAX_UNREAD_BATCHES = 1024
 BLOCK_HASH_BITS = 64
+IPC_SCHEME = "ipc://"
 
 
 def block_hash_u64(block_hash: bytes | int) -> int:
@@ -43,13 +45,18 @@ def block_hash_u64(block_hash: bytes | int) -> int:
     return block_hash & ((1 << BLOCK_HASH_BITS) - 1)
 
 
+def ipc_socket_path(endpoint: str) -> Path | None:
+    """The socket file of an `ipc://PATH` endpoint; None for other transports."""
+    return Path(endpoint.removeprefix(IPC_SCHEME)) if endpoint.startswith(IPC_SCHEME) else None
+
+
 def subscriber_endpoint(publisher_endpoint: str) -> str | None:
     """Where to connect for vLLM's publisher at `publisher_endpoint`, or None.
 
     vLLM binds wildcard TCP and IPC endpoints, which this process can reach on the same
     host; any other TCP endpoint means vLLM connects out to someone else's socket.
     """
-    if publisher_endpoint.startswith("ipc://"):
+    if publisher_endpoint.startswith(IPC_SCHEME):
         return publisher_endpoint
     if publisher_endpoint.startswith("tcp://*:"):
         return "tcp://127.0.0.1:" + publisher_endpoint.removeprefix("tcp://*:")
