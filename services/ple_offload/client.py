@@ -22,6 +22,7 @@ from services.ple_offload.errors import (
 )
 from services.ple_offload.lookup_streams import LookupStreams
 from services.ple_offload.lookup_wire import LOOKUP_METHOD, decode_lookup_reply
+from services.ple_offload.row_gather import as_row_ids
 from services.ple_offload.segment_layout import SHM_DIR
 from services.ple_offload.table_format import RowDtype
 from services.ple_offload.table_reader import SharedTableReader
@@ -119,7 +120,7 @@ class PleTableClient:
     def gather_owned(self, row_ids: np.ndarray, valid_start: int, valid_end: int) -> np.ndarray:
         """Like `gather` (writable result), with zero rows for ids outside
         [valid_start, valid_end): the rows another ETP rank owns."""
-        flat = np.asarray(row_ids, dtype=np.int64)
+        flat = as_row_ids(row_ids)
         owned = (flat >= valid_start) & (flat < valid_end)
         if owned.all():
             return np.require(self.gather(flat), requirements="W")
@@ -229,7 +230,7 @@ class PleTableClient:
         reader = self._reader
         if reader is not None:
             return reader.gather(row_ids)
-        flat = np.ascontiguousarray(row_ids, dtype="<i8").reshape(-1)
+        flat = np.ascontiguousarray(as_row_ids(row_ids), dtype="<i8").reshape(-1)
         row_bytes = self.info.row_bytes
         rows_per_lookup = max(1, _MAX_LOOKUP_BYTES // row_bytes)
         if flat.size <= rows_per_lookup:

@@ -4,8 +4,18 @@ its machine (for shared-memory gathers) both run."""
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from services.ple_offload.errors import RowIdError
+
+
+def as_row_ids(row_ids: ArrayLike) -> np.ndarray:
+    """`row_ids` (any shape) as int64. Raises RowIdError for ids that are not integers:
+    casting them would turn 1.7 into row 1 and serve a wrong row without a word."""
+    ids = np.asarray(row_ids)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise RowIdError(f"row ids must be integers, got {ids.dtype}")
+    return ids.astype(np.int64, copy=False)
 
 
 def take_checked_rows(rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -> None:

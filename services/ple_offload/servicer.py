@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 from backport.v1 import ple_pb2
+from google.protobuf.message import DecodeError
 
 from services.mesh.channels import MAX_MESSAGE_BYTES
 from services.mesh.service_names import PLE_GRPC
@@ -44,17 +45,17 @@ class PleOffloadServicer:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers the service. Lookup replies are returned already serialized (see
-        `lookup_wire.encode_lookup_reply`), so those handlers have no response serializer."""
+        `lookup_wire.encode_lookup_reply`), so those handlers have no response serializer.
+        Lookup requests arrive as bytes and are parsed in `_reply`: grpc's own deserializer
+        answers bytes that are no LookupRequest with UNKNOWN and logs a traceback."""
         handlers = {
             "Describe": grpc.unary_unary_rpc_method_handler(
                 self.Describe, request_deserializer=ple_pb2.DescribeRequest.FromString,
                 response_serializer=ple_pb2.TableInfo.SerializeToString),
             "Lookup": grpc.unary_unary_rpc_method_handler(
-                self.Lookup, request_deserializer=ple_pb2.LookupRequest.FromString,
-                response_serializer=None),
+                self.Lookup, request_deserializer=None, response_serializer=None),
             "LookupStream": grpc.stream_stream_rpc_method_handler(
-                self.LookupStream, request_deserializer=ple_pb2.LookupRequest.FromString,
-                response_serializer=None),
+                self.LookupStream, request_deserializer=None, response_serializer=None),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(PLE_GRPC, handlers),))
@@ -65,12 +66,11 @@ class PleOffloadServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE table is not loaded")
         return self._info
 
-    async def Lookup(self, request: ple_pb2.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> bytes:
+    async def Lookup(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """A serialized LookupResponse."""
         return await self._reply(request, context)
 
-    async def LookupStream(self, requests: AsyncIterator[ple_pb2.LookupRequest],
+    async def LookupStream(self, requests: AsyncIterator[bytes],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """One serialized LookupResponse per request, in order. A request Lookup would
         refuse aborts the stream with Lookup's status. Once the service stops, a stream
@@ -101,14 +101,18 @@ class PleOffloadServicer:
         for task in self._idle_streams:
             task.cancel()
 
-    async def _reply(self, request: ple_pb2.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> bytes:
-        """The serialized LookupResponse to `request`, or the call aborted with
-        UNAVAILABLE (table not ready), INVALID_ARGUMENT (bad ids) or RESOURCE_EXHAUSTED
-        (a reply over grpc's message limit)."""
+    async def _reply(self, request_bytes: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """The serialized LookupResponse to the serialized LookupRequest `request_bytes`, or
+        the call aborted with UNAVAILABLE (table not ready), INVALID_ARGUMENT (not a
+        LookupRequest, bad ids) or RESOURCE_EXHAUSTED (a reply over grpc's message limit)."""
         rows = self._segment.rows
         if rows is None or not self._segment.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "PLE table is not loaded")
+        try:
+            request = ple_pb2.LookupRequest.FromString(request_bytes)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a LookupRequest: {exc}")
         packed_ids = request.row_ids_le_i64  # each read of the field copies it
         if len(packed_ids) % 8:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

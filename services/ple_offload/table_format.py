@@ -204,14 +204,20 @@ def _describe(stem: str, segments: list[TensorEntry], entries: dict[str, TensorE
                 f"expected {first.dtype}[rows, {first.shape[1]}] like {first.name}")
         if seg.data_end - seg.data_start != math.prod(seg.shape) * dtype.itemsize:
             raise TableFileError(f"{seg.path}: {seg.name} byte range does not match its shape")
+    num_rows = sum(s.shape[0] for s in segments)
+    # The byte-range check passes a shape of two negative sizes (their product is the
+    # range) and an empty table; either would be served, or crash the service's start.
+    if num_rows <= 0 or first.shape[1] <= 0:
+        raise TableFileError(f"table {stem} is {num_rows} rows x {first.shape[1]}; a table "
+                             "needs at least one row of at least one value")
     scale = _read_scale(entries.get(f"{stem}.weight_scale"), stem) if dtype is RowDtype.FLOAT8_E4M3FN else None
     digest = hashlib.sha256()
     used = {seg.path for seg in segments}
     for h in headers:
         if h.path in used:
             digest.update(h.header_bytes)
-    return TableSource(stem, dtype, sum(s.shape[0] for s in segments), first.shape[1], scale,
-                       digest.digest(), tuple(segments))
+    return TableSource(stem, dtype, num_rows, first.shape[1], scale, digest.digest(),
+                       tuple(segments))
 
 
 def _read_scale(entry: TensorEntry | None, stem: str) -> float:
@@ -219,6 +225,11 @@ def _read_scale(entry: TensorEntry | None, stem: str) -> float:
         raise TableFileError(f"fp8 table {stem} has no {stem}.weight_scale tensor")
     if entry.dtype != "F32" or math.prod(entry.shape) != 1:
         raise TableFileError(f"{entry.name} must be one F32 value, got {entry.dtype}{list(entry.shape)}")
+    # The shape check does not cover the byte range: any other range than 4 bytes would
+    # read other bytes as the scale, or fail with a traceback at the end of the file.
+    if entry.data_end - entry.data_start != 4:
+        raise TableFileError(f"{entry.path}: {entry.name} byte range does not match its shape "
+                             f"({entry.data_end - entry.data_start} bytes, not 4)")
     with open(entry.path, "rb") as f:
         f.seek(entry.data_start)
         return struct.unpack("<f", f.read(4))[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from services.ple_offload.errors import TableClosedError, TableUnavailableError
-from services.ple_offload.row_gather import check_row_ids, take_checked_rows
+from services.ple_offload.row_gather import as_row_ids, check_row_ids, take_checked_rows
 from services.ple_offload.segment_layout import (
     DATA_OFFSET_BYTES,
     SHM_DIR,
@@ -86,7 +86,7 @@ class SharedTableReader:
         Raises TableClosedError once the service has stopped or restarted: the rows
         are still mapped, but the caller must reattach to reach the live table."""
         rows = self._live_rows()
-        flat = np.ascontiguousarray(row_ids, dtype=np.int64).reshape(-1)
+        flat = np.ascontiguousarray(as_row_ids(row_ids)).reshape(-1)
         check_row_ids(flat, self.header.num_rows)
         if out is None:
             out = np.empty((flat.size, self.header.row_bytes), np.uint8)

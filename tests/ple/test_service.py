@@ -14,11 +14,19 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from backport.v1 import ple_pb2
 
+from services.mesh.channels import GRPC_OPTIONS
 from services.ple_offload.client import PleTableClient
 from services.ple_offload.errors import RowIdError, TableClosedError, TableUnavailableError
+from services.ple_offload.lookup_wire import (
+    LOOKUP_METHOD,
+    LOOKUP_STREAM_METHOD,
+    decode_lookup_reply,
+)
 from services.ple_offload.table_format import find_table
 from services.ple_offload.table_reader import SharedTableReader
 from tests.conftest import free_port
@@ -104,6 +112,54 @@ def test_out_of_range_ids_are_refused_and_the_next_lookup_works(
     finally:
         for client in clients.values():
             client.close()
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (b"\xff\xff\xff", "the request is not a LookupRequest"),
+    (ple_pb2.LookupRequest(row_ids_le_i64=bytes(7)).SerializeToString(),
+     "row_ids_le_i64 must hold whole little-endian int64 values"),
+], ids=["not protobuf", "ids not whole int64s"])
+def test_a_malformed_request_is_refused_by_name(small_fp8_table: TableFile, body: bytes,
+                                                message: str) -> None:
+    """Any gRPC client may send bytes that are no LookupRequest: unary Lookup and
+    LookupStream answer INVALID_ARGUMENT and the service logs no traceback. Before, grpc's
+    deserializer failed the call with UNKNOWN (which PleTableClient takes for a lost table)
+    and the service logged a DecodeError traceback."""
+    table = small_fp8_table
+    good = ple_pb2.LookupRequest(row_ids_le_i64=np.array([3, 7], "<i8").tobytes())
+    with ServiceProcess(table.path) as service:
+        with grpc.insecure_channel(service.address, options=GRPC_OPTIONS) as channel:
+            lookup = channel.unary_unary(LOOKUP_METHOD)
+            lookup_stream = channel.stream_stream(LOOKUP_STREAM_METHOD)
+            for call in (lambda: lookup(body, timeout=10),
+                         lambda: list(lookup_stream(iter([body]), timeout=10))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert message in refused.value.details()
+            _, rows = decode_lookup_reply(lookup(good.SerializeToString(), timeout=10))
+            assert np.array_equal(rows.reshape(2, -1), table.rows[[3, 7]])
+        log = service.stop()
+    assert "Traceback" not in log, log
+
+
+def test_ids_that_are_not_integers_are_refused(small_fp8_table: TableFile) -> None:
+    """Over shared memory, LookupStream and unary Lookup. Before, the ids were cast to
+    int64 and 1.7 silently got row 1."""
+    table = small_fp8_table
+    with ServiceProcess(table.path) as service:
+        clients = _clients(service.address)
+        try:
+            for client in clients.values():
+                with pytest.raises(RowIdError, match="row ids must be integers, got float64"):
+                    client.gather(np.array([[1.7, 2.0]]))
+                with pytest.raises(RowIdError, match="row ids must be integers, got float64"):
+                    client.gather_owned(np.array([1.7]), 0, table.rows.shape[0])
+                ids = np.array([[1, 2]], np.uint32)
+                assert np.array_equal(client.gather(ids), table.rows[ids])
+        finally:
+            for client in clients.values():
+                client.close()
 
 
 def test_close_ends_every_lookup_stream(small_fp8_table: TableFile) -> None:

@@ -63,7 +63,21 @@ def test_mismatched_table_is_refused(tmp_path: Path, small_rows: np.ndarray,
     ({f"{STEM}.weight": {"dtype": "BF16", "shape": [4, 160], "data_offsets": [1280, 0]}},
      "data_offsets 1280..0"),
     ([1, 2, 3], "not a JSON object"),
-], ids=["no offsets", "one offset", "entry not an object", "offsets reversed", "a list"])
+    # Before, these three were served (no rows, rows of no bytes) or crashed the service's
+    # start with a traceback (ValueError: Value out of range: -2) ...
+    ({f"{STEM}.weight": {"dtype": "BF16", "shape": [0, 160], "data_offsets": [0, 0]}},
+     "is 0 rows x 160; a table needs at least one row"),
+    ({f"{STEM}.weight": {"dtype": "BF16", "shape": [4, 0], "data_offsets": [0, 0]}},
+     "is 4 rows x 0; a table needs at least one row"),
+    ({f"{STEM}.weight": {"dtype": "BF16", "shape": [-2, -320], "data_offsets": [0, 1280]}},
+     "is -2 rows x -320; a table needs at least one row"),
+    # ... and an fp8 scale whose range holds no bytes read the next 4 bytes as the scale,
+    # or crashed at the end of the file (struct.error).
+    ({f"{STEM}.weight": {"dtype": "F8_E4M3", "shape": [8, 160], "data_offsets": [0, 1280]},
+      f"{STEM}.weight_scale": {"dtype": "F32", "shape": [1], "data_offsets": [1280, 1280]}},
+     "weight_scale byte range does not match its shape [(]0 bytes, not 4[)]"),
+], ids=["no offsets", "one offset", "entry not an object", "offsets reversed", "a list",
+        "no rows", "no values a row", "negative sizes", "scale of no bytes"])
 def test_malformed_header_is_refused_by_name(tmp_path: Path, header: object,
                                              message: str) -> None:
     encoded = json.dumps(header).encode()
