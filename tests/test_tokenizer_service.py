@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+import json
+import shutil
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from backport.v1 import tokenizer_pb2 as pb
 from services.tokenizer.client import TokenizerClient
 from tests.cluster.processes import kill_group, start_tokenizer
 from tests.conftest import free_port, wait_for_grpc_serving
@@ -16,12 +20,38 @@ from tests.conftest import free_port, wait_for_grpc_serving
 START_TIMEOUT_S = 120.0
 
 
+# The embedded model's tokenizer with a template that prints tools and tool-call arguments as
+# JSON, and an embedding table padded past its 49152 tokens, as many checkpoints' are.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+    "{%- for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% endfor %}")
+PADDED_VOCAB_SIZE = 49280
+
+
 @pytest.fixture(scope="module")
 def tokenizer_address(embedded_model_path: Path,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from serve_tokenizer(embedded_model_path, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def padded_tools_tokenizer_address(embedded_model_path: Path,
+                                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model = tmp_path_factory.mktemp("padded-tools-model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(embedded_model_path / name, model / name)
+    config = json.loads((embedded_model_path / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"vocab_size": PADDED_VOCAB_SIZE}))
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    yield from serve_tokenizer(model, tmp_path_factory)
+
+
+def serve_tokenizer(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log_path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.log"
-    process = start_tokenizer(embedded_model_path, port, log_path)
+    process = start_tokenizer(model, port, log_path)
     try:
         wait_for_grpc_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process, log_path)
         yield f"127.0.0.1:{port}"
@@ -30,12 +60,14 @@ def tokenizer_address(embedded_model_path: Path,
         process.wait()
 
 
-def render_error(address: str, template_kwargs: dict[str, object]) -> grpc.aio.AioRpcError:
+def render_error(address: str, template_kwargs: dict[str, object],
+                 messages: list[dict[str, Any]] | None = None) -> grpc.aio.AioRpcError:
     async def render() -> grpc.aio.AioRpcError:
         client = TokenizerClient(address)
         try:
-            await client.render_chat([{"role": "user", "content": "Hi"}], None, template_kwargs,
-                                     add_generation_prompt=True, continue_final_message=False)
+            await client.render_chat(messages or [{"role": "user", "content": "Hi"}], None,
+                                     template_kwargs, add_generation_prompt=True,
+                                     continue_final_message=False)
         except grpc.aio.AioRpcError as error:
             return error
         finally:
@@ -43,6 +75,14 @@ def render_error(address: str, template_kwargs: dict[str, object]) -> grpc.aio.A
         raise AssertionError("the render succeeded")
 
     return asyncio.run(render())
+
+
+def call_error(call: Coroutine[Any, Any, object]) -> grpc.aio.AioRpcError:
+    try:
+        asyncio.run(call)
+    except grpc.aio.AioRpcError as error:
+        return error
+    raise AssertionError("the call succeeded")
 
 
 def test_template_kwarg_of_the_wrong_type_is_invalid_argument(tokenizer_address: str) -> None:
@@ -68,6 +108,98 @@ def test_the_service_still_renders_after_a_rejected_request(tokenizer_address: s
             await client.close()
 
     assert len(asyncio.run(render())) > 3
+
+
+def test_integers_in_tools_and_tool_call_arguments_render_as_integers(
+        padded_tools_tokenizer_address: str) -> None:
+    # A Struct carries every number as a double: the template's `tojson` wrote `"minimum": 1.0`
+    # and `{"days": 3.0}` where vLLM's server, handed the JSON's ints, writes 1 and 3.
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1}}}}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "forecast", "arguments": {"days": 3, "scale": 0.5}}}]}]
+
+    async def render() -> str:
+        client = TokenizerClient(padded_tools_tokenizer_address)
+        try:
+            reply = await client.render_chat(messages, [tool], {}, add_generation_prompt=False,
+                                             continue_final_message=False)
+            return reply.prompt
+        finally:
+            await client.close()
+
+    prompt = asyncio.run(render())
+    # A Struct's keys come in no set order, so each value is looked for on its own.
+    assert '"minimum": 1' in prompt and '"minimum": 1.0' not in prompt, prompt
+    assert '"days": 3' in prompt and '"days": 3.0' not in prompt, prompt
+    assert '"scale": 0.5' in prompt, prompt
+
+
+@pytest.mark.parametrize(("template_kwargs", "messages", "field"), [
+    ({"budget": float("inf")}, None, "chat_template_kwargs.budget"),
+    ({}, [{"role": "user", "content": "Hi", "weights": [1, float("nan")]}], "messages[0].weights[1]"),
+])
+def test_a_number_json_cannot_hold_is_invalid_argument_naming_it(
+        tokenizer_address: str, template_kwargs: dict[str, object],
+        messages: list[dict[str, Any]] | None, field: str) -> None:
+    # Was UNKNOWN: "Unexpected <class 'ValueError'>: Fail to serialize Infinity for Value.number_value".
+    error = render_error(tokenizer_address, template_kwargs, messages)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith(f"{field}: "), error.details()
+
+
+OUTSIDE_VOCABULARY = f"lies outside the vocabulary (the model's token ids are 0 to {PADDED_VOCAB_SIZE - 1})"
+
+
+async def detokenize(address: str, token_ids: list[int]) -> None:
+    """A stream's first step, then one with `token_ids`."""
+    client = TokenizerClient(address)
+    try:
+        call = client.stub.Detokenize()
+        await call.write(pb.DetokenizeRequest(token_ids=[504]))
+        await call.read()
+        await call.write(pb.DetokenizeRequest(token_ids=token_ids))
+        await call.read()
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(("call", "field"), [
+    (lambda c, ids: c.stub.Decode(pb.DecodeRequest(token_ids=ids)), "token_ids"),
+    (lambda c, ids: c.stub.DecodeTokens(pb.DecodeTokensRequest(token_ids=ids)), "token_ids"),
+    (lambda c, ids: c.stub.DecodeTokensInContext(pb.DecodeTokensInContextRequest(
+        tokens=[pb.TokenInContext(token_id=504), pb.TokenInContext(token_id=ids[-1])])),
+     "tokens[1].token_id"),
+    (lambda c, ids: c.stub.DecodeTokensInContext(pb.DecodeTokensInContextRequest(
+        tokens=[pb.TokenInContext(token_id=504, context_token_ids=ids)])),
+     "tokens[0].context_token_ids"),
+])
+def test_a_token_id_past_the_vocabulary_is_invalid_argument_naming_the_field(
+        padded_tools_tokenizer_address: str,
+        call: Callable[[TokenizerClient, list[int]], Awaitable[object]], field: str) -> None:
+    # Ids past the tokenizer's tokens but inside the model's padded embedding table are ids the
+    # engine takes: they decode to "", as vLLM shows them. Past the table the tokenizers library
+    # decoded them to "" too, and a caller's mistake (a negative int32 sent as uint32) went unseen.
+    async def run(token_ids: list[int]) -> object:
+        client = TokenizerClient(padded_tools_tokenizer_address)
+        try:
+            return await call(client, token_ids)
+        finally:
+            await client.close()
+
+    asyncio.run(run([504, PADDED_VOCAB_SIZE - 1]))
+    error = call_error(run([504, 2**32 - 1]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == f"{field}: token id {2**32 - 1} {OUTSIDE_VOCABULARY}"
+
+
+def test_a_detokenize_step_past_the_vocabulary_ends_the_stream_invalid_argument(
+        padded_tools_tokenizer_address: str) -> None:
+    error = call_error(detokenize(padded_tools_tokenizer_address, [504, PADDED_VOCAB_SIZE]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == f"token_ids: token id {PADDED_VOCAB_SIZE} {OUTSIDE_VOCABULARY}"
 
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,14 @@ from services.tokenizer.client import MAX_CHARACTER_TOKENS, REPLACEMENT_CHARACTE
 LONG_DECODE_NUM_TOKENS = 1024
 
 
+class UnknownTokenIdError(ValueError):
+    """A request's token id lies outside the model's vocabulary: the client's fault."""
+
+    def __init__(self, field: str, token_id: int, num_token_ids: int) -> None:
+        super().__init__(f"{field}: token id {token_id} lies outside the vocabulary "
+                         f"(the model's token ids are 0 to {num_token_ids - 1})")
+
+
 class TokenizerCore:
     """One model's tokenizer and chat format."""
 
@@ -33,10 +42,20 @@ class TokenizerCore:
         self.fast: Tokenizer = self.hf.backend_tokenizer
         self.renderer: ChatRenderer = chat_renderer_for(model_path, self.hf)
         self.eos_token_ids = _eos_token_ids(model_path, self.hf)
+        # The ids the engine takes and may generate: a model's embedding table is often padded
+        # past the tokenizer's tokens (Qwen: 151936 rows for 151665 tokens), and those ids
+        # decode to "" as vLLM shows them. Past it an id is the caller's mistake.
+        self.num_token_ids = max(self.vocab_size, _model_vocab_size(model_path))
 
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+    def check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
+        """Raises `UnknownTokenIdError` naming `field` when an id lies past the vocabulary: the
+        tokenizers library decodes such an id to "" without a word."""
+        if token_ids and (largest := max(token_ids)) >= self.num_token_ids:
+            raise UnknownTokenIdError(field, largest, self.num_token_ids)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     template_kwargs: dict[str, Any], *, add_generation_prompt: bool,
@@ -95,6 +114,16 @@ class StreamingDetokenizer:
     def step(self, token_ids: list[int]) -> str:
         pieces = (self._stream.step(self._tokenizer, token_id) for token_id in token_ids)
         return "".join(piece for piece in pieces if piece)
+
+
+def _model_vocab_size(model_path: str) -> int:
+    """config.json's `vocab_size` (a multimodal model's under `text_config`); 0 without one."""
+    config_path = Path(model_path) / "config.json"
+    if not config_path.is_file():  # a GGUF-only folder
+        return 0
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return vocab_size if isinstance(vocab_size, int) else 0
 
 
 def _eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
