@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.struct_pb2 import Struct
 
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
@@ -49,8 +49,9 @@ class TokenizerClient:
                           template_kwargs: dict[str, Any], *, add_generation_prompt: bool,
                           continue_final_message: bool) -> pb.RenderChatResponse:
         request = pb.RenderChatRequest(
-            messages=[_struct(m) for m in messages], tools=[_struct(t) for t in tools or []],
-            template_kwargs=_struct(template_kwargs), add_generation_prompt=add_generation_prompt,
+            messages_json=_json(messages), tools_json=_json(tools) if tools else "",
+            template_kwargs_json=_json(template_kwargs) if template_kwargs else "",
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message)
         return await self._call(self.stub.RenderChat, request)
 
@@ -177,7 +178,6 @@ class StreamDetokenizer:
             self._call = None
 
 
-def _struct(value: dict[str, Any]) -> Struct:
-    struct = Struct()
-    struct.update(value)
-    return struct
+def _json(value: Any) -> str:
+    # NaN and Infinity go out as JavaScript writes them: the service names where they are.
+    return json.dumps(value, ensure_ascii=False)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.struct_pb2 import Struct, Value
 
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
@@ -25,9 +25,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def RenderChat(self, request: pb.RenderChatRequest,
                          context: grpc.aio.ServicerContext) -> pb.RenderChatResponse:
         try:
-            messages = [_from_struct(f"messages[{i}]", m) for i, m in enumerate(request.messages)]
-            tools = [_from_struct(f"tools[{i}]", t) for i, t in enumerate(request.tools)] or None
-            template_kwargs = _from_struct("chat_template_kwargs", request.template_kwargs)
+            messages = _json_field("messages", request.messages_json, [], list)
+            tools = _json_field("tools", request.tools_json, None, list) or None
+            template_kwargs = _json_field("chat_template_kwargs", request.template_kwargs_json,
+                                          {}, dict)
             # Rendering and tokenizing a long prompt must not stall other streams.
             prompt, token_ids = await asyncio.to_thread(
                 self.core.render_chat, messages, tools, template_kwargs,
@@ -105,27 +106,32 @@ async def _decode(num_tokens: int, decode: Callable[..., T], *args: Any, **kwarg
     return await asyncio.to_thread(decode, *args, **kwargs)
 
 
-def _from_struct(path: str, struct: Struct) -> dict[str, Any]:
-    """A request's JSON object as Python values; raises `ChatRenderError` naming `path`."""
-    return {key: _from_value(f"{path}.{key}", value) for key, value in struct.fields.items()}
+def _json_field(field: str, text: str, default: Any, kind: type) -> Any:
+    """A request's JSON text field as Python values, `default` when empty; raises
+    `ChatRenderError` naming `field` (or the place inside it) for what a template cannot take."""
+    if not text:
+        return default
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ChatRenderError(field, f"is not JSON: {error}") from None
+    if not isinstance(value, kind):
+        raise ChatRenderError(field, f"must be a JSON {'array' if kind is list else 'object'}")
+    if kind is list:
+        for index, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise ChatRenderError(f"{field}[{index}]", "must be a JSON object")
+    _check_numbers(field, value)
+    return value
 
 
-def _from_value(path: str, value: Value) -> Any:
-    kind = value.WhichOneof("kind")
-    if kind == "struct_value":
-        return _from_struct(path, value.struct_value)
-    if kind == "list_value":
-        return [_from_value(f"{path}[{i}]", item) for i, item in enumerate(value.list_value.values)]
-    if kind == "number_value":
-        number = value.number_value
-        if not math.isfinite(number):
-            raise ChatRenderError(path, f"{number} is not a JSON number")
-        # A Struct carries every number as a double. JSON's integers reach vLLM's templates as
-        # ints, and `tojson` of a schema's `"minimum": 1` must write 1, not 1.0; a client's 1.0
-        # cannot be told from 1 here, and is the rarer of the two.
-        return int(number) if number.is_integer() else number
-    if kind == "string_value":
-        return value.string_value
-    if kind == "bool_value":
-        return value.bool_value
-    return None  # null_value
+def _check_numbers(path: str, value: Any) -> None:
+    """Python's JSON reads NaN and Infinity, which JSON has no way to write."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ChatRenderError(path, f"{value} is not a JSON number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(f"{path}.{key}", item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_numbers(f"{path}[{index}]", item)

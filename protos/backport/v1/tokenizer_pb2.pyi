@@ -1,4 +1,3 @@
-from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,18 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("messages", "tools", "template_kwargs", "add_generation_prompt", "continue_final_message")
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    TOOLS_FIELD_NUMBER: _ClassVar[int]
-    TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("messages_json", "tools_json", "template_kwargs_json", "add_generation_prompt", "continue_final_message")
+    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
-    tools: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
-    template_kwargs: _struct_pb2.Struct
+    messages_json: str
+    tools_json: str
+    template_kwargs_json: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("token_ids", "prompt")
