@@ -263,3 +263,47 @@ def test_logprob_texts_of_characters_split_across_tokens_join_up_to_the_text(
     assert sum(t.endswith("\ufffd") for t in alone) > len(text) / 2
     assert "".join(candidates[0] for candidates in in_context) == text
     assert all(not t.endswith("\ufffd") for [t] in in_context)
+
+
+def test_sigterm_with_a_detokenize_stream_open_ends_it_after_the_drain_without_a_traceback(
+        embedded_model_path: Path, tmp_path: Path) -> None:
+    """The stream is served through the drain, then cancelled; grpc had logged that as an
+    ERROR traceback when the loop's teardown, not the drain, ended the call."""
+    port, log_path = free_port(), tmp_path / "tokenizer.log"
+    process = start_tokenizer(embedded_model_path, port, log_path)
+    try:
+        wait_for_grpc_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process, log_path)
+
+        async def stream_through_a_sigterm() -> int:
+            client = TokenizerClient(f"127.0.0.1:{port}")
+            try:
+                call = client.stub.Detokenize()
+                await call.write(pb.DetokenizeRequest(token_ids=[504]))
+                await call.read()
+                process.terminate()
+                num_steps_after = 0
+                try:
+                    while await _step(call) is not grpc.aio.EOF:
+                        num_steps_after += 1
+                        await asyncio.sleep(0.5)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    pass  # the drain's end cancelled the call
+                # The connection stays open, its client too busy to read, until the service has
+                # exited: a loaded gateway's. (Blocking this loop is the point.)
+                process.wait(30)
+                return num_steps_after
+            finally:
+                await client.close()
+
+        assert asyncio.run(stream_through_a_sigterm()) >= 2  # served while draining
+        assert process.returncode == 0
+    finally:
+        kill_group(process)
+        process.wait()
+    log = log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+async def _step(call: grpc.aio.StreamStreamCall) -> object:
+    await call.write(pb.DetokenizeRequest(token_ids=[504]))
+    return await call.read()

@@ -20,6 +20,7 @@ Registrar = Callable[[grpc.aio.Server], None]
 # gRPC sets SO_REUSEPORT by default, so a second server on a taken port binds too and the
 # kernel splits connections between the two; without it the second one fails to start.
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+CANCELLED_CALLS_END_S = 0.1
 
 
 class GrpcServer:
@@ -76,4 +77,7 @@ class GrpcServer:
         if on_stop is not None:
             await on_stop()
         await self.server.stop(self.grace_s)
+        # Calls the drain's end cancelled need a moment to end. Ended by asyncio.run's
+        # teardown instead, each is cancelled again, and grpc logs it as an ERROR traceback.
+        await asyncio.sleep(CANCELLED_CALLS_END_S)
         logger.info("%s stopped", self.service_name)
