@@ -146,7 +146,14 @@ def find_table(table_path: Path, tensor_name: str | None,
     """Resolves and validates the table in a safetensors file or a folder of them."""
     files = _list_files(table_path)
     headers = [read_safetensors_header(p) for p in files]
-    entries = {name: entry for h in headers for name, entry in h.tensors.items()}
+    entries: dict[str, TensorEntry] = {}
+    for h in headers:
+        for name, entry in h.tensors.items():
+            # Which copy would be served is the files' sort order, not the checkpoint's intent.
+            if name in entries:
+                raise TableFileError(f"{name} is in both {entries[name].path.name} and "
+                                     f"{entry.path.name}")
+            entries[name] = entry
     stem = tensor_name or _guess_stem(entries, table_path)
     segments = _table_segments(entries, stem, table_path)
     source = _describe(stem, segments, entries, headers)
@@ -232,7 +239,11 @@ def _read_scale(entry: TensorEntry | None, stem: str) -> float:
                              f"({entry.data_end - entry.data_start} bytes, not 4)")
     with open(entry.path, "rb") as f:
         f.seek(entry.data_start)
-        return struct.unpack("<f", f.read(4))[0]
+        scale = struct.unpack("<f", f.read(4))[0]
+    # A NaN would also never equal itself, so clients would refuse every reattach.
+    if not (math.isfinite(scale) and scale > 0):
+        raise TableFileError(f"{entry.name} is {scale}; an fp8 table's scale is a positive number")
+    return scale
 
 
 def _check_expectation(source: TableSource, expect: TableExpectation, table_path: Path) -> None:

@@ -113,3 +113,23 @@ def test_table_with_a_missing_shard_is_refused(tmp_path: Path, small_rows: np.nd
     table.path.write_bytes(data.replace(b".shard_1.weight", b".shard_7.weight", 1))
     with pytest.raises(TableFileError, match=r"missing shards \[1, 3, 4, 5, 6\]"):
         find_table(table.path, None)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5])
+def test_an_fp8_scale_that_is_no_positive_number_is_refused(
+        tmp_path: Path, small_rows: np.ndarray, scale: float) -> None:
+    """Was served: its rows as garbage, and with NaN no client could reattach (NaN != NaN)."""
+    table = write_table(tmp_path / "t.safetensors", small_rows, safetensors_dtype="F8_E4M3",
+                        scale=scale)
+    with pytest.raises(TableFileError, match="an fp8 table's scale is a positive number"):
+        find_table(table.path, None)
+
+
+def test_a_tensor_in_two_files_of_a_folder_is_refused(tmp_path: Path,
+                                                       small_rows: np.ndarray) -> None:
+    """Was served from the file that sorts last."""
+    for name in ("a.safetensors", "b.safetensors"):
+        write_table(tmp_path / name, small_rows, safetensors_dtype="BF16")
+    with pytest.raises(TableFileError,
+                       match=f"{STEM}.weight is in both a.safetensors and b.safetensors"):
+        find_table(tmp_path, None)
