@@ -49,6 +49,15 @@ def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def finds_lmcache(python: str) -> bool:
+    """Whether `python` finds the lmcache package (found, not imported: importing takes seconds)."""
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util, sys; "
+                       "sys.exit(importlib.util.find_spec('lmcache') is None)"],
+        env=lmcache_environment(), capture_output=True)
+    return probe.returncode == 0
+
+
 def is_port_free(host: str, port: int) -> bool:
     """Whether a server could listen on host:port now. The probe binds as servers do (uvicorn,
     gRPC and ZMQ set SO_REUSEADDR): the connections a just-stopped server left in TIME_WAIT
@@ -76,6 +85,12 @@ class LmcacheServer:
             if not is_port_free(self.settings.host, port):
                 raise LmcacheServerError(f"port {port} on {self.settings.host} is already in use")
         argv = lmcache_server_argv(self.settings)
+        # Checked first: without it the server dies on its import, a traceback that does not say
+        # what to install.
+        if not finds_lmcache(argv[0]):
+            raise LmcacheServerError(
+                f"lmcache is not installed for {argv[0]}: run `make kvcache-deps`, or give "
+                "--lmcache-python a Python whose environment has it (docs/kvcache.md)")
         logger.info("starting %s", " ".join(argv))
         self.process = subprocess.Popen(argv, env=lmcache_environment(), start_new_session=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
@@ -57,6 +58,20 @@ class KvCacheSettings(ServiceSettings):
     lmcache_python: Path | None = Field(
         None, description="Python interpreter whose environment holds lmcache "
                           "(default: this one)")
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        # Checked here, by binding as the server will: otherwise a name that does not resolve ends
+        # in the resolver's traceback, and another machine's address reads as "port already in use".
+        try:
+            family, _, _, _, address = socket.getaddrinfo(value, 0, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family) as probe:
+                probe.bind(address)
+        except OSError as error:
+            raise ValueError(f"host must be an address of this machine, got {value!r} "
+                             f"({error.strerror})") from None
+        return value
 
     @field_validator("redis_url")
     @classmethod

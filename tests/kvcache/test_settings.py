@@ -18,6 +18,8 @@ from services.kvcache.shm_segments import (
     mapped_shm_bytes,
     reclaim_exited_engine_segments,
 )
+from tests.conftest import free_port
+from tests.kvcache.processes import REPO_ROOT
 
 
 def flag_values(argv: list[str], flag: str) -> list[str]:
@@ -90,3 +92,26 @@ def test_mapped_shm_bytes_counts_unlinked_mappings() -> None:
     finally:
         segment.close()
     assert mapped_shm_bytes(os.getpid()) == before - (1 << 20)
+
+
+def run_kv_service(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.kvcache", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("host", ["nosuch.invalid", "192.0.2.1"])
+def test_a_host_this_machine_cannot_listen_on_is_refused_as_a_setting(host: str) -> None:
+    # 192.0.2.1 (TEST-NET-1) resolves but is no address of this machine.
+    finished = run_kv_service("--host", host, "--port", str(free_port()),
+                              "--http-port", str(free_port()))
+    assert finished.returncode == 2, finished.stderr
+    assert f"--host={host!r}" in finished.stderr and "Traceback" not in finished.stderr
+
+
+def test_missing_lmcache_is_reported_with_what_to_install(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    finished = run_kv_service("--lmcache-python", str(venv / "bin" / "python"),
+                              "--port", str(free_port()), "--http-port", str(free_port()))
+    assert finished.returncode == 1, finished.stderr
+    assert "make kvcache-deps" in finished.stderr and "Traceback" not in finished.stderr
