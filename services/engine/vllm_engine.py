@@ -240,8 +240,6 @@ class VllmEngine:
                     f"prompt_token_ids holds token id {token_id}, out of vocabulary (the "
                     f"model's token ids are 0 to {self.info.vocab_size - 1})")
         params = self._sampling_params(sampling, len(prompt_token_ids))
-        if sampling.constraint is not None:
-            await self._check_constraint(sampling.constraint)
         if request_id in self._request_ids_in_flight:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in flight on this engine; an id is free "
@@ -273,7 +271,10 @@ class VllmEngine:
                     yield update
         except VLLMClientError as error:
             # vLLM's own verdict on the request (a token id outside the vocabulary, a
-            # logprobs count past its limit); it wraps anything else in EngineGenerateError.
+            # logprobs count past its limit, a constraint that does not compile); it wraps
+            # anything else in EngineGenerateError.
+            if sampling.constraint is not None:
+                await self._check_constraint(sampling.constraint)
             raise InvalidRequestError(str(error)) from error
         finally:
             self._num_sequences_in_flight -= params.n
@@ -281,8 +282,9 @@ class VllmEngine:
                 self._request_ids_in_flight.discard(request_id)
 
     async def _check_constraint(self, constraint: OutputConstraint) -> None:
-        """vLLM checks the constraint among the request's other fields, and its errors name
-        none of them: checked alone first, a failure is known to be the constraint's."""
+        """Raises `InvalidConstraintError` if the constraint alone fails vLLM's check. vLLM
+        checks it among the request's other fields, and its errors name none of them; so a
+        request vLLM refused is checked again here, to tell the constraint's fault."""
         vllm_config = self.llm.vllm_config
         try:
             alone = SamplingParams(structured_outputs=constraint.params())
