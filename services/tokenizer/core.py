@@ -13,6 +13,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.tokenizer.chat_formats import ChatRenderer, chat_renderer_for
+from services.tokenizer.chat_formats.selection import read_model_config
 from services.tokenizer.client import MAX_CHARACTER_TOKENS, REPLACEMENT_CHARACTER
 
 # About a millisecond of decoding. Longer lists go to `decode_batch`, which lets go of the GIL
@@ -118,10 +119,7 @@ class StreamingDetokenizer:
 
 def _model_vocab_size(model_path: str) -> int:
     """config.json's `vocab_size` (a multimodal model's under `text_config`); 0 without one."""
-    config_path = Path(model_path) / "config.json"
-    if not config_path.is_file():  # a GGUF-only folder
-        return 0
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = read_model_config(model_path)
     vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return vocab_size if isinstance(vocab_size, int) else 0
 

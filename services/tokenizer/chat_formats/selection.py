@@ -16,7 +16,7 @@ DEEPSEEK_V4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCo
 
 def chat_format_name(model_path: str | Path) -> str:
     """`deepseek_v4` for DeepSeek-V4 checkpoints, else `jinja` (the checkpoint's template)."""
-    config = _read_config(Path(model_path) / "config.json")
+    config = read_model_config(model_path)
     architectures = config.get("architectures") or []
     if config.get("model_type") == "deepseek_v4" or DEEPSEEK_V4_ARCHITECTURES.intersection(architectures):
         return "deepseek_v4"
@@ -30,8 +30,10 @@ def chat_renderer_for(model_path: str | Path, tokenizer: ChatTemplateTokenizer) 
     return JinjaTemplateRenderer(tokenizer)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    # A GGUF-only folder has no config.json; its template lives in the tokenizer.
+def read_model_config(model_path: str | Path) -> dict[str, Any]:
+    """The folder's `config.json`; empty for a GGUF-only folder, which has none (its template
+    lives in the tokenizer)."""
+    path = Path(model_path) / "config.json"
     if not path.is_file():
         return {}
     config = json.loads(path.read_text(encoding="utf-8"))
