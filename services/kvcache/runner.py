@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from services.kvcache.shm_segments import reclaim_exited_engine_segments
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.5
+STOP_POLL_S = 0.05
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,7 +47,8 @@ def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthcheck",
                                     timeout=timeout_s) as reply:
             return reply.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError):
+        # HTTPException: something other than LMCache answers on the port, or answers half.
         return False
 
 
@@ -96,7 +99,18 @@ class LmcacheServer:
 
     @property
     def returncode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
+        """The server's exit status (negative: the signal that ended it), None while it runs.
+
+        The server is left unreaped until `stop`: while it is a zombie its pid names its process
+        group and no other process can take it, so `stop` can kill what it left behind."""
+        if self.process is None:
+            return None
+        if self.process.returncode is not None:
+            return self.process.returncode
+        ended = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if ended is None:
+            return None
+        return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
 
     def wait_ready(self, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
@@ -115,18 +129,21 @@ class LmcacheServer:
         """SIGTERM, then SIGKILL for the whole group once `stop_timeout_s` has passed."""
         if self.process is None:
             return
-        if self.process.poll() is None:
+        if self.returncode is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=self.settings.stop_timeout_s)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + self.settings.stop_timeout_s
+            while self.returncode is None and time.monotonic() < deadline:
+                time.sleep(STOP_POLL_S)
+            if self.returncode is None:
                 logger.warning("lmcache server did not stop in %.0f s; killing it",
                                self.settings.stop_timeout_s)
-        try:
-            # Also ends any helper LMCache started that outlived the server itself.
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.process.returncode is None:
+            # Unreaped until the wait below, so the pid still names the server's group only.
+            # Killing the group also ends any helper LMCache started that outlived the server.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.process.wait()
 
 

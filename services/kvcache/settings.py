@@ -91,6 +91,20 @@ class KvCacheSettings(ServiceSettings):
             raise ValueError(f"lmcache_python must be an executable Python, got {str(value)!r}")
         return value
 
+    @field_validator("fs_l2_path")
+    @classmethod
+    def _check_fs_l2_path(cls, value: Path | None) -> Path | None:
+        # LMCache creates the directory at its start; a file in the way or a read-only parent
+        # would end the server with a C++ filesystem error after seconds of start-up.
+        if value is None:
+            return None
+        existing = next(p for p in (value, *value.parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"fs_l2_path must be a directory, but {str(existing)!r} is not one")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"fs_l2_path: {str(existing)!r} is not writable")
+        return value
+
     @model_validator(mode="after")
     def _check_ports(self) -> KvCacheSettings:
         if self.port == self.http_port:

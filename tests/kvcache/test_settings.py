@@ -115,3 +115,11 @@ def test_missing_lmcache_is_reported_with_what_to_install(tmp_path: Path) -> Non
                               "--port", str(free_port()), "--http-port", str(free_port()))
     assert finished.returncode == 1, finished.stderr
     assert "make kvcache-deps" in finished.stderr and "Traceback" not in finished.stderr
+
+
+def test_an_l2_path_that_cannot_be_a_directory_is_refused(tmp_path: Path) -> None:
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    with pytest.raises(ValidationError, match="must be a directory"):
+        KvCacheSettings(fs_l2_path=in_the_way / "l2")
+    assert KvCacheSettings(fs_l2_path=tmp_path / "new" / "l2").fs_l2_path == tmp_path / "new" / "l2"
