@@ -188,6 +188,8 @@ def test_invalid_field_is_400_naming_the_field(client: openai.OpenAI) -> None:
         {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "g"}},
                           "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("responses", {"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning"),
 ])
 def test_out_of_range_ids_and_bad_tool_choices_are_400_naming_the_field(
         mesh: RunningMesh, path: str, fields: dict[str, object], param: str) -> None:

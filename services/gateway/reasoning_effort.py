@@ -2,7 +2,7 @@
 
 Mapping (the same as vLLM's for this model): a request with no `thinking` and no
 `reasoning_effort` thinks at high effort; `reasoning_effort: "none"` is plain chat;
-low/minimal/medium -> low; max -> max; any other value -> high. The keys may also come in
+low/minimal/medium -> low; max -> max; high/xhigh -> high. The keys may also come in
 `chat_template_kwargs` (`thinking`, `enable_thinking`, `reasoning_effort`); a request-level
 `reasoning_effort` wins over the kwargs one and, unless the kwargs set `enable_thinking`,
 turns thinking on (off for "none"), as in vLLM.
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 EffortLevel = Literal["low", "high", "max"]
+# What a request's `reasoning_effort` (chat) or `reasoning.effort` (Responses) may be: OpenAI's
+# values and DeepSeek-V4's "max", the set vLLM's server accepts. Template kwargs stay free-form.
+RequestedEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 _LEVELS: tuple[EffortLevel, ...] = ("low", "high", "max")
 # Keys longer than this are stored by digest so a client cannot make the store hold huge keys.
 MAX_RAW_SESSION_KEY_CHARS = 128
@@ -78,7 +81,7 @@ CHAT = Effort(is_thinking=False)
 
 
 def effort_level(reasoning_effort: str | None) -> EffortLevel:
-    """low/minimal/medium -> low, max -> max, anything else (unset included) -> high."""
+    """low/minimal/medium -> low, max -> max, anything else (unset, high, xhigh) -> high."""
     if reasoning_effort == "max":
         return "max"
     if reasoning_effort in ("low", "minimal", "medium"):

@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
                       field_validator, model_validator)
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError
+from services.gateway.reasoning_effort import RequestedEffort
 from services.gateway.schemas import ChatCompletionRequest, check_valid_unicode
 
 # Chat request fields a Responses field turns into, for errors the chat path raises.
@@ -156,7 +157,7 @@ class TextConfig(_Item):
 
 
 class ReasoningConfig(_Item):
-    effort: str | None = None
+    effort: RequestedEffort | None = None
     summary: str | None = None
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.gateway.errors import RequestFieldError
+from services.gateway.reasoning_effort import RequestedEffort
 
 MAX_STOP_STRINGS = 16
 # Token ids and counts travel as uint32 and top_k as int32 in the engine protocol; larger values
@@ -200,7 +201,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: RequestedEffort | None = None
     thinking: bool | dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

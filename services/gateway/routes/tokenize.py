@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       model_validator)
 
+from services.gateway.reasoning_effort import RequestedEffort
 from services.gateway.requests import backend_of, check_in_vocabulary, check_model
 from services.gateway.routes.chat import render_chat_prompt
 from services.gateway.schemas import ChatCompletionRequest, TokenId, check_valid_unicode
@@ -50,7 +51,7 @@ class TokenizeChatRequest(_TokenizeFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: RequestedEffort | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
