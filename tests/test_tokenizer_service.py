@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from tokenizers import Tokenizer, processors
 
 from backport.v1 import tokenizer_pb2 as pb
 from services.tokenizer.client import TokenizerClient
@@ -45,6 +46,23 @@ def padded_tools_tokenizer_address(embedded_model_path: Path,
     config = json.loads((embedded_model_path / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"vocab_size": PADDED_VOCAB_SIZE}))
     (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    yield from serve_tokenizer(model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer_address(embedded_model_path: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The embedded model with a tokenizer that puts a BOS (id 0) before every text it encodes
+    with special tokens, as Llama's and DeepSeek's do (SmolLM2's adds none)."""
+    model = tmp_path_factory.mktemp("bos-model")
+    for path in embedded_model_path.iterdir():
+        if path.suffix in (".json", ".jinja") and path.name != "tokenizer.json":
+            shutil.copy(path, model / path.name)
+    tokenizer = Tokenizer.from_file(str(embedded_model_path / "tokenizer.json"))
+    bos = tokenizer.id_to_token(0)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, 0)])
+    tokenizer.save(str(model / "tokenizer.json"))
     yield from serve_tokenizer(model, tmp_path_factory)
 
 
@@ -108,6 +126,24 @@ def test_the_service_still_renders_after_a_rejected_request(tokenizer_address: s
             await client.close()
 
     assert len(asyncio.run(render())) > 3
+
+
+def test_a_render_adds_the_tokenizers_special_tokens_only_when_asked(
+        bos_tokenizer_address: str) -> None:
+    """vLLM's chat `add_special_tokens`: off by default, since templates write their own."""
+    async def render(add_special_tokens: bool) -> list[int]:
+        client = TokenizerClient(bos_tokenizer_address)
+        try:
+            reply = await client.render_chat([{"role": "user", "content": "Hi"}], None, {},
+                                             add_generation_prompt=True,
+                                             continue_final_message=False,
+                                             add_special_tokens=add_special_tokens)
+            return list(reply.token_ids)
+        finally:
+            await client.close()
+
+    plain = asyncio.run(render(False))
+    assert plain[0] != 0 and asyncio.run(render(True)) == [0, *plain]
 
 
 def test_tools_and_tool_call_arguments_render_as_the_client_wrote_them(

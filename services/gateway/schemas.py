@@ -207,6 +207,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the tokenizer's special tokens (BOS) on top of the template's; off, as in vLLM.
+    add_special_tokens: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -272,6 +274,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: text prompts get the tokenizer's special tokens (BOS), unless turned off.
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod

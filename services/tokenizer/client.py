@@ -47,12 +47,13 @@ class TokenizerClient:
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           template_kwargs: dict[str, Any], *, add_generation_prompt: bool,
-                          continue_final_message: bool) -> pb.RenderChatResponse:
+                          continue_final_message: bool,
+                          add_special_tokens: bool = False) -> pb.RenderChatResponse:
         request = pb.RenderChatRequest(
             messages_json=_json(messages), tools_json=_json(tools) if tools else "",
             template_kwargs_json=_json(template_kwargs) if template_kwargs else "",
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message, add_special_tokens=add_special_tokens)
         return await self._call(self.stub.RenderChat, request)
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

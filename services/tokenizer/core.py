@@ -60,12 +60,14 @@ class TokenizerCore:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     template_kwargs: dict[str, Any], *, add_generation_prompt: bool,
-                    continue_final_message: bool) -> tuple[str, list[int]]:
+                    continue_final_message: bool,
+                    add_special_tokens: bool = False) -> tuple[str, list[int]]:
         prompt = self.renderer.render(messages, tools, template_kwargs,
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message)
-        # The rendered prompt already carries BOS and every special token it needs.
-        return prompt, self.encode(prompt, add_special_tokens=False)
+        # The rendered prompt already carries BOS and every special token it needs, unless the
+        # caller asks for the tokenizer's own on top (vLLM's chat `add_special_tokens`).
+        return prompt, self.encode(prompt, add_special_tokens=add_special_tokens)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         # `encode_batch` of one text costs what `encode` does, and it lets go of the GIL: the

@@ -33,7 +33,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             prompt, token_ids = await asyncio.to_thread(
                 self.core.render_chat, messages, tools, template_kwargs,
                 add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message)
+                continue_final_message=request.continue_final_message,
+                add_special_tokens=request.add_special_tokens)
         except ChatRenderError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.RenderChatResponse(token_ids=token_ids, prompt=prompt)

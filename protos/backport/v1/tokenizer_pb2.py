@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61\x63kport/v1/tokenizer.proto\x12\x0b\x62\x61\x63kport.v1\"\xcf\x01\n\x11RenderChatRequest\x12\x15\n\rmessages_json\x18\x06 \x01(\t\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x08 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x08messagesR\x05toolsR\x0ftemplate_kwargs\"7\n\x12RenderChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13\x44\x65\x63odeTokensRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"K\n\x1c\x44\x65\x63odeTokensInContextRequest\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.backport.v1.TokenInContext\"=\n\x0eTokenInContext\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x02 \x03(\r\"3\n\x14\x44\x65\x63odeTokensResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0c\n\x04utf8\x18\x02 \x03(\x0c\"C\n\x11\x44\x65tokenizeRequest\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x19\n\x17GetTokenizerInfoRequest\"\x8e\x01\n\rTokenizerInfo\x12\x11\n\ttokenizer\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x63hat_format\x18\x05 \x01(\tB\x0f\n\r_bos_token_id2\xc5\x04\n\tTokenizer\x12M\n\nRenderChat\x12\x1e.backport.v1.RenderChatRequest\x1a\x1f.backport.v1.RenderChatResponse\x12\x41\n\x06\x45ncode\x12\x1a.backport.v1.EncodeRequest\x1a\x1b.backport.v1.EncodeResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.backport.v1.DecodeRequest\x1a\x1b.backport.v1.DecodeResponse\x12S\n\x0c\x44\x65\x63odeTokens\x12 .backport.v1.DecodeTokensRequest\x1a!.backport.v1.DecodeTokensResponse\x12\x65\n\x15\x44\x65\x63odeTokensInContext\x12).backport.v1.DecodeTokensInContextRequest\x1a!.backport.v1.DecodeTokensResponse\x12Q\n\nDetokenize\x12\x1e.backport.v1.DetokenizeRequest\x1a\x1f.backport.v1.DetokenizeResponse(\x01\x30\x01\x12T\n\x10GetTokenizerInfo\x12$.backport.v1.GetTokenizerInfoRequest\x1a\x1a.backport.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61\x63kport/v1/tokenizer.proto\x12\x0b\x62\x61\x63kport.v1\"\xeb\x01\n\x11RenderChatRequest\x12\x15\n\rmessages_json\x18\x06 \x01(\t\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x08 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x08messagesR\x05toolsR\x0ftemplate_kwargs\"7\n\x12RenderChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13\x44\x65\x63odeTokensRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"K\n\x1c\x44\x65\x63odeTokensInContextRequest\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.backport.v1.TokenInContext\"=\n\x0eTokenInContext\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x02 \x03(\r\"3\n\x14\x44\x65\x63odeTokensResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0c\n\x04utf8\x18\x02 \x03(\x0c\"C\n\x11\x44\x65tokenizeRequest\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x19\n\x17GetTokenizerInfoRequest\"\x8e\x01\n\rTokenizerInfo\x12\x11\n\ttokenizer\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x63hat_format\x18\x05 \x01(\tB\x0f\n\r_bos_token_id2\xc5\x04\n\tTokenizer\x12M\n\nRenderChat\x12\x1e.backport.v1.RenderChatRequest\x1a\x1f.backport.v1.RenderChatResponse\x12\x41\n\x06\x45ncode\x12\x1a.backport.v1.EncodeRequest\x1a\x1b.backport.v1.EncodeResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.backport.v1.DecodeRequest\x1a\x1b.backport.v1.DecodeResponse\x12S\n\x0c\x44\x65\x63odeTokens\x12 .backport.v1.DecodeTokensRequest\x1a!.backport.v1.DecodeTokensResponse\x12\x65\n\x15\x44\x65\x63odeTokensInContext\x12).backport.v1.DecodeTokensInContextRequest\x1a!.backport.v1.DecodeTokensResponse\x12Q\n\nDetokenize\x12\x1e.backport.v1.DetokenizeRequest\x1a\x1f.backport.v1.DetokenizeResponse(\x01\x30\x01\x12T\n\x10GetTokenizerInfo\x12$.backport.v1.GetTokenizerInfoRequest\x1a\x1a.backport.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'backport.v1.tokenizer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RENDERCHATREQUEST']._serialized_start=45
-  _globals['_RENDERCHATREQUEST']._serialized_end=252
-  _globals['_RENDERCHATRESPONSE']._serialized_start=254
-  _globals['_RENDERCHATRESPONSE']._serialized_end=309
-  _globals['_ENCODEREQUEST']._serialized_start=311
-  _globals['_ENCODEREQUEST']._serialized_end=368
-  _globals['_ENCODERESPONSE']._serialized_start=370
-  _globals['_ENCODERESPONSE']._serialized_end=405
-  _globals['_DECODEREQUEST']._serialized_start=407
-  _globals['_DECODEREQUEST']._serialized_end=470
-  _globals['_DECODERESPONSE']._serialized_start=472
-  _globals['_DECODERESPONSE']._serialized_end=502
-  _globals['_DECODETOKENSREQUEST']._serialized_start=504
-  _globals['_DECODETOKENSREQUEST']._serialized_end=544
-  _globals['_DECODETOKENSINCONTEXTREQUEST']._serialized_start=546
-  _globals['_DECODETOKENSINCONTEXTREQUEST']._serialized_end=621
-  _globals['_TOKENINCONTEXT']._serialized_start=623
-  _globals['_TOKENINCONTEXT']._serialized_end=684
-  _globals['_DECODETOKENSRESPONSE']._serialized_start=686
-  _globals['_DECODETOKENSRESPONSE']._serialized_end=737
-  _globals['_DETOKENIZEREQUEST']._serialized_start=739
-  _globals['_DETOKENIZEREQUEST']._serialized_end=806
-  _globals['_DETOKENIZERESPONSE']._serialized_start=808
-  _globals['_DETOKENIZERESPONSE']._serialized_end=842
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=844
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=869
-  _globals['_TOKENIZERINFO']._serialized_start=872
-  _globals['_TOKENIZERINFO']._serialized_end=1014
-  _globals['_TOKENIZER']._serialized_start=1017
-  _globals['_TOKENIZER']._serialized_end=1598
+  _globals['_RENDERCHATREQUEST']._serialized_end=280
+  _globals['_RENDERCHATRESPONSE']._serialized_start=282
+  _globals['_RENDERCHATRESPONSE']._serialized_end=337
+  _globals['_ENCODEREQUEST']._serialized_start=339
+  _globals['_ENCODEREQUEST']._serialized_end=396
+  _globals['_ENCODERESPONSE']._serialized_start=398
+  _globals['_ENCODERESPONSE']._serialized_end=433
+  _globals['_DECODEREQUEST']._serialized_start=435
+  _globals['_DECODEREQUEST']._serialized_end=498
+  _globals['_DECODERESPONSE']._serialized_start=500
+  _globals['_DECODERESPONSE']._serialized_end=530
+  _globals['_DECODETOKENSREQUEST']._serialized_start=532
+  _globals['_DECODETOKENSREQUEST']._serialized_end=572
+  _globals['_DECODETOKENSINCONTEXTREQUEST']._serialized_start=574
+  _globals['_DECODETOKENSINCONTEXTREQUEST']._serialized_end=649
+  _globals['_TOKENINCONTEXT']._serialized_start=651
+  _globals['_TOKENINCONTEXT']._serialized_end=712
+  _globals['_DECODETOKENSRESPONSE']._serialized_start=714
+  _globals['_DECODETOKENSRESPONSE']._serialized_end=765
+  _globals['_DETOKENIZEREQUEST']._serialized_start=767
+  _globals['_DETOKENIZEREQUEST']._serialized_end=834
+  _globals['_DETOKENIZERESPONSE']._serialized_start=836
+  _globals['_DETOKENIZERESPONSE']._serialized_end=870
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=872
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=897
+  _globals['_TOKENIZERINFO']._serialized_start=900
+  _globals['_TOKENIZERINFO']._serialized_end=1042
+  _globals['_TOKENIZER']._serialized_start=1045
+  _globals['_TOKENIZER']._serialized_end=1626
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("messages_json", "tools_json", "template_kwargs_json", "add_generation_prompt", "continue_final_message")
+    __slots__ = ("messages_json", "tools_json", "template_kwargs_json", "add_generation_prompt", "continue_final_message", "add_special_tokens")
     MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     messages_json: str
     tools_json: str
     template_kwargs_json: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    add_special_tokens: bool
+    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("token_ids", "prompt")

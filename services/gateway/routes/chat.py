@@ -92,7 +92,8 @@ async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: 
         rendered = await backend.tokenizer.render_chat(
             body.messages, body.tools, template_kwargs,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message)
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens)
     except grpc.aio.AioRpcError as error:
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             details = error.details() or "invalid messages"

@@ -26,7 +26,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     model = check_model(backend, body.model)
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    prompts = await _prompt_token_ids(backend, body.prompt)
+    prompts = await _prompt_token_ids(backend, body.prompt, body.add_special_tokens)
     check_token_ids(model, body, prompts)
     constraint = output_constraint(body)
     completion_id = new_id("cmpl")
@@ -71,13 +71,14 @@ async def _echoes(backend: GatewayBackend, prompt: str | list[str] | list[int] |
 
 
 async def _prompt_token_ids(backend: GatewayBackend,
-                            prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+                            prompt: str | list[str] | list[int] | list[list[int]],
+                            add_special_tokens: bool) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [await backend.tokenizer.encode(prompt, add_special_tokens=True)]
+        return [await backend.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [await backend.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-            for p in prompt]  # type: ignore[union-attr]
+    return [await backend.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+            if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
 
 
 class _Completion:

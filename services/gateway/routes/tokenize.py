@@ -54,6 +54,7 @@ class TokenizeChatRequest(_TokenizeFields):
     reasoning_effort: RequestedEffort | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes them
 
 
 TokenizeRequest = Annotated[
