@@ -23,7 +23,7 @@ from functools import cache
 
 import torch
 
-from services.ple_offload.errors import PleError
+from services.ple_offload.errors import PleError, RowIdError
 from services.ple_offload.segment_layout import DATA_OFFSET_BYTES
 from services.ple_offload.table_reader import SharedTableReader
 
@@ -117,6 +117,9 @@ class CudaHostTable:
         if row_ids.device != self.device:
             raise ValueError(f"row ids on {row_ids.device}, the table is registered for {self.device}")
         flat = row_ids.reshape(-1)
+        if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
+            # As on the host path: a cast would turn 1.7 into row 1 without a word.
+            raise RowIdError(f"row ids must be integers, got {flat.dtype}")
         if flat.dtype not in (torch.int64, torch.int32):
             flat = flat.long()
         start = max(valid_start, 0)

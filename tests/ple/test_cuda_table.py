@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.ple_offload.client import PleTableClient
-from services.ple_offload.errors import TableUnavailableError
+from services.ple_offload.errors import RowIdError, TableUnavailableError
 from services.ple_offload.segment_layout import DATA_OFFSET_BYTES
 from tests.ple.service_process import ServiceProcess
 from tests.ple.table_files import TableFile
@@ -76,6 +76,9 @@ def test_gpu_gather_equals_the_file(served_table: tuple[TableFile, ServiceProces
         expected = table.rows[ids]
         expected[(ids < start) | (ids >= end)] = 0
         assert np.array_equal(got.cpu().numpy(), expected)
+        # Float ids are refused, as on the host path, not cast to the row below them.
+        with pytest.raises(RowIdError, match="integers"):
+            client.gather_cuda(torch.tensor([[1.7]], device=device))
     finally:
         client.close()
     assert not host_registered(address, device), "close() must unregister the mapping"
