@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ CONNECTOR_TRANSFER_MODES: dict[TransferMode, str] = {
     TransferMode.SHM: "lmcache_driven",
 }
 KV_EVENTS_TOPIC = "kv-events"
+# ZMQ's limit on an ipc:// path: sizeof(sockaddr_un.sun_path) - 1.
+IPC_PATH_MAX_BYTES = 107
+_HOSTNAME = re.compile(r"[A-Za-z0-9_.-]+")
 # LMCache's connector waits 300 s by default for the service at engine start; a missing
 # service should fail the engine's start sooner than that.
 SERVICE_TIMEOUT_S = 60.0
@@ -101,13 +105,8 @@ def engine_kv_args(model_path: str, kv_service: str | None, transfer_mode: str,
     """
     args: dict[str, Any] = {}
     if kv_service is not None:
-        mode = _parse_transfer_mode(transfer_mode)
-        host, port = _split_address(kv_service)
-        if mode is TransferMode.SHM and not _is_loopback(host):
-            raise KvTransferConfigError(
-                f"transfer mode 'shm' shares the engine's KV memory through /dev/shm, which "
-                f"only a server on this host can map; {kv_service} is not a loopback "
-                f"address. Use transfer mode 'zmq' for a remote KV service.")
+        mode = check_kv_service(kv_service, transfer_mode)
+        host, port = split_kv_service_address(kv_service)
         choose_chunk_size(model_path, chunk_size, block_size_tokens)
         args["kv_transfer_config"] = {
             "kv_connector": LMCACHE_CONNECTOR,
@@ -121,6 +120,7 @@ def engine_kv_args(model_path: str, kv_service: str | None, transfer_mode: str,
             },
         }
     if kv_events_endpoint is not None:
+        check_kv_events_endpoint(kv_events_endpoint)
         args["kv_events_config"] = {
             "enable_kv_cache_events": True, "publisher": "zmq",
             "endpoint": kv_events_endpoint, "topic": KV_EVENTS_TOPIC,
@@ -128,7 +128,19 @@ def engine_kv_args(model_path: str, kv_service: str | None, transfer_mode: str,
     return args
 
 
-def _parse_transfer_mode(value: str) -> TransferMode:
+def check_kv_service(kv_service: str, transfer_mode: str) -> TransferMode:
+    """The transfer mode, once it and the service's address are known to work together."""
+    mode = parse_transfer_mode(transfer_mode)
+    host, _port = split_kv_service_address(kv_service)
+    if mode is TransferMode.SHM and not _is_loopback(host):
+        raise KvTransferConfigError(
+            f"transfer mode 'shm' shares the engine's KV memory through /dev/shm, which "
+            f"only a server on this host can map; {kv_service} is not a loopback "
+            f"address. Use transfer mode 'zmq' for a remote KV service.")
+    return mode
+
+
+def parse_transfer_mode(value: str) -> TransferMode:
     try:
         return TransferMode(value)
     except ValueError:
@@ -136,11 +148,55 @@ def _parse_transfer_mode(value: str) -> TransferMode:
         raise KvTransferConfigError(f"unknown KV transfer mode {value!r}; one of: {choices}") from None
 
 
-def _split_address(address: str) -> tuple[str, int]:
+def split_kv_service_address(address: str) -> tuple[str, int]:
+    """(host, port) of the KV service's `host:port`, as LMCache's connector can reach it."""
     host, sep, port = address.removeprefix("tcp://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise KvTransferConfigError(f"KV service address must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
+    if _is_ipv6(host.removeprefix("[").removesuffix("]")):
+        # LMCache's ZMQ client never sets ZMQ_IPV6, so it waits out its timeout on any IPv6 peer.
+        raise KvTransferConfigError(
+            f"KV service address {address!r} is IPv6, which LMCache's client cannot reach; "
+            f"use an IPv4 address or a host name")
+    if not _HOSTNAME.fullmatch(host):
+        raise KvTransferConfigError(f"KV service address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+def check_kv_events_endpoint(endpoint: str) -> None:
+    """Refuses an endpoint vLLM's publisher cannot bind, or binds where nobody can find it."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme == "ipc" and rest:
+        if len(rest.encode()) > IPC_PATH_MAX_BYTES:
+            raise KvTransferConfigError(
+                f"KV events endpoint {endpoint!r}: an ipc path may have at most "
+                f"{IPC_PATH_MAX_BYTES} bytes (a socket address's limit)")
+        if not Path(rest).parent.is_dir():
+            raise KvTransferConfigError(
+                f"KV events endpoint {endpoint!r}: no folder {str(Path(rest).parent)!r} to hold "
+                f"its socket file")
+        return
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or not host:
+        raise KvTransferConfigError(
+            f"KV events endpoint must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+    # Port 0 makes vLLM bind a port of its choosing, which it tells no subscriber; ZMQ itself
+    # turns a port past 65535 into a random one.
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise KvTransferConfigError(
+            f"KV events endpoint {endpoint!r} needs a port from 1 to 65535")
+    if _is_ipv6(host.removeprefix("[").removesuffix("]")):
+        # vLLM's publisher sets ZMQ_IPV6 only for tcp://*:0, so its bind or connect fails.
+        raise KvTransferConfigError(
+            f"KV events endpoint {endpoint!r} is IPv6, which vLLM's publisher cannot use; "
+            f"use tcp://*:PORT or ipc://PATH")
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,6 +1,15 @@
-from pydantic import Field
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.engine.kv_transfer import (
+    check_kv_events_endpoint,
+    check_kv_service,
+    choose_chunk_size,
+    parse_transfer_mode,
+    split_kv_service_address,
+)
 from services.mesh.settings import ServiceSettings
 
 
@@ -38,3 +47,37 @@ class EngineSettings(ServiceSettings):
                                                           "renewed every third of it")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="Prometheus /metrics HTTP port (off when unset)")
+
+    # The KV settings are checked here, not first at engine start: a bad value then stops the
+    # command with one line naming its flag, not a traceback from inside vLLM's startup.
+    @field_validator("kv_service")
+    @classmethod
+    def _kv_service_is_host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_kv_service_address(value)
+        return value
+
+    @field_validator("kv_transfer_mode")
+    @classmethod
+    def _kv_transfer_mode_is_known(cls, value: str) -> str:
+        parse_transfer_mode(value)
+        return value
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _kv_events_endpoint_is_reachable(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_kv_events_endpoint(value)
+        return value
+
+    @model_validator(mode="after")
+    def _kv_transfer_fits_the_model(self) -> Self:
+        if self.kv_service is None:
+            ignored = {"kv_transfer_mode", "kv_chunk_size_tokens"} & self.model_fields_set
+            if ignored:
+                flags = " and ".join("--" + name.replace("_", "-") for name in sorted(ignored))
+                raise ValueError(f"{flags}: KV cache service settings, used only with --kv-service")
+            return self
+        check_kv_service(self.kv_service, self.kv_transfer_mode)
+        choose_chunk_size(self.model, self.kv_chunk_size_tokens)
+        return self

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from services.engine.kv_transfer import (
     engine_kv_args,
     kv_block_rule,
 )
+from tests.conftest import REPO_ROOT
 
 
 def model_folder(tmp_path: Path, **config: object) -> str:
@@ -74,6 +78,9 @@ def test_no_service_means_no_connector(tmp_path: Path) -> None:
     ("10.1.2.3:5555", "shm", None, "only a server on this host"),
     ("127.0.0.1:5555", "rdma", None, "unknown KV transfer mode"),
     ("127.0.0.1", "zmq", None, "host:port"),
+    ("[::1]:5555", "zmq", None, "IPv6, which LMCache's client cannot reach"),
+    ("::1:5555", "zmq", None, "IPv6"),
+    ("ipc:///tmp/kv:5555", "zmq", None, "host:port"),
     ("127.0.0.1:5555", "zmq", 1000, "multiples of its 1152-token KV block"),
 ])
 def test_refused_combinations_say_why(tmp_path: Path, service: str, mode: str,
@@ -86,3 +93,42 @@ def test_refused_combinations_say_why(tmp_path: Path, service: str, mode: str,
 def test_missing_model_config_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(KvTransferConfigError, match="no config.json"):
         choose_chunk_size(str(tmp_path))
+
+
+@pytest.mark.parametrize(("endpoint", "error"), [
+    ("tcp://*:0", "port from 1 to 65535"),  # vLLM would bind a port nobody is told
+    ("tcp://*:99999", "port from 1 to 65535"),  # ZMQ would bind a random port
+    ("tcp://*:abc", "port from 1 to 65535"),
+    ("*:5557", "tcp://HOST:PORT or ipc://PATH"),
+    ("tcp://[::]:5557", "IPv6, which vLLM's publisher cannot use"),
+    ("ipc://", "tcp://HOST:PORT or ipc://PATH"),
+    ("ipc:///tmp/" + "k" * 120, "at most 107 bytes"),
+    ("ipc:///nonexistent-folder/kv-events", "no folder '/nonexistent-folder'"),
+])
+def test_refused_kv_events_endpoints_say_why(tmp_path: Path, endpoint: str, error: str) -> None:
+    model = model_folder(tmp_path, model_type="llama")
+    with pytest.raises(KvTransferConfigError, match=error):
+        engine_kv_args(model, None, "zmq", None, endpoint)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--kv-service", "127.0.0.1:5555", "--kv-transfer-mode", "rdma"],
+     "--kv-transfer-mode='rdma': Value error, unknown KV transfer mode"),
+    (["--kv-service", "127.0.0.1"], "--kv-service='127.0.0.1'"),
+    (["--kv-service", "[::1]:5555"], "--kv-service='[::1]:5555'"),
+    (["--kv-events-endpoint", "tcp://*:0"], "--kv-events-endpoint='tcp://*:0'"),
+    (["--kv-service", "10.1.2.3:5555", "--kv-transfer-mode", "shm"], "only a server on this host"),
+    (["--kv-service", "127.0.0.1:5555", "--kv-chunk-size-tokens", "1000"],
+     "multiples of its 1152-token KV block"),
+    (["--kv-chunk-size-tokens", "1152"], "--kv-chunk-size-tokens: KV cache service settings"),
+])
+def test_engine_cli_names_a_bad_kv_setting_without_a_traceback(tmp_path: Path, args: list[str],
+                                                               named: str) -> None:
+    model = model_folder(tmp_path, model_type="glm5_next")
+    finished = subprocess.run(
+        [sys.executable, "-m", "services.cli", "engine", "--model", model, "--port", "0", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BACKPORT_ENGINE_")})
+    assert finished.returncode == 2, finished.stderr
+    assert "Traceback" not in finished.stderr
+    assert named in finished.stderr.splitlines()[-1]
