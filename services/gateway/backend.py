@@ -91,10 +91,19 @@ class GatewayBackend:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while time.monotonic() < deadline:
             for engine in list(self.pool.engines.values()):
+                if self.pool.engines.get(engine.address) is not engine:
+                    continue  # left the registry during an earlier call; its channel is closed
                 try:
                     return await engine.client.model_info(timeout_s=MODEL_INFO_TIMEOUT_S)
                 except grpc.aio.AioRpcError as error:
                     logger.info("waiting for engine %s: %s", engine.address, error.code().name)
+                except asyncio.CancelledError:
+                    # The pool closed the channel under the call (the engine left the
+                    # registry); only a cancellation of this task itself ends the wait.
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise
+                    logger.info("waiting for engines: %s left the registry", engine.address)
             await asyncio.sleep(ENGINE_WAIT_POLL_S)
         raise TimeoutError(f"no engine answered within {CONNECT_TIMEOUT_S} s")
 

@@ -53,14 +53,18 @@ class EngineRoute:
         tried: set[str] = set()
         last_failure = "no engine is available"
         for attempt in range(self.settings.max_attempts):
-            # Chosen before the backoff: with no engine left the answer is a 503 now, and
-            # only a call that is sent again counts as a retry.
+            if attempt:
+                # With no engine left the answer is a 503 now, not after the backoff.
+                if not self._candidates(tried):
+                    break
+                await asyncio.sleep(self.settings.retry_backoff_s * 2 ** (attempt - 1))
+            # Chosen after the backoff: the pool may have moved on during it (an engine left
+            # and had its channel closed, or turned not serving).
             engine = self._choose(request, tried)
             if engine is None:
                 break
             if attempt:
-                self.metrics.retries.inc()
-                await asyncio.sleep(self.settings.retry_backoff_s * 2 ** (attempt - 1))
+                self.metrics.retries.inc()  # only a call that is sent again counts
             tried.add(engine.address)
             self.engine = engine
             opened, failure = await self._try(engine, request)
@@ -80,12 +84,16 @@ class EngineRoute:
         if self.engine is not None:
             self.engine.breaker.record_failure()
 
-    def _choose(self, request: pb.GenerateRequest, tried: set[str]) -> EngineState | None:
+    def _candidates(self, tried: set[str]) -> list[EngineState]:
         engines = [e for e in self.pool.routable() if e.address not in tried]
         if not engines:
             # Health is sampled; an engine not yet seen failing is still worth one try.
             engines = [e for e in self.pool.engines.values()
                        if e.address not in tried and not e.breaker.is_open]
+        return engines
+
+    def _choose(self, request: pb.GenerateRequest, tried: set[str]) -> EngineState | None:
+        engines = self._candidates(tried)
         if not engines:
             return None
         by_address = {e.address: e for e in engines}

@@ -72,16 +72,21 @@ class EnginePool:
         engine.num_in_flight -= 1
 
     def sync_registry(self, records: list[EngineRecord], now: float | None = None) -> None:
-        """Adds registered engines; an engine leaves once its record has been gone a whole
-        TTL, so a Redis restart (records briefly missing) moves nothing."""
+        """Adds registered engines of the model; an engine leaves once its record has been gone
+        a whole TTL, so a Redis restart (records briefly missing) moves nothing, and at once
+        when its record names another model."""
         now = time.monotonic() if now is None else now
+        # Admitted before the gateway knew its model, or restarted with another one.
+        other_model: set[str] = set()
         for record in records:
             if self.model_name is not None and record.model != self.model_name:
+                other_model.add(record.address)
                 continue
             engine = self.add(record.address, is_static=False)
             engine.last_seen, engine.ttl_s = now, record.ttl_s
         for engine in list(self.engines.values()):
-            if not engine.is_static and now - engine.last_seen > engine.ttl_s:
+            if not engine.is_static and (engine.address in other_model
+                                         or now - engine.last_seen > engine.ttl_s):
                 logger.info("engine %s left the registry", engine.address)
                 del self.engines[engine.address]
                 self._retired.append(engine)

@@ -162,3 +162,37 @@ def test_retries_count_calls_sent_again_and_no_engine_left_is_a_503_at_once() ->
     num_retries, elapsed_s = asyncio.run(route_to_refusing_engines())
     assert num_retries == 1
     assert elapsed_s < 2 * settings.retry_backoff_s, f"the 503 took {elapsed_s:.1f} s"
+
+
+@needs_redis
+def test_an_engine_leaving_the_registry_during_the_retry_backoff_is_not_called(
+        redis_server: RedisServer) -> None:
+    """The first engine refuses; the second, chosen for the retry, leaves the registry while
+    the backoff runs and the pool closes its channel. The request must end in a 503 (no engine
+    left), not in a call on the closed channel (a 500)."""
+    settings = GatewaySettings(routing_policy="round_robin", max_attempts=3, retry_backoff_s=3.0)
+    refusing, leaving = sorted(f"127.0.0.1:{free_port()}" for _ in range(2))  # refusing first
+    record_ttl_s = 1.0
+    record = EngineRecord(leaving, "m", 64, ttl_s=record_ttl_s)
+    _register(redis_server, record.key, record.encode(), record_ttl_s)
+
+    async def route_while_the_engine_leaves() -> None:
+        pool = EnginePool(settings)
+        pool.add(refusing, is_static=True)
+        watcher = RegistryWatcher(redis_server.url, pool, GatewayMetrics(), poll_s=0.05)
+        await watcher.refresh()
+        assert sorted(pool.engines) == [refusing, leaving]
+        watching = asyncio.create_task(watcher.run())
+        route = EngineRoute(pool, Router(settings.routing_policy, block_tokens=16,
+                                         affinity_max_tokens=256, load_bound=1.25),
+                            GatewayMetrics(), settings, session_key=None)
+        try:
+            with pytest.raises(ServiceUnavailableError):
+                await route.open(pb.GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3]))
+            assert leaving not in pool.engines
+        finally:
+            watching.cancel()
+            await watcher.close()
+            await pool.close()
+
+    asyncio.run(route_while_the_engine_leaves())

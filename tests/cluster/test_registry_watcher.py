@@ -65,3 +65,37 @@ def test_an_outage_longer_than_a_ttl_keeps_engines_until_the_registry_was_seen_e
     assert views[0] == ["127.0.0.1:1"]
     assert views[1] == ["127.0.0.1:1"], "a Redis back from an outage dropped a serving engine"
     assert views[2] == [], "an engine whose record stays missing a whole TTL must leave"
+
+
+def test_an_engine_of_another_model_seen_before_the_model_was_known_leaves_at_the_next_read(
+    tmp_path: Path,
+) -> None:
+    """Before it knows its model the gateway admits every record; once it does, an engine
+    serving another model (a second mesh on the same Redis) must stop being routable now,
+    not a whole TTL after it was last seen (its record stays there, renewed)."""
+    server = RedisServer(free_port(), tmp_path / "redis.log")
+    server.start()
+    ours, theirs = (EngineRecord("127.0.0.1:1", "m", 64, 30.0),
+                    EngineRecord("127.0.0.1:2", "other", 64, 30.0))
+
+    async def watch() -> tuple[list[str], list[str]]:
+        pool = EnginePool(GatewaySettings())
+        watcher = RegistryWatcher(server.url, pool, GatewayMetrics(), poll_s=0.1)
+        try:
+            for record in (ours, theirs):
+                _register(server, record)
+            await watcher.refresh()
+            before = sorted(pool.engines)
+            pool.model_name = "m"
+            await watcher.refresh()
+            return before, sorted(e.address for e in pool.routable())
+        finally:
+            await watcher.close()
+            await pool.close()
+
+    try:
+        before, routable = asyncio.run(watch())
+    finally:
+        server.stop()
+    assert before == [ours.address, theirs.address]
+    assert routable == [ours.address], "an engine of another model stayed routable"
