@@ -195,3 +195,31 @@ def test_concurrent_first_requests_agree_in_redis(redis_url: str) -> None:
 
     winners = asyncio.run(scenario())
     assert len(set(winners)) == 1
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
+def test_requests_are_served_at_their_own_effort_while_redis_is_away(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer(free_port(), tmp_path / "redis.log")
+    server.start()
+
+    async def scenario() -> list[Effort]:
+        store = RedisSessionEffortStore.from_url(server.url)
+        try:
+            opened = await store.remember_first("agent-2", MAX)
+            server.stop()
+            during = [await store.remember_first("agent-2", LOW),
+                      await store.remember_first("agent-2", DEFAULT_EFFORT)]
+            server.start()  # back, and sticky again
+            after = [await store.remember_first("agent-3", LOW),
+                     await store.remember_first("agent-3", MAX)]
+            return [opened, *during, *after]
+        finally:
+            await store.aclose()
+
+    try:
+        efforts = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert efforts == [MAX, LOW, DEFAULT_EFFORT, LOW, LOW]
+    assert "session effort store unavailable" in caplog.text

@@ -16,14 +16,19 @@ effort of the session's first request. Pure Python: the gateway imports it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from redis.exceptions import RedisError
+
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+
+logger = logging.getLogger(__name__)
 
 EffortLevel = Literal["low", "high", "max"]
 # What a request's `reasoning_effort` (chat) or `reasoning.effort` (Responses) may be: OpenAI's
@@ -227,7 +232,10 @@ class RedisSessionEffortStore:
         """Connects lazily (on first use) to the Redis at `url`, e.g. `redis://host:6379/0`."""
         from redis.asyncio import Redis
 
-        return cls(Redis.from_url(url), ttl_s=ttl_s)
+        # Timeouts as the engine registry's: a Redis that stopped answering costs a request
+        # two seconds, not its whole deadline.
+        return cls(Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0),
+                   ttl_s=ttl_s)
 
     @classmethod
     def redis_key(cls, session_key: str) -> str:
@@ -235,16 +243,23 @@ class RedisSessionEffortStore:
 
     async def remember_first(self, session_key: str, effort: Effort) -> Effort:
         key = self.redis_key(session_key)
-        # One MULTI/EXEC: concurrent first requests of a session agree on a single winner.
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(key, effort.encode(), nx=True, ex=self._ttl_s)
-            pipe.getex(key, ex=self._ttl_s)
-            _, held = await pipe.execute()
         try:
-            return Effort.decode(held) if held is not None else effort
-        except ValueError:
-            # Not ours to trust (written by something else): start the session afresh.
-            await self._redis.set(key, effort.encode(), ex=self._ttl_s)
+            # One MULTI/EXEC: concurrent first requests of a session agree on a single winner.
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, effort.encode(), nx=True, ex=self._ttl_s)
+                pipe.getex(key, ex=self._ttl_s)
+                _, held = await pipe.execute()
+            try:
+                return Effort.decode(held) if held is not None else effort
+            except ValueError:
+                # Not ours to trust (written by something else): start the session afresh.
+                await self._redis.set(key, effort.encode(), ex=self._ttl_s)
+                return effort
+        except RedisError as error:
+            # Serving the request at its own (or the default) effort beats failing it while
+            # Redis is away; routing rides out the same outage (docs/routing.md).
+            logger.warning("session effort store unavailable (%s); serving %s without it",
+                           error, effort.encode())
             return effort
 
     async def aclose(self) -> None:
