@@ -32,16 +32,20 @@ def main(argv: list[str] | None = None) -> int:
                                                               "assistant message (JSON)"))
     args = parser.parse_args(argv)
 
-    if args.command == "model-path":
-        from services.embedded_model import ensure_embedded_model
-        print(ensure_embedded_model())
-        return 0
     if args.command == "parse":
         return parse_cli.run(args)
-    settings_type, _, run = _services()[args.command]
-    _default_to_embedded_model(args, settings_type)
-    configure_logging(args.command)
     try:
+        if args.command == "model-path":
+            from services.embedded_model import ensure_embedded_model
+            print(ensure_embedded_model())
+            return 0
+        settings_type, _, run = _services()[args.command]
+        _default_to_embedded_model(args, settings_type)
+    except ServiceStartError as error:
+        print(f"backport {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        configure_logging(args.command)
         settings = settings_type.from_namespace(args)
     except SettingsError as error:
         # argparse's own status and shape for a bad option, without a traceback.

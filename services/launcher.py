@@ -33,6 +33,7 @@ from services.ple_offload.model_table import ple_table_for_model
 
 logger = logging.getLogger(__name__)
 
+# How long a stopping tier may take beyond the drain it is given (vLLM's own shutdown).
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
@@ -42,6 +43,7 @@ GATEWAY_SERVICE = "gateway"
 # behind it, the KV and PLE services last, once no engine uses them (the KV service frees
 # every engine's segment; engines would wait for a stopped PLE service to come back).
 NUM_STOP_TIERS = 3
+MAX_PORT = 65535
 # Hands a started service the fd of its lifeline: the read end of a pipe whose write ends only
 # the launcher and the services stopped before it hold. It reads end-of-file once they are all
 # gone, however the launcher went (SIGKILL and the OOM killer included).
@@ -58,23 +60,27 @@ class UpSettings(ServiceSettings):
     model: str = Field(description="local HF model folder (default: the embedded SmolLM2-135M)")
     served_model_name: str | None = Field(None, description="model name for clients")
     host: str = Field("127.0.0.1", description="gateway HTTP address")
-    port: int = Field(8000, description="gateway HTTP port")
-    tokenizer_port: int = Field(50052, description="tokenizer gRPC port")
-    engine_port: int = Field(50051, description="first engine's gRPC port; more engines count up "
-                                                "(past the mesh's other ports)")
+    port: int = Field(8000, ge=1, le=65535, description="gateway HTTP port")
+    tokenizer_port: int = Field(50052, ge=1, le=65535, description="tokenizer gRPC port")
+    engine_port: int = Field(50051, ge=1, le=65535,
+                             description="first engine's gRPC port; more engines count up "
+                                         "(past the mesh's other ports)")
     max_model_len: int | None = Field(None, gt=0, description="context length")
     enforce_eager: bool = Field(False, description="engines skip torch.compile (faster start)")
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
     reasoning_parser: str | None = Field(None, description="deepseek_v4 | glm45 | qwen3")
     startup_timeout_s: float = Field(900.0, gt=0, description="how long each service may take to start")
+    drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long the gateway's open "
+                                                           "requests, then the engines', may finish")
     engines: int = Field(1, ge=1, description="how many engines to start on this machine")
     redis_url: str | None = Field(None, description="Redis of the engine registry and sessions; "
                                                     "without it the gateway gets a static engine list")
     routing_policy: str | None = Field(None, description="prefix | session | least_loaded | round_robin")
     kv_cache_memory_gib: float | None = Field(None, gt=0, description="KV cache per engine in GiB")
-    engine_metrics_port: int | None = Field(None, description="first engine's Prometheus port; "
-                                                              "more engines count up (past the "
-                                                              "mesh's other ports)")
+    engine_metrics_port: int | None = Field(None, ge=1, le=65535,
+                                            description="first engine's Prometheus port; more "
+                                                        "engines count up (past the mesh's "
+                                                        "other ports)")
     api_key: list[str] = Field(default_factory=list, description="accepted API key")
     api_keys_file: str | None = Field(None, description="file of accepted API keys, one a line")
     allowed_origin: list[str] = Field(default_factory=list,
@@ -169,6 +175,8 @@ def stop_with_launcher() -> None:
 class Mesh:
     def __init__(self, settings: UpSettings) -> None:
         self.settings = settings
+        # Found before the ports are planned: the PLE service's port is one of the mesh's.
+        self._ple_table = ple_table_for_model(Path(settings.model), settings.ple_table_path)
         self.services: list[ServiceProcess] = []
         # (read end, write end) per stop tier. A service reads its tier's and holds the later
         # tiers' write ends, so with the launcher gone the tiers still stop in order.
@@ -207,6 +215,10 @@ class Mesh:
 
     def start(self) -> None:
         s = self.settings
+        if not Path(s.model).is_dir():
+            # Otherwise the tokenizer's child fails on it, with transformers' traceback about hub ids.
+            raise ServiceStartError(f"--model {s.model}: no such folder; give a local Hugging Face "
+                                    "model folder")
         self._refuse_taken_ports()
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
         engine_addresses = [f"127.0.0.1:{port}" for port in self._engine_ports]
@@ -221,7 +233,7 @@ class Mesh:
             self._wait_grpc(self._engine_name(index), address, ENGINE_GRPC)
         self._engines_served = True
         gateway_args = ["gateway", "--host", s.host, "--port", str(s.port),
-                        "--tokenizer", tokenizer_address]
+                        "--tokenizer", tokenizer_address, "--drain-timeout-s", str(s.drain_timeout_s)]
         if s.redis_url:
             gateway_args += ["--redis-url", s.redis_url]  # engines arrive through the registry
         else:
@@ -249,6 +261,8 @@ class Mesh:
         if s.kv_cache:
             ports += [("--kv-cache-port", "127.0.0.1", s.kv_cache_port),
                       ("--kv-cache-http-port", "127.0.0.1", s.kv_cache_http_port)]
+        if self._ple_table is not None:
+            ports.append(("--ple-port", "127.0.0.1", s.ple_port))
         return ports
 
     def _refuse_taken_ports(self) -> None:
@@ -266,6 +280,9 @@ class Mesh:
                    for port in self._engine_metrics_ports)]
         flag_of_port: dict[int, str] = {}
         for flag, _, port in ports:
+            if port > MAX_PORT:
+                raise ServiceStartError(f"--engines {self.settings.engines} count {flag} past port "
+                                        f"{MAX_PORT}; choose a lower {flag}")
             if port in flag_of_port:
                 raise ServiceStartError(f"port {port} is given to both {flag_of_port[port]} and "
                                         f"{flag}; choose another")
@@ -295,11 +312,9 @@ class Mesh:
         """A Qwen4Exp model's engines read their PLE table from this service, so it serves
         (table loaded and checked) before they start."""
         s = self.settings
-        table = ple_table_for_model(Path(s.model), s.ple_table_path)
+        table = self._ple_table
         if table is None:
             return
-        if not is_port_free("127.0.0.1", s.ple_port):
-            raise ServiceStartError(f"port {s.ple_port} (--ple-port) is already in use")
         address = f"127.0.0.1:{s.ple_port}"
         # A segment name per port, so two meshes on one machine never replace each other's table.
         args = ["ple", "--table-path", str(table.table_path), "--address", address,
@@ -322,7 +337,8 @@ class Mesh:
 
     def _engine_args(self, index: int) -> list[str]:
         s = self.settings
-        args = ["engine", "--model", s.model, "--port", str(self._engine_ports[index])]
+        args = ["engine", "--model", s.model, "--port", str(self._engine_ports[index]),
+                "--drain-timeout-s", str(s.drain_timeout_s)]
         if s.served_model_name:
             args += ["--served-model-name", s.served_model_name]
         if s.max_model_len:
@@ -397,6 +413,11 @@ class Mesh:
         return sum(1 for s in self.services if self._is_engine(s) and s.process.poll() is None)
 
     def request_stop(self, *_: object) -> None:
+        if self._stop_requested:
+            # A second Ctrl-C or SIGTERM: the services' second signal, on which the gateway
+            # stops at once rather than finish its drain.
+            for service in self.services:
+                service.stop()
         self._stop_requested = True
 
     def wait(self) -> None:
@@ -410,7 +431,8 @@ class Mesh:
             group = [s for s in self.services if stop_tier(s.name) == tier]
             for service in group:
                 service.stop()
-            deadline = time.monotonic() + STOP_TIMEOUT_S
+            # The whole drain first: killed sooner, the gateway cuts the streams it is finishing.
+            deadline = time.monotonic() + self.settings.drain_timeout_s + STOP_TIMEOUT_S
             for service in group:
                 service.wait_stopped(deadline)
         if self.settings.kv_events:
@@ -425,7 +447,11 @@ class Mesh:
 
 
 def run_mesh(settings: UpSettings) -> int:
-    mesh = Mesh(settings)
+    try:
+        mesh = Mesh(settings)
+    except TableFileError as error:
+        logger.error("%s", error)
+        return 1
     signal.signal(signal.SIGTERM, mesh.request_stop)
     signal.signal(signal.SIGINT, mesh.request_stop)
     try:

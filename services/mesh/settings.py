@@ -8,12 +8,15 @@ variables, then `--field-name` command-line flags.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import types
 import typing
 from typing import Any, Self
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 
 class SettingsError(ValueError):
@@ -49,6 +52,19 @@ class ServiceSettings(BaseSettings):
         except ValidationError as error:
             problems = [cls._describe_problem(problem, given) for problem in error.errors()]
             raise SettingsError("; ".join(problems)) from None
+        except SourceError as error:
+            # An environment value of a list field that is not JSON; pydantic-settings names
+            # only the field, in its message.
+            field = re.search(r'field "(\w+)"', str(error))
+            if field is None:
+                raise SettingsError(str(error)) from None
+            variable = cls._variable(field.group(1))
+            raise SettingsError(f"{variable}={os.environ.get(variable)!r}: not JSON "
+                                f"({error.__cause__}); a list is written [\"a\", \"b\"]") from None
+
+    @classmethod
+    def _variable(cls, name: str) -> str:
+        return (cls.model_config.get("env_prefix") or "") + name.upper()
 
     @classmethod
     def _describe_problem(cls, problem: Any, given: dict[str, object]) -> str:
@@ -57,7 +73,7 @@ class ServiceSettings(BaseSettings):
             return message  # a check across fields (a model validator)
         name = str(location[0])
         flag = "--" + name.replace("_", "-")
-        variable = (cls.model_config.get("env_prefix") or "") + name.upper()
+        variable = cls._variable(name)
         if problem["type"] == "missing":
             return f"{flag} (or {variable}) is required"
         return f"{flag if name in given else variable}={problem.get('input')!r}: {message}"
