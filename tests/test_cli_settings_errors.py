@@ -34,6 +34,10 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
      "BACKPORT_UP_API_KEY='abc': not JSON"),
     (["-m", "services.cli", "up", "--model", "/nonexistent"], {"BACKPORT_LOG_LEVEL": "verbose"},
      "BACKPORT_LOG_LEVEL='verbose': not a log level"),
+    (["-m", "services.kvcache"], {"BACKPORT_LOG_LEVEL": "verbose"},
+     "BACKPORT_LOG_LEVEL='verbose': not a log level"),
+    (["-m", "services.ple_offload", "--table-path", "/nonexistent"],
+     {"BACKPORT_LOG_LEVEL": "verbose"}, "BACKPORT_LOG_LEVEL='verbose': not a log level"),
     # Port 0 had the gateway listen on a port of the kernel's choosing, and `up` wait for its
     # health on port 0 until --startup-timeout-s.
     (["-m", "services.cli", "up", "--model", "/nonexistent", "--port", "0"], {}, "--port='0'"),

@@ -15,10 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.kvcache", description=__doc__)
     KvCacheSettings.add_arguments(parser)
     try:
+        configure_logging("kvcache")
         settings = KvCacheSettings.from_namespace(parser.parse_args(argv))
     except SettingsError as error:
         parser.error(str(error))  # status 2 and the usage line, as for an unknown flag
-    configure_logging("kvcache")
     return run(settings)
 
 

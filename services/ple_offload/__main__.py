@@ -21,10 +21,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m services.ple_offload", description=__doc__)
     PleSettings.add_arguments(parser)
     try:
+        configure_logging("ple")
         settings = PleSettings.from_namespace(parser.parse_args())
     except SettingsError as error:
         parser.error(str(error))  # status 2 and the usage line, as for an unknown flag
-    configure_logging("ple")
     try:
         asyncio.run(serve(settings))
     except ServiceStartError as error:
