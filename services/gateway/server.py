@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from types import FrameType
@@ -62,6 +63,9 @@ class DrainingServer(uvicorn.Server):
         while self.traffic.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         logger.info("drained; stopping")
+        # uvicorn's graceful shutdown would wait for what is still open as long again: it gets
+        # what is left of the drain (a second when the drain ran out), then cancels it.
+        self.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
         self.should_exit = True
 
 

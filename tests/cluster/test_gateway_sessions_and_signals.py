@@ -133,6 +133,39 @@ def test_a_second_sigterm_stops_a_draining_gateway_at_once(start_gateway: StartG
         pytest.fail("a draining gateway kept running 15 s after a second SIGTERM")
 
 
+def test_a_stream_outlasting_the_drain_is_cut_when_the_drain_ends(start_gateway: StartGateway) -> None:
+    """uvicorn's own graceful shutdown, after the drain, waited for the stream as long again."""
+    drain_s = 4.0
+    gateway = start_gateway("--drain-timeout-s", str(drain_s))
+    first_line = threading.Event()
+    ended_at: list[float] = []
+
+    def stream_past_the_drain() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{gateway.base_url}/completions", json=body,
+                              timeout=300) as reply:
+                for _ in reply.iter_lines():
+                    first_line.set()
+        except httpx.HTTPError:
+            pass  # cut by the stopping gateway, as expected
+        finally:
+            ended_at.append(time.monotonic())
+            first_line.set()
+
+    streaming = threading.Thread(target=stream_past_the_drain, daemon=True)
+    streaming.start()
+    assert first_line.wait(120)
+    os.kill(gateway.process.pid, signal.SIGTERM)
+    stopped_at = time.monotonic()
+    gateway.process.wait(timeout=4 * drain_s)
+    exited_s = time.monotonic() - stopped_at
+    streaming.join(timeout=10)
+    assert ended_at and ended_at[0] - stopped_at >= drain_s - 0.5, "the stream was cut before the drain ended"
+    assert exited_s < drain_s + 3, f"the gateway took {exited_s:.1f} s to stop after a {drain_s} s drain"
+
+
 def test_a_tokenizer_service_gone_is_a_503_and_the_connection_stays_usable(
         embedded_model_path: Path, start_gateway: StartGateway, tmp_path: Path) -> None:
     """Its gRPC failure reached the client as a 500 and then a dropped keep-alive connection."""
