@@ -66,6 +66,13 @@ def test_streamed_events_accumulate_to_the_non_streamed_output(client: openai.Op
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_null_parallel_tool_calls_and_stream_mean_their_defaults(client: openai.OpenAI) -> None:
+    """OpenAI's API takes null for both (the client sends it for None); was a 400."""
+    response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4,
+                                       parallel_tool_calls=None, stream=None)
+    assert response.status == "incomplete" and response.parallel_tool_calls is True
+
+
 def test_max_output_tokens_makes_the_response_incomplete(client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)
     assert response.status == "incomplete"
@@ -91,10 +98,14 @@ def test_a_named_function_choice_calls_it_and_streams_the_same_arguments(client:
     assert set(json.loads(calls[0].arguments)) == {"city"}
     assert response.tool_choice.name == "get_weather"
     with client.responses.stream(**asked) as stream:
-        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        events = list(stream)
         final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     streamed_calls = [item for item in final.output if item.type == "function_call"]
     assert "".join(deltas) == streamed_calls[0].arguments == calls[0].arguments
+    # OpenAI's spec requires the name on the done event; clients typed from it fail without.
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.model_dump().get("name"), done.arguments) == ("get_weather", calls[0].arguments)
 
 
 def test_function_call_items_and_their_output_render_and_answer(client: openai.OpenAI) -> None:
@@ -171,6 +182,9 @@ def test_the_response_and_its_events_validate_as_the_client_types(mesh: RunningM
     ({"tools": [WEATHER_TOOL | {"parameters": {"type": "wat"}}], "tool_choice": "required"},
      "tool_choice", "wat"),
     ({"max_output_tokens": 4000}, "max_output_tokens", "maximum context length"),
+    # Was "cannot be combined with response_format": a field the client never wrote.
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "tool_choice", "tool_choice: cannot be combined with text"),
     # Only echoed back: the response could not be encoded.
     ({"metadata": {"k": "\ud800"}}, "metadata", "surrogate"),
     ({"metadata": {"k": "\ud800"}, "stream": True}, "metadata", "surrogate"),

@@ -13,7 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from services.gateway.errors import RequestFieldError
 from services.gateway.parsing import MessageDelta, ToolCallDelta
-from services.gateway.responses_request import ResponsesRequest, responses_param
+from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.responses import OutputItems
 
 STREAM_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
@@ -61,6 +61,12 @@ def test_a_reasoning_summary_stands_in_for_absent_content() -> None:
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "gist"}]}]
     assert request(input=items).chat_messages()[-1] == {"role": "assistant", "content": None,
                                                         "reasoning": "gist"}
+
+
+def test_null_parallel_tool_calls_and_stream_mean_their_defaults() -> None:
+    body = request(parallel_tool_calls=None, stream=None)
+    assert body.parallel_tool_calls is True and body.stream is False
+    assert body.chat_request().parallel_tool_calls is True
 
 
 def test_the_chat_request_carries_tools_choice_format_effort_and_limit() -> None:
@@ -129,6 +135,9 @@ def test_chat_fields_in_errors_are_renamed_to_responses_fields() -> None:
     assert responses_param("response_format") == "text"
     assert responses_param("tool_choice") == "tool_choice"
     assert responses_param(None) is None
+    assert responses_message("tool_choice: cannot be combined with response_format") == (
+        "tool_choice: cannot be combined with text")
+    assert responses_message("max_output_tokens=9 and max_tokens") == "max_output_tokens=9 and max_output_tokens"
 
 
 
@@ -155,6 +164,8 @@ def test_streamed_events_accumulate_in_the_openai_client_to_the_output_items() -
     assert output.items[0]["content"] == [{"type": "reasoning_text", "text": "Think more."}]
     assert [(i["call_id"], i["arguments"], i["status"]) for i in output.items[2:]] == [
         ("call_a", '{"x": 1}', "completed"), ("call_b", "{}", "completed")]
+    assert [(e["name"], e["arguments"]) for e in events
+            if e["type"] == "response.function_call_arguments.done"] == [("f", '{"x": 1}'), ("g", "{}")]
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == output.items
     text_deltas = [e for e in fired if e.type == "response.output_text.delta"]
     assert text_deltas[-1].snapshot == "Calling tools."

@@ -10,10 +10,11 @@ before calls), and a `function_call_output` item is a tool message.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
-                      field_validator, model_validator)
+                      ValidationInfo, field_validator, model_validator)
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError
 from services.gateway.reasoning_effort import RequestedEffort
@@ -37,6 +38,16 @@ _UNMADE_INCLUDES = frozenset({
     "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
     "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.action.sources",
     "web_search_call.results"})
+
+
+# Chat request fields an error's message may name besides its param ("cannot be combined with
+# response_format"); `messages` is left out, being an ordinary word too.
+_CHAT_FIELD_WORDS = re.compile(r"\b(?:max_tokens|response_format|reasoning_effort)\b")
+
+
+def responses_message(chat_message: str) -> str:
+    """An error message of the chat path, naming the Responses fields the client wrote."""
+    return _CHAT_FIELD_WORDS.sub(lambda match: _RESPONSES_PARAMS[match[0]], chat_message)
 
 
 def responses_param(chat_param: str | None) -> str | None:
@@ -201,6 +212,14 @@ class ResponsesRequest(BaseModel):
             if given.get(name) not in (None, False):
                 raise RequestFieldError(name, problem)
         return body
+
+    @field_validator("parallel_tool_calls", "stream", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI's API takes null for these, meaning the default; the client sends it for None.
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
 
     @field_validator("input", mode="before")
     @classmethod

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, UsageCounts
 from services.gateway.parsing import MessageDelta, ToolCallDelta
-from services.gateway.responses_request import ResponsesRequest, responses_param
+from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import StartedChatGeneration, parse_choice_delta, start_chat_generation
 from services.gateway.schemas import now
 from services.gateway.sse import sse_event
@@ -59,7 +59,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         # The chat path names its own fields; the client wrote ours.
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
-        raise type(error)(message, param=param) from error
+        raise type(error)(responses_message(message), param=param) from error
     response = _Response(body, started)
     if body.stream:
         return StreamingResponse(response.events(), media_type="text/event-stream")
@@ -103,7 +103,7 @@ class OutputItems:
         if item["type"] == "function_call":
             item["status"] = status
             events = [{"type": "response.function_call_arguments.done", **where,
-                       "arguments": item["arguments"]}]
+                       "name": item["name"], "arguments": item["arguments"]}]
         else:
             part = item["content"][0]
             if item["type"] == "message":
