@@ -157,6 +157,18 @@ def test_vllm_extra_sampling_fields_are_accepted(client: openai.OpenAI) -> None:
     assert reply.usage.completion_tokens == 8
 
 
+def test_null_fields_of_openai_s_api_take_their_defaults(client: openai.OpenAI) -> None:
+    """The client sends null for an explicit None; these were 400s ("Input should be a valid
+    boolean")."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, n=None, stream=None, logprobs=None,
+        presence_penalty=None, frequency_penalty=None, extra_body={"stop_token_ids": None})
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, n=None,
+                                           stream=None, echo=None, temperature=0)
+    assert len(completion.choices) == 1 and not completion.choices[0].text.startswith("Hello")
+
+
 def test_unknown_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="nope", messages=QUESTION)

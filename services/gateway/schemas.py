@@ -96,6 +96,11 @@ def check_valid_unicode(body: Any) -> None:
         raise RequestFieldError(param, f"the lone UTF-16 surrogate in {where} is not valid Unicode")
 
 
+# Fields a request may send as null for their default (nullable in OpenAI's API or vLLM's).
+NULL_MEANS_UNSET = frozenset({"n", "stream", "presence_penalty", "frequency_penalty", "logprobs",
+                              "echo", "stop_token_ids"})
+
+
 class SamplingFields(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as vLLM's server does."""
 
@@ -105,6 +110,15 @@ class SamplingFields(BaseModel):
     @classmethod
     def _valid_unicode(cls, body: Any) -> Any:
         check_valid_unicode(body)
+        return body
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, body: Any) -> Any:
+        # OpenAI's API (and vLLM's server) take null for these, meaning the default; the
+        # official client sends it for an explicit None.
+        if isinstance(body, dict):
+            return {k: v for k, v in body.items() if not (v is None and k in NULL_MEANS_UNSET)}
         return body
 
     model: str
