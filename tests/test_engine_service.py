@@ -109,6 +109,22 @@ def test_a_constraint_that_does_not_compile_is_an_error_of_the_structured_output
     assert "min_tokens" in replies[0].error.message and replies[0].error.field == ""
 
 
+def test_a_request_vllm_fails_in_its_engine_core_is_an_internal_error(engine: RunningEngine) -> None:
+    # vLLM's engine core compiles every constraint with the backend its first one chose
+    # (xgrammar here); a NUL in a schema's pattern sends vLLM's checks to another backend, which
+    # takes it, and xgrammar refuses it in the engine core: the request ends with vLLM's `error`
+    # finish reason.
+    generate(engine.address, "xgrammar-first", [1, 2], pb.SamplingParams(
+        max_tokens=2, structured_output=pb.StructuredOutput(regex="a+")))
+    schema = '{"type": "string", "pattern": "a\\u0000"}'
+    replies = generate(engine.address, "fails-in-engine-core", [1, 2], pb.SamplingParams(
+        max_tokens=6, structured_output=pb.StructuredOutput(json_schema=schema)))
+    # Passed on as a finish reason, it was an empty choice that ended well (FINISH_REASON 0).
+    assert [reply.WhichOneof("response") for reply in replies] == ["error"], replies
+    assert replies[0].error.code == common_pb2.ERROR_CODE_INTERNAL, replies[0].error
+    assert metric(scrape(engine.metrics_url), "backport:engine_requests_in_flight") == 0
+
+
 def test_the_engine_serves_after_bad_requests(engine: RunningEngine) -> None:
     generate(engine.address, "bad-before-good", [1, 2], pb.SamplingParams(temperature=float("nan")))
     replies = generate(engine.address, "good", [1, 2, 3], pb.SamplingParams(max_tokens=4, temperature=0))

@@ -14,8 +14,8 @@ from backport.v1 import engine_pb2 as pb
 from services.engine.kv_events import KvEventCollector, WatchEnded, block_hash_u64
 from services.engine.metrics import EngineMetrics
 from services.engine.vllm_engine import (ChoiceUpdate, InvalidConstraintError, InvalidRequestError,
-                                         OutputConstraint, SamplingRequest, TokenLogprob,
-                                         VllmEngine)
+                                         OutputConstraint, RequestFailedError, SamplingRequest,
+                                         TokenLogprob, VllmEngine)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             settle("invalid")
             yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error),
                          field=STRUCTURED_OUTPUT_FIELD if isinstance(error, InvalidConstraintError) else "")
+        except RequestFailedError as error:
+            settle("failed")
+            # The engine core has logged the cause with its traceback.
+            logger.warning("request %s failed: %s", request.request_id, error)
+            yield _error(common_pb2.ERROR_CODE_INTERNAL, str(error))
         except EngineDeadError:
             settle("failed")
             # UNAVAILABLE is what sends the gateway to another engine (INTERNAL ends there).

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +52,12 @@ class InvalidRequestError(ValueError):
 
 class InvalidConstraintError(InvalidRequestError):
     """The request's output constraint is what cannot be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """vLLM ended the request with its `error` finish reason, which its own server turns into
+    a 500: a constraint that passed its checks but does not compile in the engine core, a KV
+    load that failed. The engine core's log says which; the message is safe to show."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,24 +258,34 @@ class VllmEngine:
         # vLLM hands the prompt's logprobs over once, with the output that ends the prefill.
         unsent_prompt_logprobs: list[TokenLogprob] | None = None
         try:
-            stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                       params, request_id)
-            async for output in stream:
-                if output.finished:
-                    # A client that has the request's last output may reuse its id at once,
-                    # before this generator resumes to end.
-                    self._request_ids_in_flight.discard(request_id)
-                    holds_request_id = False
-                if output.prompt_logprobs and sampling.prompt_logprobs is not None:
-                    unsent_prompt_logprobs = _prompt_logprobs(
-                        prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs)
-                for completion in output.outputs:
-                    done = completion_tokens.get(completion.index, 0) + len(completion.token_ids)
-                    completion_tokens[completion.index] = done
-                    update = _choice_update(completion, len(prompt_token_ids), done,
-                                            output.num_cached_tokens or 0, sampling.logprobs or 0)
-                    update.prompt_logprobs, unsent_prompt_logprobs = unsent_prompt_logprobs, None
-                    yield update
+            # Closed on the way out: a choice that failed ends the call, and vLLM aborts the
+            # other choices only when its stream is closed.
+            async with aclosing(self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                                  params, request_id)) as stream:
+                async for output in stream:
+                    if output.finished:
+                        # A client that has the request's last output may reuse its id at once,
+                        # before this generator resumes to end.
+                        self._request_ids_in_flight.discard(request_id)
+                        holds_request_id = False
+                    if output.prompt_logprobs and sampling.prompt_logprobs is not None:
+                        unsent_prompt_logprobs = _prompt_logprobs(
+                            prompt_token_ids, output.prompt_logprobs, sampling.prompt_logprobs)
+                    for completion in output.outputs:
+                        if completion.finish_reason == "error":
+                            # Passed on as a finish reason, the client took it for a choice
+                            # that ended well, empty or cut short.
+                            raise RequestFailedError(
+                                f"vLLM failed choice {completion.index} of the request in its "
+                                "engine core (an output constraint that does not compile there, "
+                                "or KV that failed to load)")
+                        done = completion_tokens.get(completion.index, 0) + len(completion.token_ids)
+                        completion_tokens[completion.index] = done
+                        update = _choice_update(completion, len(prompt_token_ids), done,
+                                                output.num_cached_tokens or 0,
+                                                sampling.logprobs or 0)
+                        update.prompt_logprobs, unsent_prompt_logprobs = unsent_prompt_logprobs, None
+                        yield update
         except VLLMClientError as error:
             # vLLM's own verdict on the request (a token id outside the vocabulary, a
             # logprobs count past its limit, a constraint that does not compile); it wraps
@@ -304,6 +321,9 @@ class VllmEngine:
         # Past the room the prompt leaves, an output would not fit the context: cut to it, as
         # vLLM's server does, since clients send one limit for prompts of every length.
         room = self.info.max_model_len - prompt_len
+        # Unset, the model's own limit (generation_config's `max_new_tokens`) applies before the
+        # context's, as in vLLM's server.
+        max_tokens = s.max_tokens if s.max_tokens is not None else self._defaults.get("max_tokens")
         chosen = {name: value for name, value in (
             ("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k),
             ("min_p", s.min_p), ("repetition_penalty", s.repetition_penalty)) if value is not None}
@@ -312,7 +332,7 @@ class VllmEngine:
         try:
             return SamplingParams(
                 **(defaults | chosen), n=s.n, seed=s.seed,
-                max_tokens=min(s.max_tokens, room) if s.max_tokens is not None else room,
+                max_tokens=min(max_tokens, room) if max_tokens is not None else room,
                 min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
