@@ -189,6 +189,37 @@ def test_a_cancelled_stream_aborts_its_vllm_request(engine: RunningEngine) -> No
         time.sleep(0.2)
 
 
+def test_aborting_one_choice_ends_it_and_the_others_run_on(engine: RunningEngine) -> None:
+    """What the gateway asks when a stop string ends one choice of n: vLLM stops decoding it
+    (it had run on to max_tokens while its siblings did) and the call goes on."""
+    num_tokens = 48
+
+    async def abort_choice_1() -> list[pb.GenerateResponse]:
+        client = EngineClient(engine.address)
+        try:
+            call = client.generate(pb.GenerateRequest(
+                request_id="abort-one-choice", prompt_token_ids=[1, 2, 3],
+                sampling=pb.SamplingParams(n=3, max_tokens=num_tokens, ignore_eos=True)))
+            replies = [await call.read()]
+            await client.stub.Abort(pb.AbortRequest(request_id="abort-one-choice",
+                                                    choice_indexes=[1]), timeout=10)
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+            return replies
+        finally:
+            await client.close()
+
+    replies = asyncio.run(abort_choice_1())
+    completes = {reply.complete.index: reply.complete for reply in replies if reply.HasField("complete")}
+    assert sorted(completes) == [0, 1, 2]
+    assert completes[1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert completes[1].completion_tokens < num_tokens // 2
+    for index in (0, 2):
+        assert completes[index].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert completes[index].completion_tokens == num_tokens
+    assert metric(scrape(engine.metrics_url), "vllm:num_requests_running") == 0
+
+
 def test_a_request_id_in_flight_is_refused_until_its_request_ends(engine: RunningEngine) -> None:
     num_tokens = 96  # seconds of decoding on two cores: the first runs while the second asks
     request = pb.GenerateRequest(request_id="one-id", prompt_token_ids=[1, 2, 3],

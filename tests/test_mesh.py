@@ -298,6 +298,34 @@ def test_client_disconnect_aborts_the_engine_request(mesh: RunningMesh, prompt: 
         time.sleep(0.05)
 
 
+def test_a_choice_a_stop_string_ends_stops_decoding_while_its_siblings_run_on(
+        mesh: RunningMesh, client: openai.OpenAI) -> None:
+    """Stop strings are matched in the gateway; the engine decoded such a choice on to its
+    token limit, as long as another choice of the request ran."""
+    sampling = {"model": MODEL, "prompt": "Once upon a time", "n": 2, "temperature": 1.0,
+                "seed": 7, "extra_body": {"ignore_eos": True}}
+    # vLLM seeds choice i with seed + i: a first run shows what each will write.
+    first, second = (c.text for c in sorted(
+        client.completions.create(**sampling, max_tokens=24).choices, key=lambda c: c.index))
+    stop = next((first[i:i + 4] for i in range(4, len(first) - 4)
+                 if first[i:i + 4].strip() and first[i:i + 4] not in second), None)
+    assert stop is not None, (first, second)
+    stream = client.completions.create(**sampling, max_tokens=2000, stop=[stop], stream=True)
+    try:
+        for chunk in stream:
+            ended = [c.index for c in chunk.choices if c.finish_reason is not None]
+            if ended:
+                assert ended == [0] and chunk.choices[0].finish_reason == "stop", chunk
+                break
+        # Choice 1 decodes on (2000 tokens take a minute here); choice 0 leaves the engine.
+        deadline = time.monotonic() + 5.0
+        while engine_num_running(mesh.engine_address) > 1:
+            assert time.monotonic() < deadline, "the engine still decodes the stopped choice"
+            time.sleep(0.05)
+    finally:
+        stream.close()
+
+
 def test_engine_streams_its_kv_events_over_grpc(mesh: RunningMesh, client: openai.OpenAI) -> None:
     """vLLM's KV events reach a gRPC watcher: the blocks a new prompt filled are reported stored,
     and a watcher that connects afterwards finds them in its snapshot."""

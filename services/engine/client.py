@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from backport.v1 import engine_pb2 as pb
@@ -19,8 +21,10 @@ class EngineClient:
         """The response stream; cancel the returned call to abort the request."""
         return self.stub.Generate(request)
 
-    async def abort(self, request_id: str) -> None:
-        await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5.0)
+    async def abort(self, request_id: str, choice_indexes: Sequence[int] = ()) -> None:
+        """Aborts the request, or only these choices of it (its call goes on with the others)."""
+        await self.stub.Abort(pb.AbortRequest(request_id=request_id, choice_indexes=choice_indexes),
+                              timeout=5.0)
 
     async def model_info(self, timeout_s: float = 10.0) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)

@@ -90,7 +90,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await updates.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        await self.engine.abort(request.request_id)
+        if request.choice_indexes:
+            await self.engine.abort_choices(request.request_id, set(request.choice_indexes))
+        else:
+            await self.engine.abort(request.request_id)
         return pb.AbortResponse()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

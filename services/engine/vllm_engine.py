@@ -230,6 +230,20 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    async def abort_choices(self, request_id: str, indexes: set[int]) -> None:
+        """Aborts these choices of a request; its stream goes on with the others.
+
+        vLLM runs each choice of an n > 1 request as a child request under an internal id,
+        and aborts by the caller's id only all of them together. The children are found
+        through its output processor's bookkeeping (vLLM 0.32), which names each child's
+        index; `tests/test_engine_service.py` holds this to the installed vLLM."""
+        processor = self.llm.output_processor
+        children = [internal_id for internal_id in processor.external_req_ids.get(request_id, ())
+                    if (state := processor.request_states.get(internal_id)) is not None
+                    and state.request_index in indexes]
+        if children:
+            await self.llm.abort(children, internal=True)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingRequest) -> AsyncIterator[ChoiceUpdate]:
         assert self.info is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ import grpc
 
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
+from services.engine.client import EngineClient
 from services.gateway.dispatch import EngineRoute
 from services.gateway.errors import (EngineFailedError, InvalidRequestError, ServiceUnavailableError,
                                      tokenizer_failure)
@@ -132,6 +134,8 @@ class Generation:
         # Each choice's last sampled tokens: a logprob token's text may finish their characters.
         self._sampled_tails: dict[int, list[int]] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None
+        # Engine aborts of choices a stop string ended while their siblings run on.
+        self._choice_aborts: set[asyncio.Task[None]] = set()
         self._first: pb.GenerateResponse | None = None
         self._started_at = current_request_context().started_at
         self._last_tokens_at: float | None = None
@@ -161,7 +165,8 @@ class Generation:
         response = self._first
         try:
             while response is not None:
-                if response.WhichOneof("response") == "chunk":
+                is_chunk = response.WhichOneof("response") == "chunk"
+                if is_chunk:
                     try:
                         delta = await self._on_chunk(response.chunk, finished)
                     except (grpc.aio.AioRpcError, TokenizerTimeoutError) as error:
@@ -176,12 +181,32 @@ class Generation:
                     yield delta
                     if len(finished) == self.num_choices:
                         break
+                    if is_chunk and delta.finish_reason is not None:
+                        # A stop string ended the choice here; the engine would decode it on
+                        # to its token limit while its siblings run.
+                        self._abort_choice(delta.index)
                 response = await self._read()
         finally:
             # Cancelling the call is how an early stop (stop string, client gone) aborts in vLLM.
             self._call.cancel()
             for detokenizer in self._detokenizers.values():
                 await detokenizer.close()
+
+    def _abort_choice(self, index: int) -> None:
+        engine = self.route.engine
+        if engine is None:
+            return
+        task = asyncio.create_task(self._send_choice_abort(engine.client, index))
+        self._choice_aborts.add(task)
+        task.add_done_callback(self._choice_aborts.discard)
+
+    async def _send_choice_abort(self, client: EngineClient, index: int) -> None:
+        try:
+            await client.abort(self.request.request_id, [index])
+        except grpc.aio.AioRpcError as error:
+            # Only compute is lost: the choice's further tokens are dropped here anyway.
+            logger.info("engine abort of choice %d of %s failed: %s", index,
+                        self.request.request_id, error.code().name)
 
     async def collect(self) -> list[CollectedChoice]:
         """Runs the generation to its end and returns every choice, in index order."""

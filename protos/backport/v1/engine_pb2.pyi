@@ -159,10 +159,12 @@ class GenerateError(_message.Message):
     def __init__(self, code: _Optional[_Union[_common_pb2.ErrorCode, str]] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "choice_indexes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEXES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    choice_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., choice_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()

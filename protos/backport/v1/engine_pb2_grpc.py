@@ -73,7 +73,8 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request by id; a no-op for unknown or finished requests.
+        """Aborts a request by id, or some of its choices; a no-op for unknown or finished
+        requests and choices.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
