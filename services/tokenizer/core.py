@@ -21,6 +21,8 @@ from services.tokenizer.client import MAX_CHARACTER_TOKENS, REPLACEMENT_CHARACTE
 # loop running; shorter ones decode faster one by one than spread over its threads
 # (8 tokens: 0.11 ms against 0.46 ms).
 LONG_DECODE_NUM_TOKENS = 1024
+# How `DecodeStream.step`'s error begins when new text no longer starts with the text it sent.
+INVALID_PREFIX_ERROR = "Invalid prefix encountered"
 
 
 class UnknownTokenIdError(ValueError):
@@ -112,11 +114,23 @@ class StreamingDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_ids: list[int]) -> str:
-        pieces = (self._stream.step(self._tokenizer, token_id) for token_id in token_ids)
-        return "".join(piece for piece in pieces if piece)
+        return "".join(self._step(token_id) for token_id in token_ids)
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._tokenizer, token_id) or ""
+        except Exception as error:
+            if not str(error).startswith(INVALID_PREFIX_ERROR):
+                raise
+            # A byte-fallback decoder (Llama-2, Mistral, Gemma) turns a byte token's text already
+            # sent into U+FFFD once a stray byte follows it, and DecodeStream fails on every later
+            # token: start afresh from this one, as vLLM's detokenizer does.
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._tokenizer, token_id) or ""
 
 
 def _model_vocab_size(model_path: str) -> int:

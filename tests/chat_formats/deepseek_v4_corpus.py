@@ -171,6 +171,11 @@ CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None
             _call("k3", "get_weather", {"city": "C"})]},
         _tool("k3", "C: 3"), _tool("stale", "?"), _tool("k1", "A: 1"),
     ], [WEATHER_TOOL]),
+    "assistant_content_null": ([
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Still there?"},
+    ], None),
     "tool_message_without_id": ([
         {"role": "user", "content": "Ping."},
         {"role": "assistant", "content": None, "tool_calls": [_call("q", "now", {})]},

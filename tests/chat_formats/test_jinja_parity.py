@@ -64,9 +64,12 @@ def _tokenizer(chat_template: str) -> Any:
 
 
 def vllm_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                chat_template_kwargs: dict[str, Any], reasoning_effort: str | None = None) -> str:
+                chat_template_kwargs: dict[str, Any], reasoning_effort: str | None = None,
+                continue_final_message: bool = False) -> str:
     request = ChatCompletionRequest(model="m", messages=copy.deepcopy(messages), tools=copy.deepcopy(tools),
-                                    chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort)
+                                    chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
+                                    add_generation_prompt=not continue_final_message,
+                                    continue_final_message=continue_final_message)
     kwargs = request.build_chat_params(None, "auto").get_apply_chat_template_kwargs()
     shape = _detect_content_format(tokenizer.chat_template, default="string")
     conversation, _, _ = parse_chat_messages(request.messages, _TEXT_ONLY_MODEL_CONFIG, shape)
@@ -92,6 +95,34 @@ def test_prompt_matches_vllm(template: str, conversation: str, kwargs_name: str)
     expected = vllm_prompt(tokenizer, messages, tools, dict(KWARGS[kwargs_name]))
     rendered = JinjaTemplateRenderer(tokenizer).render(copy.deepcopy(messages), copy.deepcopy(tools),
                                                        KWARGS[kwargs_name])
+    assert rendered == expected
+
+
+# Requests vLLM's server renders that a stricter reading of OpenAI's schema would refuse.
+CLIENT_SHAPES: dict[str, tuple[list[dict[str, Any]], bool]] = {
+    "assistant_content_null_empty_tool_calls": ([{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": None, "tool_calls": []},
+                                                 {"role": "user", "content": "Hello?"}], False),
+    "refusal_part": ([{"role": "user", "content": "Do it"},
+                      {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+                      {"role": "user", "content": "Why?"}], False),
+    "thinking_part": ([{"role": "user", "content": "Q"},
+                       {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"},
+                                                         {"type": "text", "text": "A"}]},
+                       {"role": "user", "content": "Q again"}], False),
+    "continue_final_user_message": ([{"role": "user", "content": "Complete: the capital of France is"}], True),
+}
+
+
+@pytest.mark.parametrize("template", ["string", "content_loop"])
+@pytest.mark.parametrize("shape", CLIENT_SHAPES)
+def test_requests_vllm_renders_render_the_same(template: str, shape: str) -> None:
+    tokenizer = _tokenizer(TEMPLATES[template])
+    messages, continue_final_message = CLIENT_SHAPES[shape]
+    expected = vllm_prompt(tokenizer, messages, None, {}, continue_final_message=continue_final_message)
+    rendered = JinjaTemplateRenderer(tokenizer).render(copy.deepcopy(messages), None, {},
+                                                       add_generation_prompt=not continue_final_message,
+                                                       continue_final_message=continue_final_message)
     assert rendered == expected
 
 

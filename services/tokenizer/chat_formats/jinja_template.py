@@ -64,9 +64,8 @@ class JinjaTemplateRenderer:
             raise ChatRenderError(f"chat_template_kwargs.{reserved[0]}", "is reserved and cannot be set")
         if add_generation_prompt and continue_final_message:
             raise ChatRenderError("continue_final_message", "cannot be combined with add_generation_prompt")
-        if continue_final_message and parsed[-1].role != "assistant":
-            raise ChatRenderError(f"messages[{len(parsed) - 1}].role",
-                                  "continue_final_message needs a final assistant message")
+        # The final message is continued whatever its role, as vLLM's server does (a user turn
+        # left open for the model to finish, say); transformers refuses one the template drops.
         template = self._tokenizer.get_chat_template(None, tools=tool_dicts)
         shape = content_format(template)
         conversation = [_template_message(message, shape) for message in parsed]

@@ -20,6 +20,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 KNOWN_ROLES: tuple[str, ...] = get_args(Role)
 # Roles whose messages carry no meaning without content (OpenAI requires it for them).
 _CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
+# Content part types vLLM's chat server reads as text, each with the key its text is under:
+# assistant turns replayed from OpenAI's API carry `refusal` parts.
+_TEXT_PART_KEYS: dict[str, str] = {"text": "text", "refusal": "refusal", "thinking": "thinking"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +75,10 @@ def _parse_message(path: str, message: Any) -> ChatMessage:
     reasoning = _optional_str(path, message, "reasoning")
     if reasoning is None:
         reasoning = _optional_str(path, message, "reasoning_content")
-    if content is None and (role in _CONTENT_REQUIRED_ROLES or not (tool_calls or reasoning is not None)):
-        article = "an" if role[:1] in "aeiou" else "a"
-        raise ChatRenderError(f"{path}.content", f"is required for {article} {role} message" +
-                              (" without tool_calls" if role == "assistant" else ""))
+    # An assistant turn's content may be null (OpenAI's schema allows it, vLLM renders it as
+    # empty): history replayed from the API carries such turns.
+    if content is None and role in _CONTENT_REQUIRED_ROLES:
+        raise ChatRenderError(f"{path}.content", f"is required for a {role} message")
     return ChatMessage(
         role=role,
         text_parts=_parse_content(f"{path}.content", content),
@@ -97,12 +100,15 @@ def _parse_content(path: str, content: Any) -> tuple[str, ...]:
     for index, part in enumerate(content):
         if not isinstance(part, Mapping):
             raise ChatRenderError(f"{path}[{index}]", "must be an object")
-        if part.get("type") != "text":
+        part_type = part.get("type")
+        key = _TEXT_PART_KEYS.get(part_type) if isinstance(part_type, str) else None
+        if key is None:
             raise ChatRenderError(f"{path}[{index}].type",
-                                  f"unsupported content part type {part.get('type')!r}; only 'text' is accepted")
-        text = part.get("text")
+                                  f"unsupported content part type {part_type!r}; "
+                                  f"only text parts ({', '.join(_TEXT_PART_KEYS)}) are accepted")
+        text = part.get(key)
         if not isinstance(text, str):
-            raise ChatRenderError(f"{path}[{index}].text", "must be a string")
+            raise ChatRenderError(f"{path}[{index}].{key}", "must be a string")
         parts.append(text)
     return tuple(parts)
 
