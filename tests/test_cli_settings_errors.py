@@ -28,6 +28,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     (["-m", "services.cli", "kvcache"], {"BACKPORT_KVCACHE_LMCACHE_PYTHON": "/nonexistent/python"},
      "BACKPORT_KVCACHE_LMCACHE_PYTHON='/nonexistent/python'"),
     (["-m", "services.cli", "gateway", "--drain-timeout-s", "inf"], {}, "--drain-timeout-s='inf'"),
+    # An empty key (`--api-key "$KEY"` with KEY unset) was dropped, and the API served without one.
+    (["-m", "services.cli", "gateway", "--api-key", ""], {}, "--api-key=['']: Value error, an API key"),
+    (["-m", "services.cli", "gateway"], {"BACKPORT_GATEWAY_API_KEY": '["sk-1", " "]'},
+     "BACKPORT_GATEWAY_API_KEY=['sk-1', ' ']: Value error, an API key"),
+    # An unknown tool-call parser failed every chat request with a 500; an unknown reasoning
+    # parser stopped the gateway's startup with a traceback.
+    (["-m", "services.cli", "gateway", "--tool-call-parser", "hermes"], {},
+     "--tool-call-parser='hermes': Value error, unknown tool-call parser 'hermes'"),
+    (["-m", "services.cli", "gateway"], {"BACKPORT_GATEWAY_REASONING_PARSER": "deepseek_r1"},
+     "BACKPORT_GATEWAY_REASONING_PARSER='deepseek_r1': Value error, unknown reasoning parser"),
+    # An origin the browser's Origin header can never equal left CORS off without a word.
+    (["-m", "services.cli", "gateway", "--allowed-origin", "https://app.example.com/"], {},
+     "--allowed-origin=['https://app.example.com/']: Value error, 'https://app.example.com/' is not"),
     (["-m", "services.ple_offload", "--grace-s", "soon"], {},
      "--table-path (or BACKPORT_PLE_TABLE_PATH) is required; --grace-s='soon'"),
     (["-m", "services.cli", "up", "--model", "/nonexistent"], {"BACKPORT_UP_API_KEY": "abc"},

@@ -117,3 +117,22 @@ def test_continue_final_message_with_add_generation_prompt_sent_true_is_400(
                                     json=body | {"add_generation_prompt": True}), 400)
     assert error["param"] == "continue_final_message"
     assert httpx.post(f"{root_of(mesh)}{path}", json=body, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "content_type"), [
+    ("/v1/chat/completions", "text/plain"),
+    ("/v1/completions", "application/x-www-form-urlencoded"),  # curl -d without -H
+    ("/tokenize", None),
+])
+def test_a_json_body_under_another_content_type_is_415_naming_it(
+        mesh: RunningMesh, path: str, content_type: str | None) -> None:
+    """FastAPI reads only JSON media types; the error blamed the body ("Input should be a valid
+    dictionary") when the body was a valid object and the Content-Type was what was wrong."""
+    headers = {"content-type": content_type} if content_type else {}
+    body = b'{"model": "SmolLM2-135M-Instruct-bf16", "prompt": "hi", "max_tokens": 1}'
+    reply = httpx.post(f"{root_of(mesh)}{path}", content=body, headers=headers, timeout=60)
+    error = openai_error(reply, 415)
+    assert f"(got {content_type or 'none'})" in error["message"]
+    sent_as_json = httpx.post(f"{root_of(mesh)}/tokenize", content=body, timeout=60,
+                              headers={"content-type": "application/json; charset=utf-8"})
+    assert sent_as_json.status_code == 200, sent_as_json.text

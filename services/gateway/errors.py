@@ -109,6 +109,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        media_type = _media_type_not_read_as_json(request)
+        if (media_type is not None and first.get("type") != "missing"
+                and tuple(first.get("loc", ()))[:1] == ("body",)):
+            # FastAPI left the body unparsed, so its field errors would blame a body that may
+            # be valid JSON; the Content-Type is what the client must change.
+            return JSONResponse(error_body(
+                "Unsupported Media Type: send the body as JSON with `Content-Type: "
+                f"application/json` (got {media_type or 'none'})", "invalid_request_error"),
+                status_code=415)
         if first.get("type") == "json_invalid":
             # Its location is a character offset, not a field.
             detail = first.get("ctx", {}).get("error", "")
@@ -144,3 +153,13 @@ def install_error_handlers(app: FastAPI) -> None:
         # The exception's headers carry what HTTP asks of the status (a 405's `Allow`).
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"),
                             status_code=error.status_code, headers=error.headers)
+
+
+def _media_type_not_read_as_json(request: Request) -> str | None:
+    """The request's media type ("" when it names none) when FastAPI does not read its body as
+    JSON: it reads only `application/json` and `application/*+json`."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    main_type, _, subtype = media_type.partition("/")
+    if main_type == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return None
+    return media_type

@@ -1,7 +1,10 @@
+from urllib.parse import urlsplit
+
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.gateway.auth import read_keys_file
+from services.gateway.parsing.registry import reasoning_format, tool_call_format
 from services.gateway.routing import RoutingPolicy
 from services.mesh.settings import ServiceSettings
 
@@ -57,6 +60,44 @@ class GatewaySettings(ServiceSettings):
     allowed_origin: list[str] = Field(default_factory=list,
                                       description="browser origin allowed to call the API (CORS; "
                                                   "`*` for any)")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, name: str | None) -> str | None:
+        # Checked at start: an unknown name otherwise failed every chat request with a 500.
+        if name is not None:
+            tool_call_format(name)
+        return name
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        # Checked here, so a wrong name stops the gateway with one line, not a startup traceback.
+        if name is not None:
+            reasoning_format(name)
+        return name
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_are_not_blank(cls, keys: list[str]) -> list[str]:
+        # `--api-key "$KEY"` with KEY unset gives an empty key, which ApiKeys drops: the
+        # gateway would then serve without any key, the opposite of what was asked.
+        if any(not key.strip() for key in keys):
+            raise ValueError("an API key is empty or blank")
+        return keys
+
+    @field_validator("allowed_origin")
+    @classmethod
+    def _origins_as_browsers_send_them(cls, origins: list[str]) -> list[str]:
+        # The Origin header is compared as a string: `https://app.example/` (a copied URL) or
+        # `app.example` would never match it, leaving CORS off without a word.
+        for origin in origins:
+            parts = urlsplit(origin)
+            if origin != "*" and (not parts.scheme or not parts.netloc
+                                  or origin != f"{parts.scheme}://{parts.netloc}"):
+                raise ValueError(f"{origin!r} is not an origin: `scheme://host[:port]` with no "
+                                 "path or trailing slash, or `*`")
+        return origins
 
     @field_validator("api_keys_file")
     @classmethod

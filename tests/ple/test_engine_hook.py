@@ -169,3 +169,25 @@ def test_install_is_a_no_op_without_a_service(vllm_config: object,
     monkeypatch.delenv("BACKPORT_PLE_ADDRESS", raising=False)
     assert not ple_hook.install()
     assert type(_build("bf16").ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
+def test_a_lookup_without_ids_gives_no_rows_like_the_stock_table(
+        reference: tuple[dict[str, torch.Tensor], object], service: ServiceProcess, dtype: str,
+        shared_memory: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with no tokens on this rank (DP): the bf16 layer failed viewing the empty
+    gather's bytes ("stride(-1) must be 1 to view Byte as BFloat16")."""
+    weights, stock = reference
+    monkeypatch.setenv("BACKPORT_PLE_ADDRESS", service.address)
+    monkeypatch.setenv("BACKPORT_PLE_SHARED_MEMORY", "1" if shared_memory else "0")
+    ple_hook.install()
+    try:
+        served = _build(dtype)
+    finally:
+        ple_hook.uninstall()
+    served.load_weights(weights.items())
+    no_ids = torch.empty((0, 4), dtype=torch.int64)
+    expected = stock.ngram_embedding(no_ids)
+    got = served.ngram_embedding(no_ids)
+    assert (got.shape, got.dtype) == (expected.shape, expected.dtype) == (
+        (0, 4, HIDDEN // 4), stock.ngram_embedding.weight.dtype)

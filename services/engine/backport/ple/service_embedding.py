@@ -137,6 +137,9 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
             raise RuntimeError("PLE service lookups check the served table on the host and "
                                "cannot be captured in a CUDA graph; exclude the PLE layer from "
                                "capture or use enforce_eager")
+        if ids.numel() == 0:
+            # numpy gives an empty gather zero strides, which a bf16 view of its bytes refuses.
+            return ids.new_empty((*ids.shape, self.embedding_dim), dtype=self.weight.dtype)
         start = self.shard_indices.org_vocab_start_index
         end = self.shard_indices.org_vocab_end_index
         if ids.is_cuda and self._gathers_on_gpu(ids.device):
