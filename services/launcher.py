@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -43,6 +44,8 @@ GATEWAY_SERVICE = "gateway"
 # behind it, the KV and PLE services last, once no engine uses them (the KV service frees
 # every engine's segment; engines would wait for a stopped PLE service to come back).
 NUM_STOP_TIERS = 3
+# The gateway's `api_key` setting as its environment gives it (a JSON list).
+GATEWAY_API_KEYS_ENV = "BACKPORT_GATEWAY_API_KEY"
 MAX_PORT = 65535
 # Hands a started service the fd of its lifeline: the read end of a pipe whose write ends only
 # the launcher and the services stopped before it hold. It reads end-of-file once they are all
@@ -245,11 +248,14 @@ class Mesh:
                             ("--api-keys-file", s.api_keys_file)):
             if value:
                 gateway_args += [flag, value]
-        for key in s.api_key:
-            gateway_args += ["--api-key", key]
         for origin in s.allowed_origin:
             gateway_args += ["--allowed-origin", origin]
-        self._spawn(GATEWAY_SERVICE, gateway_args)
+        gateway_env = None
+        if s.api_key:
+            # In its environment, not on its command line, which any user of the machine may
+            # read (`ps`, /proc/PID/cmdline); it is the gateway's own setting, so it wins.
+            gateway_env = dict(os.environ, **{GATEWAY_API_KEYS_ENV: json.dumps(s.api_key)})
+        self._spawn(GATEWAY_SERVICE, gateway_args, gateway_env)
         self._wait_http("gateway", f"http://{s.host}:{s.port}/health")
         self._is_ready = True
         logger.info("mesh ready: http://%s:%d/v1 (%d engine(s))", s.host, s.port, s.engines)

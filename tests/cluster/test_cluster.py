@@ -163,6 +163,10 @@ def test_missing_or_wrong_api_key_is_401_and_health_stays_open(cluster: Cluster)
     assert httpx.post(f"{root}/tokenize", json={"prompt": "hi"}).status_code == 401
     assert httpx.post(f"{root}/tokenize", json={"prompt": "hi"}, headers=cluster.headers()).status_code == 200
     assert httpx.get(cluster.health_url).status_code == 200
+    # `up` hands the key to the gateway in its environment: a command line is readable by
+    # every user of the machine.
+    gateway = psutil.Process(cluster.child_pid("services.cli", "gateway"))
+    assert not any(API_KEY in arg for arg in gateway.cmdline()), gateway.cmdline()
     ok = httpx.get(f"{cluster.base_url}/models", headers=cluster.headers())
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
 
