@@ -17,12 +17,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
 from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
+from services.gateway.routing import RoutingPolicy
+from services.gateway.settings import PASSED_ON_CHECKS
 from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
@@ -78,7 +81,8 @@ class UpSettings(ServiceSettings):
     engines: int = Field(1, ge=1, description="how many engines to start on this machine")
     redis_url: str | None = Field(None, description="Redis of the engine registry and sessions; "
                                                     "without it the gateway gets a static engine list")
-    routing_policy: str | None = Field(None, description="prefix | session | least_loaded | round_robin")
+    routing_policy: RoutingPolicy | None = Field(None, description="prefix | session | "
+                                                 "least_loaded | round_robin")
     kv_cache_memory_gib: float | None = Field(None, gt=0, description="KV cache per engine in GiB")
     engine_metrics_port: int | None = Field(None, ge=1, le=65535,
                                             description="first engine's Prometheus port; more "
@@ -103,6 +107,15 @@ class UpSettings(ServiceSettings):
         None, description="PLE table of a Qwen4Exp model (default: the one in its checkpoint), "
                           "served to every engine by a PLE service started first")
     ple_port: int = Field(50071, ge=1, le=65535, description="PLE service's gRPC port")
+
+    @field_validator(*PASSED_ON_CHECKS)
+    @classmethod
+    def _gateway_takes_it(cls, value: Any, info: ValidationInfo) -> Any:
+        # The gateway starts last, once the engines have loaded: what it would refuse is
+        # refused now, before anything starts.
+        assert info.field_name is not None
+        PASSED_ON_CHECKS[info.field_name](value)
+        return value
 
 
 @dataclass

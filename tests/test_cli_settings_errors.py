@@ -41,6 +41,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     # An origin the browser's Origin header can never equal left CORS off without a word.
     (["-m", "services.cli", "gateway", "--allowed-origin", "https://app.example.com/"], {},
      "--allowed-origin=['https://app.example.com/']: Value error, 'https://app.example.com/' is not"),
+    # What `up` passes on to the gateway is checked before anything starts: the gateway
+    # starts last, once the engines have loaded.
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--tool-call-parser", "hermes"], {},
+     "--tool-call-parser='hermes': Value error, unknown tool-call parser 'hermes'"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--api-key", " "], {},
+     "--api-key=[' ']: Value error, an API key"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--allowed-origin", "app.example"], {},
+     "--allowed-origin=['app.example']: Value error, 'app.example' is not an origin"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--routing-policy", "fastest"], {},
+     "--routing-policy='fastest'"),
     (["-m", "services.ple_offload", "--grace-s", "soon"], {},
      "--table-path (or BACKPORT_PLE_TABLE_PATH) is required; --grace-s='soon'"),
     (["-m", "services.cli", "up", "--model", "/nonexistent"], {"BACKPORT_UP_API_KEY": "abc"},

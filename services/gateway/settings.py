@@ -1,6 +1,8 @@
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.gateway.auth import read_keys_file
@@ -9,6 +11,46 @@ from services.gateway.routing import RoutingPolicy
 from services.mesh.settings import ServiceSettings
 
 DEFAULT_ENGINE = "127.0.0.1:50051"
+
+
+def _check_tool_call_parser(name: str | None) -> None:
+    # Checked at start: an unknown name otherwise failed every chat request with a 500.
+    if name is not None:
+        tool_call_format(name)
+
+
+def _check_reasoning_parser(name: str | None) -> None:
+    # Checked at start: an unknown name otherwise ended the gateway's startup in a traceback.
+    if name is not None:
+        reasoning_format(name)
+
+
+def _check_api_keys(keys: list[str]) -> None:
+    # `--api-key "$KEY"` with KEY unset gives an empty key, which ApiKeys drops: the gateway
+    # would then serve without any key, the opposite of what was asked.
+    if any(not key.strip() for key in keys):
+        raise ValueError("an API key is empty or blank")
+
+
+def _check_origins(origins: list[str]) -> None:
+    # The Origin header is compared as a string: `https://app.example/` (a copied URL) or
+    # `app.example` would never match it, leaving CORS off without a word.
+    for origin in origins:
+        parts = urlsplit(origin)
+        if origin != "*" and (not parts.scheme or not parts.netloc
+                              or origin != f"{parts.scheme}://{parts.netloc}"):
+            raise ValueError(f"{origin!r} is not an origin: `scheme://host[:port]` with no path "
+                             "or trailing slash, or `*`")
+
+
+# The checks of the fields `backport up` passes on to the gateway, by field name: `up` runs
+# them too, before anything starts, since the gateway starts last, after the engines loaded.
+PASSED_ON_CHECKS: dict[str, Callable[[Any], None]] = {
+    "tool_call_parser": _check_tool_call_parser,
+    "reasoning_parser": _check_reasoning_parser,
+    "api_key": _check_api_keys,
+    "allowed_origin": _check_origins,
+}
 
 
 class GatewaySettings(ServiceSettings):
@@ -61,43 +103,12 @@ class GatewaySettings(ServiceSettings):
                                       description="browser origin allowed to call the API (CORS; "
                                                   "`*` for any)")
 
-    @field_validator("tool_call_parser")
+    @field_validator(*PASSED_ON_CHECKS)
     @classmethod
-    def _known_tool_call_parser(cls, name: str | None) -> str | None:
-        # Checked at start: an unknown name otherwise failed every chat request with a 500.
-        if name is not None:
-            tool_call_format(name)
-        return name
-
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _known_reasoning_parser(cls, name: str | None) -> str | None:
-        # Checked here, so a wrong name stops the gateway with one line, not a startup traceback.
-        if name is not None:
-            reasoning_format(name)
-        return name
-
-    @field_validator("api_key")
-    @classmethod
-    def _keys_are_not_blank(cls, keys: list[str]) -> list[str]:
-        # `--api-key "$KEY"` with KEY unset gives an empty key, which ApiKeys drops: the
-        # gateway would then serve without any key, the opposite of what was asked.
-        if any(not key.strip() for key in keys):
-            raise ValueError("an API key is empty or blank")
-        return keys
-
-    @field_validator("allowed_origin")
-    @classmethod
-    def _origins_as_browsers_send_them(cls, origins: list[str]) -> list[str]:
-        # The Origin header is compared as a string: `https://app.example/` (a copied URL) or
-        # `app.example` would never match it, leaving CORS off without a word.
-        for origin in origins:
-            parts = urlsplit(origin)
-            if origin != "*" and (not parts.scheme or not parts.netloc
-                                  or origin != f"{parts.scheme}://{parts.netloc}"):
-                raise ValueError(f"{origin!r} is not an origin: `scheme://host[:port]` with no "
-                                 "path or trailing slash, or `*`")
-        return origins
+    def _passed_on_fields_hold(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        PASSED_ON_CHECKS[info.field_name](value)
+        return value
 
     @field_validator("api_keys_file")
     @classmethod
