@@ -17,15 +17,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
 from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
 from services.gateway.routing import RoutingPolicy
-from services.gateway.settings import PASSED_ON_CHECKS
+from services.gateway.settings import PASSED_ON_CHECKS, check_passed_on_field
 from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
@@ -108,14 +107,9 @@ class UpSettings(ServiceSettings):
                           "served to every engine by a PLE service started first")
     ple_port: int = Field(50071, ge=1, le=65535, description="PLE service's gRPC port")
 
-    @field_validator(*PASSED_ON_CHECKS)
-    @classmethod
-    def _gateway_takes_it(cls, value: Any, info: ValidationInfo) -> Any:
-        # The gateway starts last, once the engines have loaded: what it would refuse is
-        # refused now, before anything starts.
-        assert info.field_name is not None
-        PASSED_ON_CHECKS[info.field_name](value)
-        return value
+    # The gateway starts last, once the engines have loaded: what it would refuse is refused
+    # now, before anything starts.
+    _gateway_takes_it = field_validator(*PASSED_ON_CHECKS)(check_passed_on_field)
 
 
 @dataclass

@@ -53,6 +53,14 @@ PASSED_ON_CHECKS: dict[str, Callable[[Any], None]] = {
 }
 
 
+
+def check_passed_on_field(cls: type, value: Any, info: ValidationInfo) -> Any:
+    """A field validator of the PASSED_ON_CHECKS fields, for the settings classes that hold them."""
+    assert info.field_name is not None
+    PASSED_ON_CHECKS[info.field_name](value)
+    return value
+
+
 class GatewaySettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="BACKPORT_GATEWAY_", extra="forbid")
 
@@ -103,12 +111,7 @@ class GatewaySettings(ServiceSettings):
                                       description="browser origin allowed to call the API (CORS; "
                                                   "`*` for any)")
 
-    @field_validator(*PASSED_ON_CHECKS)
-    @classmethod
-    def _passed_on_fields_hold(cls, value: Any, info: ValidationInfo) -> Any:
-        assert info.field_name is not None
-        PASSED_ON_CHECKS[info.field_name](value)
-        return value
+    _passed_on_fields_hold = field_validator(*PASSED_ON_CHECKS)(check_passed_on_field)
 
     @field_validator("api_keys_file")
     @classmethod

@@ -101,14 +101,14 @@ def test_x_session_id_outranks_the_user_field_for_session_affinity(start_gateway
     assert len(engines) == 1, f"one session went to {sorted(engines)}"
 
 
-def test_a_second_sigterm_stops_a_draining_gateway_at_once(start_gateway: StartGateway) -> None:
-    """The first SIGTERM drains (open streams may finish, up to --drain-timeout-s); a second
-    one stops the gateway at once instead of waiting for those streams again."""
-    gateway = start_gateway("--drain-timeout-s", "300")
+def stream_long_completion(gateway: Gateway, max_tokens: int) -> list[float]:
+    """Streams a completion of `max_tokens` on a thread and returns once its first line came,
+    with the list its end time goes into (a stopping gateway may cut it)."""
     first_line = threading.Event()
+    ended_at: list[float] = []
 
-    def stream_a_long_completion() -> None:
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900,
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens,
                 "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", f"{gateway.base_url}/completions", json=body,
@@ -116,13 +116,21 @@ def test_a_second_sigterm_stops_a_draining_gateway_at_once(start_gateway: StartG
                 for _ in reply.iter_lines():
                     first_line.set()
         except httpx.HTTPError:
-            pass  # the gateway stopped under it, as asked
+            pass  # the gateway stopped under it
         finally:
+            ended_at.append(time.monotonic())
             first_line.set()
 
-    streaming = threading.Thread(target=stream_a_long_completion, daemon=True)
-    streaming.start()
+    threading.Thread(target=stream, daemon=True).start()
     assert first_line.wait(120)
+    return ended_at
+
+
+def test_a_second_sigterm_stops_a_draining_gateway_at_once(start_gateway: StartGateway) -> None:
+    """The first SIGTERM drains (open streams may finish, up to --drain-timeout-s); a second
+    one stops the gateway at once instead of waiting for those streams again."""
+    gateway = start_gateway("--drain-timeout-s", "300")
+    stream_long_completion(gateway, max_tokens=900)
     os.kill(gateway.process.pid, signal.SIGTERM)
     time.sleep(1.0)
     assert gateway.process.poll() is None, "the first SIGTERM must drain, not stop"
@@ -137,31 +145,14 @@ def test_a_stream_outlasting_the_drain_is_cut_when_the_drain_ends(start_gateway:
     """uvicorn's own graceful shutdown, after the drain, waited for the stream as long again."""
     drain_s = 4.0
     gateway = start_gateway("--drain-timeout-s", str(drain_s))
-    first_line = threading.Event()
-    ended_at: list[float] = []
-
-    def stream_past_the_drain() -> None:
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000,
-                "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{gateway.base_url}/completions", json=body,
-                              timeout=300) as reply:
-                for _ in reply.iter_lines():
-                    first_line.set()
-        except httpx.HTTPError:
-            pass  # cut by the stopping gateway, as expected
-        finally:
-            ended_at.append(time.monotonic())
-            first_line.set()
-
-    streaming = threading.Thread(target=stream_past_the_drain, daemon=True)
-    streaming.start()
-    assert first_line.wait(120)
+    ended_at = stream_long_completion(gateway, max_tokens=1000)
     os.kill(gateway.process.pid, signal.SIGTERM)
     stopped_at = time.monotonic()
     gateway.process.wait(timeout=4 * drain_s)
     exited_s = time.monotonic() - stopped_at
-    streaming.join(timeout=10)
+    deadline = time.monotonic() + 10
+    while not ended_at and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert ended_at and ended_at[0] - stopped_at >= drain_s - 0.5, "the stream was cut before the drain ended"
     assert exited_s < drain_s + 3, f"the gateway took {exited_s:.1f} s to stop after a {drain_s} s drain"
 
