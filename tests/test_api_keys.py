@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.gateway.auth import ApiKeys
+from pathlib import Path
+
+from services.gateway.auth import ApiKeys, read_keys_file
 
 
 def header(value: str) -> str:
@@ -29,3 +31,10 @@ def test_a_configured_key_with_surrounding_whitespace_matches_the_key_sent() -> 
     keys = ApiKeys(["sk-one\n", " ", ""])
     assert keys.allows(header("Bearer sk-one"))
     assert keys.is_required and not keys.allows(header("Bearer  "))
+
+
+def test_a_keys_file_saved_with_a_byte_order_mark_yields_its_first_key(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_bytes("\ufeffsk-first\n# a comment\nsk-second\n".encode())
+    keys = ApiKeys(read_keys_file(str(path)))
+    assert keys.allows(header("Bearer sk-first")) and keys.allows(header("Bearer sk-second"))

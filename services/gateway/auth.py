@@ -36,5 +36,7 @@ class ApiKeys:
 
 def read_keys_file(path: str) -> list[str]:
     """One key a line; blank lines and lines starting with `#` are skipped."""
-    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    # utf-8-sig: a file saved by an editor that writes a byte-order mark would otherwise hold
+    # a first key that never matches.
+    lines = (line.strip() for line in Path(path).read_text(encoding="utf-8-sig").splitlines())
     return [line for line in lines if line and not line.startswith("#")]
