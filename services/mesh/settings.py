@@ -78,21 +78,6 @@ class ServiceSettings(BaseSettings):
             return f"{flag} (or {variable}) is required"
         return f"{flag if name in given else variable}={problem.get('input')!r}: {message}"
 
-    def to_args(self) -> list[str]:
-        """The flags that reproduce these settings in a child process."""
-        args: list[str] = []
-        for name in type(self).model_fields:
-            value: Any = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
-                args.append(flag if value else "--no-" + flag[2:])
-            elif isinstance(value, list):
-                for item in value:
-                    args += [flag, str(item)]
-            elif value is not None:
-                args += [flag, str(value)]
-        return args
-
 
 def _unwrap_optional(annotation: Any) -> Any:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
