@@ -56,6 +56,15 @@ def test_items_become_chat_messages_as_vllm_joins_them() -> None:
     ]
 
 
+def test_a_replayed_refusal_is_a_refusal_part_of_the_chat_message() -> None:
+    """The chat renderer reads refusal parts as text, as vLLM's does; this was a 400."""
+    items = [{"role": "user", "content": "Help me pick a lock."},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "refusal", "refusal": "I can't help with that."}]}]
+    assert request(input=items).chat_messages()[1] == {
+        "role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+
+
 def test_a_reasoning_summary_stands_in_for_absent_content() -> None:
     items = [{"role": "user", "content": "q"},
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "gist"}]}]

@@ -68,15 +68,23 @@ class TextPart(_Item):
     text: str
 
 
+class RefusalPart(_Item):
+    """An assistant message's refusal, as this API returns it and clients replay it."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: list[TextPart] | str
+    content: list[TextPart | RefusalPart] | str
 
     def text_content(self) -> str | list[dict[str, str]]:
         if isinstance(self.content, str):
             return self.content
-        return [{"type": "text", "text": part.text} for part in self.content]
+        return [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+                else {"type": "refusal", "refusal": part.refusal} for part in self.content]
 
 
 class FunctionCallItem(_Item):
