@@ -153,7 +153,7 @@ def split_kv_service_address(address: str) -> tuple[str, int]:
     host, sep, port = address.removeprefix("tcp://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise KvTransferConfigError(f"KV service address must be host:port, got {address!r}")
-    if _is_ipv6(host.removeprefix("[").removesuffix("]")):
+    if _is_ipv6(host):
         # LMCache's ZMQ client never sets ZMQ_IPV6, so it waits out its timeout on any IPv6 peer.
         raise KvTransferConfigError(
             f"KV service address {address!r} is IPv6, which LMCache's client cannot reach; "
@@ -185,7 +185,7 @@ def check_kv_events_endpoint(endpoint: str) -> None:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise KvTransferConfigError(
             f"KV events endpoint {endpoint!r} needs a port from 1 to 65535")
-    if _is_ipv6(host.removeprefix("[").removesuffix("]")):
+    if _is_ipv6(host):
         # vLLM's publisher sets ZMQ_IPV6 only for tcp://*:0, so its bind or connect fails.
         raise KvTransferConfigError(
             f"KV events endpoint {endpoint!r} is IPv6, which vLLM's publisher cannot use; "
@@ -193,8 +193,9 @@ def check_kv_events_endpoint(endpoint: str) -> None:
 
 
 def _is_ipv6(host: str) -> bool:
+    """Whether `host`, bracketed as in a URL or not, is an IPv6 address."""
     try:
-        return ipaddress.ip_address(host).version == 6
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).version == 6
     except ValueError:
         return False
 

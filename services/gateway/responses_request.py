@@ -14,11 +14,11 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+                      field_validator, model_validator)
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError
 from services.gateway.reasoning_effort import RequestedEffort
-from services.gateway.schemas import ChatCompletionRequest, check_valid_unicode
+from services.gateway.schemas import ChatCompletionRequest, check_valid_unicode, without_nulls
 
 # Chat request fields a Responses field turns into, for errors the chat path raises.
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -40,6 +40,8 @@ _UNMADE_INCLUDES = frozenset({
     "web_search_call.results"})
 
 
+# Fields OpenAI's Responses API lets a client send as null for their default.
+_NULL_MEANS_UNSET = frozenset({"parallel_tool_calls", "stream"})
 # Chat request fields an error's message may name besides its param ("cannot be combined with
 # response_format"); `messages` is left out, being an ordinary word too.
 _CHAT_FIELD_WORDS = re.compile(r"\b(?:max_tokens|response_format|reasoning_effort)\b")
@@ -221,13 +223,10 @@ class ResponsesRequest(BaseModel):
                 raise RequestFieldError(name, problem)
         return body
 
-    @field_validator("parallel_tool_calls", "stream", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        # OpenAI's API takes null for these, meaning the default; the client sends it for None.
-        if value is None and info.field_name is not None:
-            return cls.model_fields[info.field_name].default
-        return value
+    def _null_means_unset(cls, body: Any) -> Any:
+        return without_nulls(body, _NULL_MEANS_UNSET)
 
     @field_validator("input", mode="before")
     @classmethod

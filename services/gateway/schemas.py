@@ -101,6 +101,14 @@ NULL_MEANS_UNSET = frozenset({"n", "stream", "presence_penalty", "frequency_pena
                               "echo", "stop_token_ids"})
 
 
+def without_nulls(body: Any, names: frozenset[str]) -> Any:
+    """`body` without those of `names` sent as null: OpenAI's API (and vLLM's server) take null
+    for them, meaning the default, and the official client sends it for an explicit None."""
+    if isinstance(body, dict):
+        return {k: v for k, v in body.items() if not (v is None and k in names)}
+    return body
+
+
 class SamplingFields(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as vLLM's server does."""
 
@@ -115,11 +123,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_unset(cls, body: Any) -> Any:
-        # OpenAI's API (and vLLM's server) take null for these, meaning the default; the
-        # official client sends it for an explicit None.
-        if isinstance(body, dict):
-            return {k: v for k, v in body.items() if not (v is None and k in NULL_MEANS_UNSET)}
-        return body
+        return without_nulls(body, NULL_MEANS_UNSET)
 
     model: str
     n: int = Field(1, ge=1, le=128)

@@ -53,7 +53,6 @@ PASSED_ON_CHECKS: dict[str, Callable[[Any], None]] = {
 }
 
 
-
 def check_passed_on_field(cls: type, value: Any, info: ValidationInfo) -> Any:
     """A field validator of the PASSED_ON_CHECKS fields, for the settings classes that hold them."""
     assert info.field_name is not None
