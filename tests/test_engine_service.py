@@ -18,7 +18,8 @@ import pytest
 from backport.v1 import common_pb2
 from backport.v1 import engine_pb2 as pb
 from services.engine.client import EngineClient
-from tests.cluster.processes import kill_group, metric, scrape, start_engine, stop_service
+from tests.cluster.processes import (kill_group, metric, scrape, shared_memory_mapped_by,
+                                     start_engine, stop_service)
 from tests.conftest import free_port, wait_for_grpc_serving
 
 START_TIMEOUT_S = 600.0
@@ -319,6 +320,7 @@ def test_an_engine_core_gone_is_unavailable_mid_stream_and_after(engine: Running
             assert (await call.read()).HasField("chunk")
             engine_core = next(p for p in psutil.Process(engine.process.pid).children()
                                if "EngineCore" in " ".join(p.cmdline()))
+            core_segments.extend(shared_memory_mapped_by(engine_core))
             engine_core.kill()
             replies = []
             while (reply := await call.read()) is not grpc.aio.EOF:
@@ -329,7 +331,12 @@ def test_an_engine_core_gone_is_unavailable_mid_stream_and_after(engine: Running
         finally:
             await client.close()
 
-    mid_stream, next_request = asyncio.run(kill_the_core_mid_stream())
+    core_segments: list[Path] = []
+    try:
+        mid_stream, next_request = asyncio.run(kill_the_core_mid_stream())
+    finally:
+        for segment in core_segments:
+            segment.unlink(missing_ok=True)
     for reply in (mid_stream, next_request):
         assert reply.WhichOneof("response") == "error", reply
         assert reply.error.code == common_pb2.ERROR_CODE_UNAVAILABLE, reply

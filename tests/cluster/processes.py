@@ -109,6 +109,13 @@ def stop_service(process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> N
         process.wait()
 
 
+def shared_memory_mapped_by(process: psutil.Process) -> list[Path]:
+    """The vLLM message queues in `/dev/shm` that `process` maps. An engine core killed outright
+    leaves the 160 MB queue it created behind: nothing else unlinks it."""
+    return sorted({Path(region.path) for region in process.memory_maps()
+                   if region.path.startswith("/dev/shm/psm_")})
+
+
 def child_pid(parent: int, *words: str) -> int:
     """The pid of `parent`'s child whose command line holds `words` in that order."""
     for entry in Path("/proc").iterdir():
