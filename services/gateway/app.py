@@ -8,13 +8,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
-from services.gateway.admission import AdmissionMiddleware, Traffic
+from services.gateway.admission import ENGINE_HEADER, AdmissionMiddleware, Traffic
 from services.gateway.auth import ApiKeys
 from services.gateway.backend import GatewayBackend
 from services.gateway.errors import install_error_handlers
 from services.gateway.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
 from services.gateway.routes import chat, completions, models, responses, tokenize
 from services.gateway.settings import GatewaySettings
+
+# Headers the gateway answers with that a page's script may read: a browser hides every header
+# not CORS-safelisted unless exposed. Which engine served (`--expose-engine-header`), and a 401's
+# challenge.
+CORS_EXPOSED_HEADERS = (ENGINE_HEADER.decode(), "WWW-Authenticate")
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -41,7 +46,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # Added last, so outermost: a preflight carries no API key and must not meet the check,
         # and a refusal must carry the CORS headers for the page to read its error.
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origin,
-                           allow_methods=["*"], allow_headers=["*"])
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=CORS_EXPOSED_HEADERS)
     install_error_handlers(app)
     for router in (models.router, chat.router, completions.router, responses.router, tokenize.router):
         app.include_router(router)

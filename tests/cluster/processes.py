@@ -10,14 +10,17 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 
-from tests.conftest import REPO_ROOT, engine_environment
+from tests.conftest import REPO_ROOT, RunningMesh, engine_environment, free_port, wait_for_http_ok
+
+GATEWAY_START_TIMEOUT_S = 120.0
 
 
 def redis_server_binary() -> str | None:
@@ -84,6 +87,27 @@ def start_tokenizer(model: Path, port: int, log_path: Path) -> subprocess.Popen[
     with log_path.open("wb") as log:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextmanager
+def gateway_over(mesh: RunningMesh, log_dir: Path, *args: str,
+                 env: dict[str, str] | None = None) -> Iterator[str]:
+    """A gateway process with `args` over `mesh`'s engine and tokenizer service; yields its
+    base URL (`.../v1`) once it answers /health."""
+    port = free_port()
+    log_path = log_dir / f"gateway-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
+             "--engine", mesh.engine_address, "--tokenizer", mesh.tokenizer_address, *args],
+            cwd=REPO_ROOT, env=engine_environment() | (env or {}), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_http_ok(f"http://127.0.0.1:{port}/health", GATEWAY_START_TIMEOUT_S, process)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        kill_group(process)
+        process.wait()
 
 
 def kill_group(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

@@ -9,7 +9,8 @@ client that accumulates them gets the same items; `response.completed` (or `resp
 when `max_output_tokens` cut the output) carries the whole response last. A request the engine
 aborted (its `Abort` call) ends with status `cancelled`, as in vLLM; streamed, its last event is
 `response.incomplete`, since OpenAI's stream has no cancelled event. A stream that fails once
-begun sends an `error` event, then `response.failed` with the output so far.
+begun closes the item it was writing, then sends an `error` event and `response.failed` with the
+output so far. An item a response ended before it was finished has status `incomplete`.
 
 Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`,
 `conversation`, `background` and stored `prompt`s are a 400, and there is no GET, DELETE or cancel
@@ -223,8 +224,11 @@ class _Response:
             failure = {"type": "error", "code": "internal_error",
                        "message": "internal error while streaming", "param": None}
         if failure is not None:
-            # The `error` event says what went wrong; `response.failed` ends the response's
-            # lifecycle, as a stream's last event must, with what was generated before it.
+            # The item being written will never be finished: it ends `incomplete`, not left
+            # `in_progress`. The `error` event says what went wrong; `response.failed` ends the
+            # response's lifecycle, as a stream's last event must, with what was generated.
+            for event in output.close("incomplete"):
+                yield sse(event)
             yield sse(failure)
             yield sse({"type": "response.failed", "response": self._shape(
                 "failed", output.items, self.generation.usage,
