@@ -1,8 +1,8 @@
 """The engine's own KV cache events, collected for routers: blocks held now, and each change.
 
 vLLM's engine core publishes `KVEventBatch`es on a ZMQ PUB socket (`kv_events_config`, see
-`services.engine.kv_transfer`). The engine service subscribes to it, keeps the set of
-block hashes held per medium, and hands every batch to the gRPC watchers
+`services.engine.kv_transfer`). The engine service subscribes to it, keeps the block
+hashes held per medium, and hands every batch to the gRPC watchers
 (`EngineServicer.WatchKvEvents`), so a router needs one gRPC stream per engine and no ZMQ.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ def subscriber_endpoint(publisher_endpoint: str) -> str | None:
 class WatchEnded(Enum):
     """Why a watcher gets no more batches; the last item of its queue."""
 
-    FELL_BEHIND = "fell behind"
+    FELL_BEHIND = "the watcher fell behind the engine's KV events"
+    EVENTS_LOST = "the engine service lost some of vLLM's KV events"
     ENGINE_STOPPING = "engine stopping"
 
 
@@ -99,12 +101,22 @@ def collector_for(publisher_endpoint: str | None) -> KvEventCollector | None:
 
 
 class KvEventCollector:
-    """Subscribes to the engine's KV-event publisher; tracks held blocks; fans batches out."""
+    """Subscribes to the engine's KV-event publisher; tracks held blocks; fans batches out.
+
+    vLLM does not de-duplicate cached blocks: a hash may name several blocks (a prompt cached
+    whole has its last block recomputed into a second one), each stored and removed with its
+    own event, so a hash is held while it names at least one block. When batches go missing
+    (the sequence numbers skip, or start over with a new publisher) the blocks held are
+    forgotten: any hash reported after that is held, though a block stored before the loss
+    is only reported once stored again.
+    """
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.held: dict[str, set[int]] = {}
+        # How many blocks each hash names, per medium; only counts above zero are kept.
+        self.held: dict[str, Counter[int]] = {}
         self._watchers: set[KvEventWatcher] = set()
+        self._next_sequence = 0
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
     async def run(self) -> None:
@@ -117,19 +129,33 @@ class KvEventCollector:
         try:
             while True:
                 # (topic, sequence number, msgpack batch); see vllm.distributed.kv_events.
-                _topic, _sequence, payload = await socket.recv_multipart()
-                self.apply(self._decoder.decode(payload))
+                _topic, sequence, payload = await socket.recv_multipart()
+                self.apply(int.from_bytes(sequence, "big"), self._decoder.decode(payload))
         finally:
             socket.close(linger=0)
 
-    def apply(self, batch: KVEventBatch) -> None:
+    def apply(self, sequence: int, batch: KVEventBatch) -> None:
+        """Applies the publisher's batch number `sequence` and hands it to the watchers."""
+        if sequence != self._next_sequence:
+            # The SUB socket drops what overflows its queue, and vLLM's publisher counts from 0
+            # again when it restarts; the engine's replay socket is not configured.
+            logger.warning("expected KV event batch %d, got %d: events were lost; forgetting "
+                           "the blocks held and ending the watches", self._next_sequence, sequence)
+            self.held.clear()
+            self._end_watches(WatchEnded.EVENTS_LOST)
+        self._next_sequence = sequence + 1
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.held.setdefault(event.medium or "", set()).update(
+                self.held.setdefault(event.medium or "", Counter()).update(
                     block_hash_u64(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self.held.get(event.medium or "", set()).difference_update(
-                    block_hash_u64(h) for h in event.block_hashes)
+                held = self.held.get(event.medium or "", Counter())
+                for block_hash in map(block_hash_u64, event.block_hashes):
+                    # No count is left for a block stored before events were lost.
+                    if held[block_hash] > 1:
+                        held[block_hash] -= 1
+                    else:
+                        held.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
                 # Only vLLM's own block pool resets its prefix cache; it names no medium.
                 self.held.pop(MEDIUM_GPU, None)
@@ -139,14 +165,17 @@ class KvEventCollector:
 
     def end_watches(self) -> None:
         """Ends every open watch, so a draining gRPC server does not wait on endless streams."""
+        self._end_watches(WatchEnded.ENGINE_STOPPING)
+
+    def _end_watches(self, reason: WatchEnded) -> None:
         for watcher in self._watchers:
-            watcher.batches.put_nowait(WatchEnded.ENGINE_STOPPING)
+            watcher.batches.put_nowait(reason)
         self._watchers.clear()
 
     @contextmanager
     def watch(self) -> Iterator[tuple[dict[str, list[int]], KvEventWatcher]]:
         """The blocks held now and a watcher of every later batch, with nothing in between."""
-        snapshot = {medium: sorted(hashes) for medium, hashes in self.held.items() if hashes}
+        snapshot = {medium: sorted(counts) for medium, counts in self.held.items() if counts}
         watcher = KvEventWatcher()
         self._watchers.add(watcher)
         try:

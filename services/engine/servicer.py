@@ -122,9 +122,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 for medium, hashes in snapshot.items()]))
             while not isinstance(item := await watcher.batches.get(), WatchEnded):
                 yield pb.KvEventsUpdate(batch=kv_event_batch_to_proto(item))
-        if item is WatchEnded.FELL_BEHIND:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "the watcher fell behind the engine's KV events; call again")
+        if item is not WatchEnded.ENGINE_STOPPING:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{item.value}; call again")
 
 
 def kv_event_batch_to_proto(batch: KVEventBatch) -> pb.KvEventBatch:

@@ -71,12 +71,14 @@ class RedisServer:
             self.process.wait(timeout=10)
 
 
-def start_engine(model: Path, port: int, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
-    """A standalone engine in its own process group (vLLM's engine core included)."""
+def start_engine(model: Path, port: int, log_path: Path, *args: str,
+                 environment: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A standalone engine in its own process group (vLLM's engine core included), in
+    `environment` (the tests' engine environment by default)."""
     command = [sys.executable, "-m", "services.cli", "engine", "--model", str(model),
                "--port", str(port), "--enforce-eager", *args]
     with log_path.open("wb") as log:
-        return subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(), stdout=log,
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=environment or engine_environment(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

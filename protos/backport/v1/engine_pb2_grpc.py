@@ -98,8 +98,9 @@ class EngineServicer:
         """The engine's KV cache events, for cache-aware routing: first a snapshot of the
         blocks held when the call starts, then every batch of stored or removed blocks as
         vLLM reports it. FAILED_PRECONDITION when the engine publishes no KV events (started
-        without --kv-events-endpoint); RESOURCE_EXHAUSTED when the watcher fell behind, after
-        which a new call starts again from a fresh snapshot.
+        without --kv-events-endpoint); RESOURCE_EXHAUSTED when the watcher fell behind or the
+        engine service lost some of vLLM's batches, after which a new call starts again from a
+        fresh snapshot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
