@@ -46,8 +46,11 @@ class Publisher:
 
     async def send(self, sequence: int, *events: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         batch = KVEventBatch(ts=0.0, events=list(events))
+        await self.send_payload(sequence, self.encoder.encode(batch))
+
+    async def send_payload(self, sequence: int, payload: bytes) -> None:
         await self.socket.send_multipart((KV_EVENTS_TOPIC.encode(), sequence.to_bytes(8, "big"),
-                                          self.encoder.encode(batch)))
+                                          payload))
 
 
 def stored(*block_hashes: int) -> BlockStored:
@@ -141,6 +144,21 @@ async def lost_batches_forget_the_held_blocks(publisher: Publisher, collector: K
     # The numbering goes on from the batch after the gap.
     await applied(collector, publisher, next_sequence + 1, removed(OTHER_BLOCK_HASH))
     assert held(collector) == set()
+
+
+def test_a_batch_it_cannot_read_counts_as_lost_and_collection_goes_on(tmp_path: Path) -> None:
+    """Collection had ended at the first batch msgspec could not decode, silently: every later
+    event was lost and watchers waited for batches that never came."""
+
+    async def scenario(publisher: Publisher, collector: KvEventCollector) -> None:
+        await applied(collector, publisher, 0, stored(BLOCK_HASH))
+        with collector.watch() as (_snapshot, watcher):
+            await publisher.send_payload(1, msgspec.msgpack.encode([0.0, [["NewEventType"]]]))
+            await publisher.send(2, stored(OTHER_BLOCK_HASH))
+            assert await asyncio.wait_for(watcher.batches.get(), TIMEOUT_S) is WatchEnded.EVENTS_LOST
+        assert held(collector) == {OTHER_BLOCK_HASH}
+
+    run_wired(tmp_path, scenario)
 
 
 def test_a_grpc_watcher_is_told_to_call_again_after_lost_batches(tmp_path: Path) -> None:

@@ -129,8 +129,16 @@ class KvEventCollector:
         try:
             while True:
                 # (topic, sequence number, msgpack batch); see vllm.distributed.kv_events.
-                _topic, sequence, payload = await socket.recv_multipart()
-                self.apply(int.from_bytes(sequence, "big"), self._decoder.decode(payload))
+                _topic, sequence_bytes, payload = await socket.recv_multipart()
+                sequence = int.from_bytes(sequence_bytes, "big")
+                try:
+                    batch = self._decoder.decode(payload)
+                except msgspec.DecodeError as error:
+                    # Say, an event type of a newer vLLM. Collection goes on; the batch counts
+                    # as lost when the next one's sequence number skips it.
+                    logger.warning("could not read KV event batch %d: %s", sequence, error)
+                    continue
+                self.apply(sequence, batch)
         finally:
             socket.close(linger=0)
 
