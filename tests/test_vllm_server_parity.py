@@ -234,6 +234,11 @@ CASES: dict[str, Call] = {
         model="no-such-model", messages=MESSAGES, max_tokens=5),
     "refused: a prompt past the context": lambda c: c.completions.create(
         model=MODEL, prompt="hello " * 2100, max_tokens=5),
+    "refused: an assistant tool call without an id": lambda c: c.chat.completions.create(
+        model=MODEL, max_tokens=5, messages=[
+            *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "user", "content": "And Rome?"}]),
 }
 
 

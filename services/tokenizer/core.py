@@ -43,6 +43,12 @@ class TokenizerCore:
         if not self.hf.is_fast:
             raise ValueError(f"{model_path}: only fast (tokenizers-backed) tokenizers are supported")
         self.fast: Tokenizer = self.hf.backend_tokenizer
+        # Whether transformers' `decode` (vLLM's for /detokenize, token prompts echoed and
+        # logprob token texts) cleans up spaces before punctuation: where the config asks, but
+        # not for a BPE model, where it would corrupt the text, unless the config insists.
+        self.cleans_up_tokenization_spaces = bool(self.hf.clean_up_tokenization_spaces) and (
+            type(self.fast.model).__name__ != "BPE"
+            or bool(self.hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output))
         self.renderer: ChatRenderer = chat_renderer_for(model_path, self.hf)
         self.eos_token_ids = _eos_token_ids(model_path, self.hf)
         # The ids the engine takes and may generate: a model's embedding table is often padded
@@ -79,13 +85,17 @@ class TokenizerCore:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str:
         # One sequence costs `decode_batch` no more than `decode`, and it lets go of the GIL.
-        return self.fast.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+        text = self.fast.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._cleaned(text)
 
     def decode_each(self, token_ids: list[int]) -> list[str]:
         if len(token_ids) > LONG_DECODE_NUM_TOKENS:
-            return self.fast.decode_batch([[token_id] for token_id in token_ids],
-                                          skip_special_tokens=False)
-        return [self.fast.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+            texts = self.fast.decode_batch([[token_id] for token_id in token_ids],
+                                           skip_special_tokens=False)
+        else:
+            texts = [self.fast.decode([token_id], skip_special_tokens=False)
+                     for token_id in token_ids]
+        return [self._cleaned(text) for text in texts]
 
     def decode_in_context(self, token_id: int, context_token_ids: list[int]) -> str:
         """The text `token_id` adds after `context_token_ids` (oldest first), for a token whose
@@ -93,7 +103,7 @@ class TokenizerCore:
         tokens held of them included, or "" while they are still incomplete."""
         for num_context in range(1, min(len(context_token_ids), MAX_CHARACTER_TOKENS) + 1):
             context = context_token_ids[-num_context:]
-            text = self.fast.decode(context + [token_id], skip_special_tokens=False)
+            text = self._cleaned(self.fast.decode(context + [token_id], skip_special_tokens=False))
             if text.endswith(REPLACEMENT_CHARACTER):
                 continue
             # Context tokens that were pieces of the completed characters showed as "" at their
@@ -101,12 +111,18 @@ class TokenizerCore:
             num_whole = len(context)
             while num_whole and self.fast.decode([context[num_whole - 1]]).endswith(REPLACEMENT_CHARACTER):
                 num_whole -= 1
-            before = self.fast.decode(context[:num_whole], skip_special_tokens=False)
+            before = self._cleaned(self.fast.decode(context[:num_whole], skip_special_tokens=False))
             return text[len(os.path.commonprefix([before, text])):]
         return ""
 
     def detokenizer(self, *, skip_special_tokens: bool) -> StreamingDetokenizer:
+        # Never cleaned up: vLLM's output text comes from the same `DecodeStream`, which does not.
         return StreamingDetokenizer(self.fast, skip_special_tokens=skip_special_tokens)
+
+    def _cleaned(self, text: str) -> str:
+        """`text` as transformers' `decode` finishes it (the tokenizer's own clean-up, which
+        remote-code tokenizers may override)."""
+        return self.hf.clean_up_tokenization(text) if self.cleans_up_tokenization_spaces else text
 
 
 class StreamingDetokenizer:

@@ -13,11 +13,13 @@ import functools
 from types import SimpleNamespace
 from typing import Any
 
+import pydantic
 import pytest
 
 from services.gateway.reasoning_effort import passthrough_template_kwargs
 from services.tokenizer.chat_formats import JinjaTemplateRenderer
 from services.tokenizer.chat_formats.jinja_content_format import content_format
+from services.tokenizer.chat_formats.protocol import ChatRenderError
 from tests.chat_formats.deepseek_v4_corpus import CONVERSATIONS
 
 pytest.importorskip("vllm.renderers.hf", reason="vllm is not installed")
@@ -34,8 +36,9 @@ _COMMON_TAIL = (
     "{% endif %}"
 )
 _TOOLS_HEAD = "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
-_CALLS = ("{%- for tc in m.tool_calls or [] %}<call>{{ tc.function.name }}{{ tc.function.arguments | tojson }}"
-          "</call>{% endfor %}{% if m.reasoning_content %}<r>{{ m.reasoning_content }}</r>{% endif %}")
+_CALLS = ("{%- for tc in m.tool_calls or [] %}<call id={{ tc.id | tojson }}>{{ tc.function.name }}"
+          "{{ tc.function.arguments | tojson }}</call>{% endfor %}"
+          "{% if m.reasoning_content %}<r>{{ m.reasoning_content }}</r>{% endif %}")
 TEMPLATES = {
     "string": _TOOLS_HEAD + "{%- for m in messages %}<{{ m.role }}>{{ m.content }}" + _CALLS + "{% endfor %}"
               + _COMMON_TAIL,
@@ -124,6 +127,31 @@ def test_requests_vllm_renders_render_the_same(template: str, shape: str) -> Non
                                                        add_generation_prompt=not continue_final_message,
                                                        continue_final_message=continue_final_message)
     assert rendered == expected
+
+
+# Requests vLLM's server refuses (its request schema holds OpenAI's required fields), each with
+# the field our error names: a template must not see a tool call the client never named.
+REFUSED_SHAPES: dict[str, tuple[list[dict[str, Any]], str]] = {
+    "tool_call_without_id": ([{"role": "user", "content": "Weather?"},
+                              {"role": "assistant", "content": None, "tool_calls": [
+                                  {"type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+                              {"role": "user", "content": "And now?"}], "messages[1].tool_calls[0].id"),
+    "tool_call_with_null_id": ([{"role": "user", "content": "Weather?"},
+                                {"role": "assistant", "content": None, "tool_calls": [
+                                    {"id": None, "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+                                {"role": "user", "content": "And now?"}], "messages[1].tool_calls[0].id"),
+}
+
+
+@pytest.mark.parametrize("shape", REFUSED_SHAPES)
+def test_requests_vllm_refuses_are_refused_naming_the_field(shape: str) -> None:
+    tokenizer = _tokenizer(TEMPLATES["string"])
+    messages, field = REFUSED_SHAPES[shape]
+    with pytest.raises(pydantic.ValidationError):
+        vllm_prompt(tokenizer, messages, None, {})
+    with pytest.raises(ChatRenderError) as caught:
+        JinjaTemplateRenderer(tokenizer).render(copy.deepcopy(messages), None, {})
+    assert caught.value.field == field
 
 
 @pytest.mark.parametrize("effort", [None, "none", "minimal", "medium", "high", "max"])

@@ -132,9 +132,11 @@ def _parse_tool_calls(path: str, tool_calls: Any) -> tuple[ToolCall, ...]:
         if not isinstance(name, str) or not name:
             raise ChatRenderError(f"{call_path}.function.name", "must be a non-empty string")
         call_id = call.get("id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise ChatRenderError(f"{call_path}.id", "must be a string")
-        parsed.append(ToolCall(call_id=call_id or "", name=name,
+        # OpenAI's schema requires the id and vLLM's server refuses a call without one, so no
+        # template sees a call the client never named (nor an invented empty id).
+        if not isinstance(call_id, str):
+            raise ChatRenderError(f"{call_path}.id", "is required and must be a string")
+        parsed.append(ToolCall(call_id=call_id, name=name,
                                arguments=_arguments_object(function.get("arguments"))))
     return tuple(parsed)
 
