@@ -247,7 +247,10 @@ class Generation:
         if token_ids:
             self._observe_tokens(len(token_ids))
         token_texts = await self._token_texts(chunk.index, token_ids)
-        check = self._matcher(chunk.index).feed("".join(token_texts))
+        num_tokens_before = chunk.completion_tokens - len(token_ids)
+        check = self._matcher(chunk.index).feed(
+            "".join(token_texts),
+            num_protected_chars=self._num_min_token_chars(token_texts, num_tokens_before))
         # A chunk can hold tokens generated after the one that completed a stop string (the
         # engine merges outputs when it runs behind); as in vLLM, they are neither counted nor
         # given logprobs.
@@ -274,6 +277,14 @@ class Generation:
                            finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"),
                            stop_reason=(complete.stop_token_id if complete.HasField("stop_token_id")
                                         else None))
+
+    def _num_min_token_chars(self, token_texts: list[str], num_tokens_before: int) -> int:
+        """How many characters of a chunk's text belong to the choice's first `min_tokens`
+        tokens, where vLLM lets no stop string end."""
+        num_protected_tokens = self.request.sampling.min_tokens - num_tokens_before
+        if num_protected_tokens <= 0:
+            return 0
+        return sum(len(text) for text in token_texts[:num_protected_tokens])
 
     async def _token_texts(self, index: int, token_ids: list[int]) -> list[str]:
         """The chunk's text, split by token where a stop string may need to know which

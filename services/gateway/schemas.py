@@ -288,7 +288,8 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="text, token ids, or a batch of either")
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with `echo`: the prompt alone comes back (scoring it by its logprobs).
+    max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -313,9 +314,27 @@ class CompletionRequest(SamplingFields):
                              "or a non-empty list of either")
         return prompt
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, body: Any) -> Any:
+        # OpenAI's API and vLLM's server read a null max_tokens as 16 here, not as no limit.
+        return without_nulls(body, frozenset({"max_tokens"}))
+
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestFieldError("max_tokens", "0 is only allowed with echo (to score the prompt)")
+        return self
+
+    @property
+    def is_echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the response holds the prompt and nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     @property
     def token_limit(self) -> int | None:
-        return self.max_tokens
+        # The engine generates at least one token; an echo-only response leaves it out, as vLLM's.
+        return 1 if self.is_echo_only else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:

@@ -35,13 +35,15 @@ class StopStringMatcher:
         self._pending = ""  # the held ones among them
         self.stopped = False
 
-    def feed(self, text: str) -> StopCheck:
+    def feed(self, text: str, *, num_protected_chars: int = 0) -> StopCheck:
+        """`num_protected_chars`: how many characters at the start of `text` belong to the
+        choice's first `min_tokens` tokens; as in vLLM, no stop string may end within them."""
         if self.stopped:
             return StopCheck("", True)
         if not self._stops:
             return StopCheck(text, False)
         window = self._context + text
-        match = self._first_stop(window, len(self._context))
+        match = self._first_stop(window, len(self._context) + num_protected_chars)
         unreleased_from = len(self._context) - len(self._pending)
         if match is not None:
             start, stop = match

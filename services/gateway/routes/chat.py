@@ -157,8 +157,11 @@ class _ChatCompletion:
 
     async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
         for index in range(len(self.parsers)):
-            yield sse_event(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]))
+            opening = self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}])
+            if continuous_usage:
+                opening["usage"] = usage_dict(self.generation.usage)
+            yield sse_event(opening)
         async for delta in self.generation.deltas():
             message = parse_choice_delta(self.parsers[delta.index], delta)
             if message.is_empty and not delta.logprobs and delta.finish_reason is None:

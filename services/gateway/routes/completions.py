@@ -51,7 +51,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         for generation in generations:
             generation.cancel()
         raise
-    completion = _Completion(completion_id, model, body.n, generations, echoes, body.logprobs)
+    completion = _Completion(completion_id, model, body.n, generations, echoes, body.logprobs,
+                             is_echo_only=body.is_echo_only)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
                                                               body.include_continuous_usage)),
@@ -85,10 +86,12 @@ class _Completion:
     """Shapes the deltas of one generation per prompt as text_completion objects.
 
     Choice `i` of prompt `p` is index `p * n + i`, as in OpenAI's batched completions.
+    `is_echo_only` (`echo` with `max_tokens: 0`) leaves the generated token out of the choices;
+    the usage counts it, as vLLM's does.
     """
 
     def __init__(self, completion_id: str, model: ServedModel, n: int, generations: list[Generation],
-                 echoes: list[str] | None, num_logprobs: int | None) -> None:
+                 echoes: list[str] | None, num_logprobs: int | None, *, is_echo_only: bool) -> None:
         self.id = completion_id
         self.created = now()
         self.model = model
@@ -96,6 +99,7 @@ class _Completion:
         self.generations = generations
         self.echoes = echoes
         self.num_logprobs = num_logprobs
+        self.is_echo_only = is_echo_only
 
     def _echoed_logprobs(self, generation: Generation) -> list[_LogprobEntry]:
         """With `echo`, the prompt's tokens lead a choice's logprobs (OpenAI's legacy rule)."""
@@ -118,8 +122,8 @@ class _Completion:
                 # Each choice's next token offset in its text: vLLM carries it across chunks.
                 positions: dict[int, int] = {}
                 async for delta in generation.deltas():
-                    text = delta.text
-                    entries = _generated_entries(delta.logprobs)
+                    text = "" if self.is_echo_only else delta.text
+                    entries = [] if self.is_echo_only else _generated_entries(delta.logprobs)
                     if delta.index not in positions:
                         positions[delta.index] = 0
                         text = echo + text
@@ -147,10 +151,13 @@ class _Completion:
                 collected = await generation.collect()
                 echoed = self._echoed_logprobs(generation)
                 for i, choice in enumerate(collected):
+                    generated_text, generated_logprobs = choice.text, choice.logprobs
+                    if self.is_echo_only:
+                        generated_text, generated_logprobs = "", []
                     logprobs = None
                     if self.num_logprobs is not None:
-                        logprobs = _logprobs(echoed + _generated_entries(choice.logprobs), 0)
-                    shaped = {"index": p * self.n + i, "text": echo + choice.text,
+                        logprobs = _logprobs(echoed + _generated_entries(generated_logprobs), 0)
+                    shaped = {"index": p * self.n + i, "text": echo + generated_text,
                               "logprobs": logprobs, "finish_reason": choice.finish_reason,
                               "stop_reason": choice.stop_reason}
                     if generation.prompt_logprobs is not None:
