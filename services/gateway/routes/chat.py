@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
-from services.gateway.generation import ChoiceDelta, Generation, TokenLogprob, prompt_logprobs_json
+from services.gateway.generation import (ChoiceDelta, Generation, TokenLogprob, finite_logprob,
+                                         prompt_logprobs_json)
 from services.gateway.parsing import ChatOutputParser, MessageDelta
 from services.gateway.parsing.forced_tool_calls import ForcedToolCallParser, ForcedToolChoice
 from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
@@ -224,7 +225,9 @@ def _join(first: str | None, second: str | None) -> str | None:
 
 
 def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    # -inf has no JSON spelling: written as -9999.0, as vLLM writes it.
     return {"content": [{
-        "token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top],
+        "token": e.token, "logprob": finite_logprob(e.logprob), "bytes": list(e.token.encode()),
+        "top_logprobs": [{"token": t, "logprob": finite_logprob(lp), "bytes": list(t.encode())}
+                         for t, lp in e.top],
     } for e in entries]}
