@@ -234,6 +234,8 @@ CASES: dict[str, Call] = {
         model="no-such-model", messages=MESSAGES, max_tokens=5),
     "refused: a prompt past the context": lambda c: c.completions.create(
         model=MODEL, prompt="hello " * 2100, max_tokens=5),
+    "refused: stream_options without stream": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, stream_options={"include_usage": True}),
     "refused: an assistant tool call without an id": lambda c: c.chat.completions.create(
         model=MODEL, max_tokens=5, messages=[
             *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [

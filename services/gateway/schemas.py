@@ -168,6 +168,14 @@ class SamplingFields(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _stream_options_only_streamed(self) -> SamplingFields:
+        # As OpenAI's API and vLLM's server: options for a stream that is not one are a mistake
+        # the client should hear of (an empty object, which asks for nothing, passes).
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise RequestFieldError("stream_options", "only allowed when `stream=True`")
+        return self
+
+    @model_validator(mode="after")
     def _min_tokens_within_the_limit(self) -> SamplingFields:
         # vLLM's sampling params refuse it too, in a message the gateway cannot tie to a field.
         limit = self.token_limit
