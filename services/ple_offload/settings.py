@@ -1,10 +1,12 @@
-"""Settings of the PLE offload service (`backport ple`, env prefix BACKPORT_PLE_)."""
+"""Settings of the PLE offload service (`backport ple`, env prefix BACKPORT_PLE_; the listen
+address from BACKPORT_PLE_LISTEN_ADDRESS)."""
 
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -14,10 +16,16 @@ from services.ple_offload.segment_layout import segment_path
 from services.ple_offload.table_format import RowDtype, TableExpectation
 
 
+LISTEN_ADDRESS_ENV = "BACKPORT_PLE_LISTEN_ADDRESS"
+
+
 class PleSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="BACKPORT_PLE_", extra="forbid")
 
-    address: str = Field("127.0.0.1:50071", description="gRPC listen address (host:port)")
+    # Not BACKPORT_PLE_ADDRESS: engines read that as the address of the service they use,
+    # and a shell that exports it for its engines must not move where this service listens.
+    address: str = Field("127.0.0.1:50071", validation_alias=LISTEN_ADDRESS_ENV,
+                         description=f"gRPC listen address (host:port; env {LISTEN_ADDRESS_ENV})")
     table_path: Path = Field(description="safetensors file, or folder of them, holding the table")
     tensor_name: str | None = Field(
         None, description="table tensor stem, e.g. model.layers.0.ple.ple_embedding.ngram_embedding "
@@ -35,6 +43,12 @@ class PleSettings(ServiceSettings):
     cpus: list[int] = Field(
         default_factory=list, description="CPUs the service and all its threads run on; a CPU "
         "of its own shortens LookupStream's tail (docs/ple.md); default: any")
+
+    def __init__(self, **values: Any) -> None:
+        """`--address` sets the field by its name, which the environment cannot."""
+        if "address" in values:
+            values[LISTEN_ADDRESS_ENV] = values.pop("address")
+        super().__init__(**values)
 
     # Checked here, so a bad value stops the service with its flag's name (status 2) before
     # it reads the table, instead of a traceback once it gets to use the value.

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from services.mesh.channels import wait_until_serving
+from services.ple_offload.settings import LISTEN_ADDRESS_ENV
 from tests.conftest import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +54,12 @@ def service_command(table_path: Path, *args: str,
 
 class ServiceProcess:
     """One PLE service child (`python -m services.ple_offload` unless `entry` says
-    otherwise); `stop()` sends SIGTERM like an operator."""
+    otherwise), told its address by `--address` or, with `listen_by_env`, by
+    BACKPORT_PLE_LISTEN_ADDRESS; `stop()` sends SIGTERM like an operator."""
 
     def __init__(self, table_path: Path, *, shm_name: str | None = None, port: int | None = None,
                  extra_args: tuple[str, ...] = (), entry: tuple[str, ...] = MODULE_ENTRY,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, listen_by_env: bool = False) -> None:
         self.table_path = table_path
         self.shm_name = shm_name or unique_shm_name()
         self.port = port or free_port()
@@ -65,16 +67,19 @@ class ServiceProcess:
         self.extra_args = extra_args
         self.entry = entry
         self.extra_env = extra_env or {}
+        self.listen_by_env = listen_by_env
         self.process: subprocess.Popen[str] | None = None
         self._output: str | None = None  # what it printed, once stopped
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
         self._output = None
+        address_args = () if self.listen_by_env else ("--address", self.address)
+        address_env = {LISTEN_ADDRESS_ENV: self.address} if self.listen_by_env else {}
         self.process = subprocess.Popen(
-            service_command(self.table_path, "--address", self.address, "--shm-name",
-                            self.shm_name, "--grace-s", "1", *self.extra_args, entry=self.entry),
-            cwd=REPO_ROOT, env=service_env() | self.extra_env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+            service_command(self.table_path, *address_args, "--shm-name", self.shm_name,
+                            "--grace-s", "1", *self.extra_args, entry=self.entry),
+            cwd=REPO_ROOT, env=service_env() | self.extra_env | address_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
         # A second at a time, so a service that exits is reported at once, not at the deadline.
         while self.process.poll() is None and time.monotonic() < deadline:

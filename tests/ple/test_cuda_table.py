@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,3 +171,51 @@ def test_an_idle_client_unregisters_a_closed_segment(small_fp8_table: TableFile,
         first.stop()
         second.stop()
     assert not host_registered(last_address, device)
+
+
+def test_a_table_first_reached_over_grpc_is_registered_once_reattached_here(
+        small_fp8_table: TableFile, device: torch.device, tmp_path: Path) -> None:
+    """What the PLE hook relies on when it asks `enable_cuda` again after a reattach: a
+    client that first reached the table over gRPC (its segment not on this machine)
+    registers the shared table once a restarted service has it here, and its GPU gathers
+    then make no host sync, where the host gather + copy does."""
+    table = small_fp8_table
+    ids = np.random.default_rng(9).integers(0, table.rows.shape[0], (64, HEADS))
+    gpu_ids = torch.from_numpy(ids).to(device)
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    elsewhere = tmp_path / "shm-of-another-machine"
+    first = ServiceProcess(table.path, extra_args=("--shm-dir", str(shm_dir))).start()
+    services = [first]
+    try:
+        shm_dir.rename(elsewhere)
+        client = PleTableClient(first.address, reattach_timeout_s=30.0)
+        try:
+            assert not client.is_local
+            assert not client.enable_cuda(device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    client.gather_cuda(gpu_ids)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+            elsewhere.rename(shm_dir)
+            first.stop()
+            services.append(ServiceProcess(table.path, shm_name=first.shm_name, port=first.port,
+                                           extra_args=("--shm-dir", str(shm_dir))).start())
+            assert np.array_equal(client.gather_cuda(gpu_ids).cpu().numpy(), table.rows[ids])
+            assert client.is_local
+            assert client.enable_cuda(device), client.cuda_unavailable_reason
+            _registered(client, device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                gathered = client.gather_cuda(gpu_ids)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert np.array_equal(gathered.cpu().numpy(), table.rows[ids])
+        finally:
+            client.close()
+    finally:
+        for service in services:
+            service.stop()

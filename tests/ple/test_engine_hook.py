@@ -191,3 +191,70 @@ def test_a_lookup_without_ids_gives_no_rows_like_the_stock_table(
     got = served.ngram_embedding(no_ids)
     assert (got.shape, got.dtype) == (expected.shape, expected.dtype) == (
         (0, 4, HIDDEN // 4), stock.ngram_embedding.weight.dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_gathers_begin_once_the_table_comes_back_in_shared_memory(
+        reference: tuple[dict[str, torch.Tensor], object], dtype: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first CUDA lookup reached the table over gRPC (its segment not on this machine).
+    The layer kept that "no GPU gathers" for the engine's life: after the service restarted
+    with its segment here, the client registered the new table with the driver, yet every
+    lookup still gathered on the host, synced and copied."""
+    from safetensors.torch import save_file
+
+    weights, _ = reference
+    path = tmp_path / "ple.safetensors"
+    save_file({f"{PREFIX}.{name}": tensor for name, tensor in weights.items()}, str(path))
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    elsewhere = tmp_path / "shm-of-another-machine"
+    first = ServiceProcess(path, extra_args=("--shm-dir", str(shm_dir))).start()
+    services = [first]
+    try:
+        shm_dir.rename(elsewhere)  # the engine cannot map the segment: rows come over gRPC
+        monkeypatch.setenv("BACKPORT_PLE_ADDRESS", first.address)
+        ple_hook.install()
+        try:
+            served = _build(dtype)
+        finally:
+            ple_hook.uninstall()
+        layer = served.ngram_embedding
+        client = layer.table
+        try:
+            assert not client.is_local
+            served.load_weights(weights.items())
+            shards = [weights[f"ngram_embedding.shard_{i}.weight"] for i in range(NUM_SHARDS)]
+            rows = torch.cat(shards).view(torch.uint8).numpy()
+            ids = torch.randint(0, rows.shape[0], (40, 4), generator=torch.Generator().manual_seed(6))
+            device = torch.device("cuda", torch.cuda.current_device())
+            gpu_ids = ids.to(device)
+
+            def lookup() -> np.ndarray:
+                return layer.lookup_rows(gpu_ids).cpu().view(torch.uint8).reshape(40, 4, -1).numpy()
+
+            assert np.array_equal(lookup(), rows[ids.numpy()])
+            assert client.cuda_table is None
+
+            elsewhere.rename(shm_dir)
+            first.stop()
+            services.append(ServiceProcess(path, shm_name=first.shm_name, port=first.port,
+                                           extra_args=("--shm-dir", str(shm_dir))).start())
+            # This lookup finds the restart; the client reattaches to the shared segment
+            # and registers it for the GPU.
+            assert np.array_equal(lookup(), rows[ids.numpy()])
+            assert client.is_local and client.cuda_table is not None
+            # The GPU gathers from the registered table now: no host gather, so no sync.
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                gathered = layer.lookup_rows(gpu_ids)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert gathered.device == device
+            assert np.array_equal(gathered.cpu().view(torch.uint8).reshape(40, 4, -1).numpy(),
+                                  rows[ids.numpy()])
+        finally:
+            client.close()
+    finally:
+        for service in services:
+            service.stop()

@@ -1,8 +1,10 @@
 """The service's settings: a bad value stops `backport ple` with the flag's name and status 2
-before it reads the table, and `--shm-dir` reaches engines as a path they can use."""
+before it reads the table, `--shm-dir` reaches engines as a path they can use, and the
+engines' BACKPORT_PLE_ADDRESS is not the service's listen address."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 from pathlib import Path
@@ -10,11 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.engine.backport.ple.activation import ADDRESS_ENV
 from services.ple_offload.client import PleTableClient
+from services.ple_offload.settings import LISTEN_ADDRESS_ENV, PleSettings
 from tests.ple.service_process import (
     CLI_ENTRY,
     REPO_ROOT,
     ServiceProcess,
+    free_port,
     service_command,
     service_env,
 )
@@ -66,3 +71,29 @@ def test_a_relative_shm_dir_reaches_engines_as_an_absolute_path(
         finally:
             client.close()
     assert not (shm_dir / service.shm_name).exists()
+
+
+def test_the_engines_address_variable_does_not_move_where_the_service_listens(
+        tiny_table: TableFile) -> None:
+    """Engines read BACKPORT_PLE_ADDRESS as the service they use, and `backport ple` read it
+    as its own listen address: run in a shell that exported it for engines (here, another
+    machine's service), the service tried to listen there and did not start."""
+    engines_service = f"10.255.255.1:{free_port()}"
+    with ServiceProcess(tiny_table.path, entry=CLI_ENTRY, listen_by_env=True,
+                        extra_env={ADDRESS_ENV: engines_service}) as service:
+        client = PleTableClient(service.address)
+        try:
+            ids = np.array([[0, 999]])
+            assert np.array_equal(client.gather(ids), tiny_table.rows[ids])
+        finally:
+            client.close()
+
+
+def test_without_its_own_variable_the_service_listens_on_the_default(
+        monkeypatch: pytest.MonkeyPatch, tiny_table: TableFile) -> None:
+    monkeypatch.setenv(ADDRESS_ENV, "10.255.255.1:50071")
+    monkeypatch.delenv(LISTEN_ADDRESS_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    PleSettings.add_arguments(parser)
+    settings = PleSettings.from_namespace(parser.parse_args(["--table-path", str(tiny_table.path)]))
+    assert settings.address == "127.0.0.1:50071"

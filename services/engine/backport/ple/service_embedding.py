@@ -70,9 +70,13 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
         self.layer_name = prefix
         settings = PleHookSettings.from_environment()
         self.table = _shared_client(settings)
-        # Decided at the first CUDA lookup, on the device the ids live on: registering
-        # a 50 GB table takes seconds and needs the engine's device.
-        self._gpu_gather: bool | None = None if settings.gpu_gather else False
+        # Decided at the first CUDA lookup, on the device the ids live on (registering
+        # a 50 GB table takes seconds and needs the engine's device), and again for each
+        # table generation the client attaches to: one first reached over gRPC may come
+        # back in this machine's shared memory, which the client then registers.
+        self._is_gpu_gather_allowed = settings.gpu_gather
+        self._gpu_gather = False
+        self._gpu_gather_generation: int | None = None
         self._check_table_fits()
         _register_lookup_op()
         _layers[prefix] = self
@@ -151,8 +155,14 @@ class ServicePleEmbedding(Qwen4ExpPLEEmbedding):
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
     def _gathers_on_gpu(self, device: torch.device) -> bool:
-        if self._gpu_gather is None:
+        """Whether lookups on `device` gather on the GPU: asked of the client once per
+        table generation, not at every lookup."""
+        if not self._is_gpu_gather_allowed:
+            return False
+        generation = self.table.info.generation
+        if generation != self._gpu_gather_generation:
             self._gpu_gather = self.table.enable_cuda(device)
+            self._gpu_gather_generation = generation
             logger.info("PLE %s: rows gathered %s", self.layer_name,
                         f"by {device} from the shared table" if self._gpu_gather else
                         f"on the host and copied ({self.table.cuda_unavailable_reason})")
