@@ -162,6 +162,23 @@ def test_usage_counts_the_reasoning_tokens(client: openai.OpenAI, num_reasoning_
     assert chat_mode.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+def test_a_responses_reasoning_item_carries_its_status(client: openai.OpenAI) -> None:
+    """As a message or function call item: `in_progress` while written, then `completed`, or
+    `incomplete` when the response ended inside it (it had no status at all)."""
+    ask = {"model": MODEL, "input": "What's the weather in Paris?", "tools": [
+        {"type": "function", **tool["function"]} for tool in TOOLS]}
+    whole = client.responses.create(**ask, max_output_tokens=400)
+    assert [(item.type, item.status) for item in whole.output] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+    events = list(client.responses.create(**ask, max_output_tokens=400, stream=True))
+    reasoning = [(e.type, e.item.status) for e in events
+                 if e.type.startswith("response.output_item.") and e.item.type == "reasoning"]
+    assert reasoning == [("response.output_item.added", "in_progress"),
+                         ("response.output_item.done", "completed")]
+    cut = client.responses.create(**ask, max_output_tokens=3)
+    assert [(item.type, item.status) for item in cut.output] == [("reasoning", "incomplete")]
+
+
 def test_output_cut_inside_the_tool_call_yields_no_half_call(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
                                            temperature=0, max_tokens=30)

@@ -100,15 +100,14 @@ class OutputItems:
             return []
         index, self._open_index = self._open_index, None
         item = self.items[index]
+        item["status"] = status
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "function_call":
-            item["status"] = status
             events = [{"type": "response.function_call_arguments.done", **where,
                        "name": item["name"], "arguments": item["arguments"]}]
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                item["status"] = status
                 events = [{"type": "response.output_text.done", **where, "content_index": 0,
                            "text": part["text"], "logprobs": []}]
             else:
@@ -142,7 +141,8 @@ class OutputItems:
                                     "status": "in_progress", "content": []}
             part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []}
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
+                    "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         index = self._open(item)
         events = [{"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(item)},
