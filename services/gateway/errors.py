@@ -127,10 +127,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(cause, RequestFieldError):
             return JSONResponse(error_body(str(cause), "invalid_request_error", cause.param),
                                 status_code=400)
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        # Union types add the tried type's name to the location; the field is what matters.
-        param = ".".join(part for part in location if not part[:1].isupper() and "[" not in part)
-        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        location = field_path(first.get("loc", ()))
+        param = ".".join(str(part) for part in location)
+        if not location and first.get("type") == "missing":
+            # No body, or `null`: "Field required" would not say which.
+            message = "body: a JSON object is required"
+        else:
+            message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(error_body(message, "invalid_request_error", param or None), status_code=400)
 
     @app.exception_handler(grpc.aio.AioRpcError)
@@ -151,8 +154,33 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         # The exception's headers carry what HTTP asks of the status (a 405's `Allow`).
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error"),
+        message = _unreadable_body_problem(error.__cause__) or str(error.detail)
+        return JSONResponse(error_body(message, "invalid_request_error"),
                             status_code=error.status_code, headers=error.headers)
+
+
+def _unreadable_body_problem(cause: BaseException | None) -> str | None:
+    """What FastAPI's "There was an error parsing the body" stands for, when the cause is known:
+    it answers so for a body that fails to decode before JSON parsing can blame an offset."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"body: invalid JSON: not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} "
+                f"at offset {cause.start})")
+    if isinstance(cause, RecursionError):
+        return "body: invalid JSON: arrays and objects are nested too deeply"
+    return None
+
+
+# The names pydantic gives union members in an error's location (`str` of `str | list[str]`,
+# `list[str]`, a model's class name): not fields the client wrote.
+_UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "none"})
+
+
+def field_path(location: tuple[int | str, ...] | list[int | str]) -> list[int | str]:
+    """A validation error's location as the client's fields: without the leading `body` and the
+    names of union members tried."""
+    parts = list(location)[1:] if location and location[0] == "body" else list(location)
+    return [part for part in parts if isinstance(part, int) or not (
+        part[:1].isupper() or "[" in part or part in _UNION_MEMBER_NAMES)]
 
 
 def _media_type_not_read_as_json(request: Request) -> str | None:

@@ -27,7 +27,7 @@ def check_model(backend: GatewayBackend, name: str) -> ServedModel:
 
 
 def check_context(model: ServedModel, num_prompt_tokens: int, token_limit: int | None,
-                  *, prompt_param: str, limit_param: str) -> None:
+                  *, min_tokens: int, prompt_param: str, limit_param: str) -> None:
     if num_prompt_tokens >= model.max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {model.max_model_len} tokens, but the prompt "
@@ -37,6 +37,13 @@ def check_context(model: ServedModel, num_prompt_tokens: int, token_limit: int |
         raise ContextLengthError(
             f"This model's maximum context length is {model.max_model_len} tokens, but "
             f"{limit_param}={token_limit} asks for more.", param=limit_param)
+    # A floor is not cut: the engine would refuse it past the cut limit, naming no field.
+    room = model.max_model_len - num_prompt_tokens
+    if min_tokens > room:
+        raise ContextLengthError(
+            f"This model's maximum context length is {model.max_model_len} tokens, and the prompt "
+            f"has {num_prompt_tokens}, leaving room for {room}, but min_tokens={min_tokens}.",
+            param="min_tokens")
 
 
 def check_token_ids(model: ServedModel, body: SamplingFields,

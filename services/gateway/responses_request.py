@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
                       field_validator, model_validator)
 
-from services.gateway.errors import InvalidRequestError, RequestFieldError
+from services.gateway.errors import InvalidRequestError, RequestFieldError, field_path
 from services.gateway.reasoning_effort import RequestedEffort
 from services.gateway.schemas import ChatCompletionRequest, check_valid_unicode, without_nulls
 
@@ -140,9 +140,9 @@ def _item(index: int, item: Any) -> MessageItem | FunctionCallItem | FunctionCal
         return _INPUT_ITEM.validate_python(item)
     except ValidationError as error:
         first = error.errors()[0]
-        # The location starts with the item's tag; union members name themselves as `list[...]`.
+        # The location starts with the item's tag.
         where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
-                        for part in first["loc"][1:] if isinstance(part, int) or "[" not in part)
+                        for part in field_path(first["loc"][1:]))
         raise RequestFieldError("input", first["msg"], where=f"input[{index}]{where}") from error
 
 
@@ -185,7 +185,8 @@ class ReasoningConfig(_Item):
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`; unknown fields are ignored, as on the chat path."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # Python's JSON reads NaN, Infinity and 1e999; refused as what they are, not as out of range.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
     model: str
     input: str | list[InputItem]
@@ -339,7 +340,7 @@ class ResponsesRequest(BaseModel):
             first = error.errors()[0]
             cause = first.get("ctx", {}).get("error")
             chat_param = cause.param if isinstance(cause, RequestFieldError) else ".".join(
-                str(part) for part in first.get("loc", ()))
+                str(part) for part in field_path(first.get("loc", ())))
             problem = str(cause).removeprefix(f"{chat_param}: ") if cause else first["msg"]
             param = responses_param(chat_param)
             raise InvalidRequestError(f"{param}: {problem}", param=param) from error

@@ -12,10 +12,14 @@ from services.gateway.errors import RequestFieldError
 from services.gateway.reasoning_effort import RequestedEffort
 
 MAX_STOP_STRINGS = 16
-# Token ids and counts travel as uint32 and top_k as int32 in the engine protocol; larger values
-# are refused here, by name, rather than failing to serialise.
+# Token ids and counts travel as uint32, top_k as int32 and sampling numbers as 32-bit floats in
+# the engine protocol; values out of their range are refused here, by name, rather than failing
+# to serialise or arriving as infinity or 0.
 MAX_UINT32 = 2**32 - 1
 MAX_INT32 = 2**31 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
+# The least positive 32-bit float: a smaller value the engine must see as positive arrives as 0.
+MIN_POSITIVE_FLOAT32 = 2.0**-149
 TokenId = Annotated[int, Field(ge=0, le=MAX_UINT32)]
 
 
@@ -112,7 +116,8 @@ def without_nulls(body: Any, names: frozenset[str]) -> Any:
 class SamplingFields(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as vLLM's server does."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Python's JSON reads NaN, Infinity and 1e999; refused as what they are, not as out of range.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +133,7 @@ class SamplingFields(BaseModel):
     model: str
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=MIN_POSITIVE_FLOAT32, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
@@ -140,7 +145,7 @@ class SamplingFields(BaseModel):
     # vLLM's extensions, accepted as its own server accepts them.
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=MIN_POSITIVE_FLOAT32, le=MAX_FLOAT32)
     min_tokens: int = Field(0, ge=0, le=MAX_UINT32)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
@@ -193,7 +198,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit() or int(token) > MAX_UINT32:
+            # ASCII digits only: `str.isdigit` takes "²", which `int` refuses.
+            if not (token.isascii() and token.isdigit()) or int(token) > MAX_UINT32:
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")

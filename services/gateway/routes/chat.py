@@ -57,7 +57,8 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
     model = check_model(backend, body.model)
     check_token_ids(model, body)
     prompt_ids, is_thinking = await render_chat_prompt(backend, model, body, request)
-    check_context(model, len(prompt_ids), body.token_limit, prompt_param="messages",
+    check_context(model, len(prompt_ids), body.token_limit, min_tokens=body.min_tokens,
+                  prompt_param="messages",
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     forced_tools = ForcedToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = output_constraint(body, forced_tools)

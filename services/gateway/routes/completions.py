@@ -32,8 +32,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     completion_id = new_id("cmpl")
     generations = []
     for index, prompt_ids in enumerate(prompts):
-        check_context(model, len(prompt_ids), body.token_limit, prompt_param="prompt",
-                      limit_param="max_tokens")
+        check_context(model, len(prompt_ids), body.token_limit, min_tokens=body.min_tokens,
+                      prompt_param="prompt", limit_param="max_tokens")
         generations.append(Generation(
             backend.pick_engine(user=body.user), backend.tokenizer,
             # One engine request a prompt, numbered as vLLM's server numbers them.
