@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, start_http_server
 
+from services.mesh.errors import ServiceStartError
+
 
 class EngineMetrics:
     """The service's own metrics; create one per process."""
@@ -21,4 +23,8 @@ class EngineMetrics:
 
     def serve(self, host: str, port: int) -> None:
         """Serves the default registry over HTTP from a daemon thread."""
-        start_http_server(port, addr=host)
+        try:
+            start_http_server(port, addr=host)
+        except OSError as error:
+            raise ServiceStartError(f"the engine's metrics endpoint cannot listen on {host}:{port}: "
+                                    f"{error.strerror}") from None

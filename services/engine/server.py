@@ -16,6 +16,7 @@ from services.engine.registry import EngineRecord, EngineRegistration
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 from services.engine.vllm_engine import VllmEngine
+from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_server import GrpcServer
 from services.mesh.service_names import ENGINE_GRPC
 
@@ -37,6 +38,17 @@ async def serve(settings: EngineSettings) -> None:
     kv_events = collector_for(settings.kv_events_endpoint)
     servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
+    # Both before the model loads: a taken port or a URL redis-py cannot read is refused in
+    # seconds, not once the load is done.
+    if settings.metrics_port is not None:
+        metrics.serve(settings.host, settings.metrics_port)
+    registration = None
+    if settings.redis_url:
+        try:
+            registration = EngineRegistration(settings.redis_url,
+                                              lambda: _record(engine, server, settings))
+        except ValueError as error:
+            raise ServiceStartError(f"--redis-url {settings.redis_url!r}: {error}") from None
     try:
         with _signals_interrupt_startup():
             engine.start()
@@ -50,15 +62,10 @@ async def serve(settings: EngineSettings) -> None:
     watcher: asyncio.Task[None] | None = None
     try:
         await server.start()
-        if settings.metrics_port is not None:
-            metrics.serve(settings.host, settings.metrics_port)
-        registration = None
-        if settings.redis_url:
-            address = settings.advertise_address or f"{settings.host}:{server.port}"
-            registration = EngineRegistration(settings.redis_url,
-                                              lambda: _record(engine, address, settings))
+        if registration is not None:
             await registration.start()
-            logger.info("registered %s in %s", address, settings.redis_url)
+            logger.info("registered %s in %s", _advertised_address(server, settings),
+                        settings.redis_url)
         watcher = asyncio.create_task(_watch_engine_core(engine, server, metrics, registration))
 
         async def drain() -> None:
@@ -96,10 +103,15 @@ def _signals_interrupt_startup() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _record(engine: VllmEngine, address: str, settings: EngineSettings) -> EngineRecord:
+def _advertised_address(server: GrpcServer, settings: EngineSettings) -> str:
+    return settings.advertise_address or f"{settings.host}:{server.port}"
+
+
+def _record(engine: VllmEngine, server: GrpcServer, settings: EngineSettings) -> EngineRecord:
     assert engine.info is not None
     loads = engine.loads()
-    return EngineRecord(address=address, model=engine.info.served_model_name,
+    return EngineRecord(address=_advertised_address(server, settings),
+                        model=engine.info.served_model_name,
                         max_model_len=engine.info.max_model_len, ttl_s=settings.registry_ttl_s,
                         num_running=loads.num_running, num_waiting=loads.num_waiting,
                         kv_cache_usage=loads.kv_cache_usage)

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
 STOP_POLL_S = 0.05
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# `services.kvcache.lmcache_server.RUNNER_LIFELINE_FD_ENV`, which cannot be imported here:
+# importing that module imports LMCache.
+RUNNER_LIFELINE_FD_ENV = "BACKPORT_KVCACHE_RUNNER_LIFELINE_FD"
 
 
 class LmcacheServerError(RuntimeError):
@@ -81,6 +84,9 @@ class LmcacheServer:
     def __init__(self, settings: KvCacheSettings) -> None:
         self.settings = settings
         self.process: subprocess.Popen[bytes] | None = None
+        # The write end of the server's lifeline: it closes when this process ends, however it
+        # ends, and the server stops (`lmcache_server.stop_with_runner`).
+        self._lifeline: int | None = None
 
     def start(self) -> None:
         # A server already on these ports would answer our health checks in its place.
@@ -95,7 +101,13 @@ class LmcacheServer:
                 f"lmcache is not installed for {argv[0]}: run `make kvcache-deps`, or give "
                 "--lmcache-python a Python whose environment has it (docs/kvcache.md)")
         logger.info("starting %s", " ".join(argv))
-        self.process = subprocess.Popen(argv, env=lmcache_environment(), start_new_session=True)
+        lifeline_read, self._lifeline = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                argv, env=lmcache_environment() | {RUNNER_LIFELINE_FD_ENV: str(lifeline_read)},
+                start_new_session=True, pass_fds=(lifeline_read,))
+        finally:
+            os.close(lifeline_read)
 
     @property
     def returncode(self) -> int | None:
@@ -145,6 +157,9 @@ class LmcacheServer:
             except ProcessLookupError:
                 pass
         self.process.wait()
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
 
 def run(settings: KvCacheSettings) -> int:

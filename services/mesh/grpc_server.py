@@ -35,6 +35,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self._stopping = asyncio.Event()
+        self._stop_at_once = asyncio.Event()
 
     def add(self, registrar: Registrar) -> None:
         registrar(self.server)
@@ -59,10 +60,15 @@ class GrpcServer:
         await self.server.stop(None)
 
     def request_stop(self) -> None:
+        """The first request drains; another one cuts the drain short, as the gateway's second
+        signal does (`backport up` passes a second Ctrl-C on to every service)."""
+        if self._stopping.is_set():
+            self._stop_at_once.set()
         self._stopping.set()
 
     def stop_on_signals(self) -> None:
-        """From now on SIGTERM/SIGINT ask this server to stop (a drain once it serves)."""
+        """From now on SIGTERM/SIGINT ask this server to stop (a drain once it serves; at once on
+        a second signal)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
@@ -76,8 +82,17 @@ class GrpcServer:
         await self.set_serving(False)
         if on_stop is not None:
             await on_stop()
-        await self.server.stop(self.grace_s)
+        cut_short = asyncio.create_task(self._cut_drain_short())
+        try:
+            await self.server.stop(self.grace_s)
+        finally:
+            cut_short.cancel()
         # Calls the drain's end cancelled need a moment to end. Ended by asyncio.run's
         # teardown instead, each is cancelled again, and grpc logs it as an ERROR traceback.
         await asyncio.sleep(CANCELLED_CALLS_END_S)
         logger.info("%s stopped", self.service_name)
+
+    async def _cut_drain_short(self) -> None:
+        await self._stop_at_once.wait()
+        logger.info("%s stopping at once: a second signal ended its drain", self.service_name)
+        await self.stop_now()

@@ -157,14 +157,25 @@ class StreamDetokenizer:
         num_priming = 0
         if self._call is None:
             self._call = self._stub.Detokenize()
-            await self._call.write(pb.DetokenizeRequest(skip_special_tokens=self._skip_special_tokens,
-                                                        token_ids=self._prompt_tail))
+            await self._write(pb.DetokenizeRequest(skip_special_tokens=self._skip_special_tokens,
+                                                   token_ids=self._prompt_tail))
             num_priming = 1
         # Every message goes out before a reply is read: one round trip, priming included.
         for token_ids in messages:
-            await self._call.write(pb.DetokenizeRequest(token_ids=token_ids))
+            await self._write(pb.DetokenizeRequest(token_ids=token_ids))
         texts = [await self._read() for _ in range(num_priming + len(messages))]
         return texts[num_priming:]
+
+    async def _write(self, request: pb.DetokenizeRequest) -> None:
+        assert self._call is not None
+        try:
+            await self._call.write(request)
+        except asyncio.InvalidStateError:
+            # The stream ended between two steps (the service went away): reading its end
+            # raises its status as the AioRpcError callers handle, not grpc's "RPC already
+            # finished".
+            await self._read()
+            raise
 
     async def _read(self) -> str:
         assert self._call is not None
