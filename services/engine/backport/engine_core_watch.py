@@ -1,8 +1,12 @@
-"""Stops vLLM's engine core once the engine service that started it is gone.
+"""Ties vLLM's processes to the engine service that started them.
 
 vLLM's workers watch the engine core through a pipe, but nothing in vLLM watches the process
 above the engine core: an engine service killed outright (kill -9, the OOM killer) left its
 engine core and workers running, holding the model's memory and a core each.
+
+A terminal's Ctrl-C goes to its whole foreground process group, vLLM's processes included,
+which stopped at once on SIGINT and failed the requests the service was draining. Below the
+service they ignore it: the service's drain stops them.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ POLL_S = 0.5
 
 
 def watch_engine_service() -> None:
-    """In the engine core: SIGTERM itself, which vLLM handles as a shutdown, once its parent
-    is gone. A no-op in every other process."""
+    """In vLLM's processes below an engine service: ignore SIGINT; in the engine core, also
+    SIGTERM itself, which vLLM handles as a shutdown, once its parent is gone. A no-op in
+    every other process."""
     value = os.environ.get(SERVICE_PID_ENV)
-    if not value or os.getppid() != int(value):
+    if not value or os.getpid() == int(value):
+        return
+    # vLLM sets its own SIGINT handler before it loads plugins, so this one stands.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != int(value):
         return
     threading.Thread(target=_stop_when_orphaned, args=(int(value),), daemon=True,
                      name="backport-engine-service-watch").start()
