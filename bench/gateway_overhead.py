@@ -108,6 +108,9 @@ def p50(values: list[float]) -> float:
 
 
 def main() -> None:
+    # SIGTERM ends the run like Ctrl-C, so the server it started (in its own session) is
+    # stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -14,7 +14,8 @@ address (TCP loopback or a unix socket) and CPU placement. "spin" variants keep 
 CPU busy with SCHED_IDLE loops, so no CPU halts while the round trip waits: the cost
 that idle CPUs add. For each variant the driver also counts context switches, CPU time
 and run-queue delay per round trip, per thread name, from /proc. A first phase measures
-a pipe ping-pong between two processes after idle gaps of 0-1 ms.
+a pipe ping-pong between two processes after idle gaps of 0-1 ms. The table ends with each
+variant's p50 over the p50 of the set's first variant (grpc as it comes), the baseline.
 """
 
 from __future__ import annotations
@@ -319,11 +320,21 @@ class Pair:
         return self.client.stdout.readline()
 
     def close(self) -> None:
+        """The client ends at the end of its input, the server on SIGTERM; either is
+        killed if it does not (a run stopped before the pair was ready)."""
         if self.client.stdin is not None:
             self.client.stdin.close()
-        self.client.wait(30)
+        _wait_or_kill(self.client, 30)
         self.server.send_signal(signal.SIGTERM)
-        self.server.wait(60)
+        _wait_or_kill(self.server, 60)
+
+
+def _wait_or_kill(process: subprocess.Popen[Any], timeout_s: float) -> None:
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _expect(line: str, word: str, name: str) -> None:
@@ -433,6 +444,8 @@ def main() -> None:
                         help="start no new round after this many seconds")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    # SIGTERM ends the run like Ctrl-C, so the pairs and spinners it started are stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.monotonic()
     results: dict[str, Any] = {"facts": machine_facts(), "load_before": os.getloadavg()}
     print(results["facts"]["lscpu_e"], flush=True)
@@ -458,7 +471,8 @@ def main() -> None:
             from ple import write_table
             num_rows = int(args.table_gib * 2**30) // ROW_BYTES
             write_table(table, num_rows, ROW_BYTES)
-            pairs = [Pair(v, table, num_rows, tmp, i) for i, v in enumerate(chosen)]
+            for index, variant in enumerate(chosen):  # each one kept for `finally` at once
+                pairs.append(Pair(variant, table, num_rows, tmp, index))
             for pair in pairs:
                 pair.wait_ready()
             rounds: dict[str, list[dict[str, Any]]] = {v.name: [] for v in chosen}
@@ -500,13 +514,18 @@ def main() -> None:
             # [voluntary, involuntary switches, CPU ms, run-queue wait ms] per round trip
             "server": [round(median(r["server"][i] for r in per_round), 3) for i in range(4)],
             "client": [round(median(r["client"][i] for r in per_round), 3) for i in range(4)]}
+    # The set's first variant is its baseline: grpc and the service as they come.
+    baseline = next(iter(summary), None)
+    for s in summary.values():
+        s["p50_vs_baseline"] = round(s["p50"] / summary[baseline]["p50"], 3)
     results["summary"] = summary
+    results["baseline"] = baseline
     save()
-    print("variant | p50 ms | p99 ms | p99 per round | server vol/invol switches, CPU ms, "
-          "wait ms per round trip | client same")
+    print(f"variant | p50 ms | p50 vs {baseline} | p99 ms | p99 per round | server vol/invol "
+          "switches, CPU ms, wait ms per round trip | client same")
     for name, s in summary.items():
-        print(f"{name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['p99_rounds']} | {s['server']} "
-              f"| {s['client']}")
+        print(f"{name} | {s['p50']:.3f} | {s['p50_vs_baseline']:.2f} | {s['p99']:.3f} | "
+              f"{s['p99_rounds']} | {s['server']} | {s['client']}")
 
 
 def _dispatch() -> None:

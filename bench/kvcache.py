@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -60,6 +61,8 @@ def main() -> int:
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep the service and engine logs here (default: a temporary folder)")
     args = parser.parse_args()
+    # SIGTERM ends the run like Ctrl-C, so the KV service (in its own session) is stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     python = lmcache_python()
     if python is None:
         print("no interpreter with lmcache and vLLM; set BACKPORT_KVCACHE_PYTHON", file=sys.stderr)

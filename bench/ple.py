@@ -19,6 +19,7 @@ into shared memory), measures, stops the service and removes the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -102,9 +103,14 @@ def start_service(table: Path, shm_name: str, shm_dir: Path,
         [sys.executable, "-m", "services.ple_offload", "--table-path", str(table), "--address",
          address, "--shm-name", shm_name, "--shm-dir", str(shm_dir), "--no-show-progress",
          *cpu_flags], cwd=REPO_ROOT, env=_child_env())
-    while not wait_until_serving(address, 5):
-        if process.poll() is not None:
-            raise SystemExit(f"PLE service exited with {process.returncode}")
+    try:
+        while not wait_until_serving(address, 5):
+            if process.poll() is not None:
+                raise SystemExit(f"PLE service exited with {process.returncode}")
+    except BaseException:  # stopped while the service starts: stop it too
+        process.terminate()
+        process.wait(60)
+        raise
     return process, address
 
 
@@ -130,10 +136,10 @@ def percentiles_ms(fn: Callable[[int], object], calls: int) -> tuple[float, floa
 
 
 class MemcpyBaseline:
-    """The machine's memcpy bandwidth: one contiguous copy of MEMCPY_BYTES out of the
-    shared table into a private, already faulted-in buffer, split over `threads`, best
-    of 5. Reading the same pages the gathers read keeps the comparison about access
-    pattern alone."""
+    """The machine's memcpy bandwidth: one contiguous copy of MEMCPY_BYTES (or the whole
+    table, if smaller) out of the shared table into a private, already faulted-in buffer,
+    split over `threads`, best of 5. Reading the same pages the gathers read keeps the
+    comparison about access pattern alone."""
 
     def __init__(self, rows: np.ndarray, threads: int) -> None:
         self.src = rows[:min(rows.shape[0], MEMCPY_BYTES // rows.shape[1])]
@@ -241,6 +247,7 @@ def measure_gather(shm_name: str, shm_dir: Path, args: argparse.Namespace) -> di
             [g / m for g, m in zip(rounds[key], rounds[baseline])])
         results[f"{key}_vs_machine_memcpy"] = median(
             [g / max(a, b) for g, a, b in zip(rounds[key], rounds["memcpy_1t"], rounds["memcpy_nt"])])
+    results["memcpy_bytes"] = memcpy_1t.src.nbytes
     results["table_huge_page_bytes"] = single.huge_page_bytes()
     memcpy_1t.close()
     memcpy_nt.close()
@@ -339,39 +346,41 @@ def measure_latency(address: str, shm_name: str, shm_dir: Path,
     Lookup calls, the same bytes over a bare grpcio stream, an empty gRPC call on the unary
     client's channel and a bare loopback round trip, interleaved round by round; medians
     over rounds."""
-    reader = SharedTableReader(shm_name, shm_dir=shm_dir)
-    rng = np.random.default_rng(4)
-    steps = [rng.integers(0, reader.header.num_rows, (args.decode_tokens, HEADS))
-             for _ in range(256)]
-    out = np.empty((args.decode_tokens, HEADS, reader.header.row_bytes), np.uint8)
-    stream_client = PleTableClient(address, allow_shared_memory=False)
-    unary_client = PleTableClient(address, allow_shared_memory=False, lookup_stream=False)
-    # The children answering the echo and the bare stream run where the service does.
-    echo = LoopbackEcho(args.service_cpus)
-    num_ids = args.decode_tokens * HEADS
-    bare_stream = BareGrpcStream(
-        ple_pb2.LookupRequest(row_ids_le_i64=bytes(8 * num_ids)).ByteSize(),
-        ple_pb2.LookupResponse(rows=bytes(num_ids * reader.header.row_bytes),
-                               generation=1).ByteSize(), args.service_cpus)
-    calls: dict[str, Callable[[int], object]] = {
-        "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
-        "grpc_stream_step": lambda i: stream_client.gather(steps[i % len(steps)]),
-        "grpc_step": lambda i: unary_client.gather(steps[i % len(steps)]),
-        "bare_stream": bare_stream.round_trip,
-        "grpc_empty": lambda i: unary_client.describe(),
-        "tcp_echo": echo.round_trip,
-    }
     rounds: dict[str, list[float]] = {}
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            p50, p99 = percentiles_ms(call, args.calls)
-            rounds.setdefault(f"{name}_p50_ms", []).append(p50)
-            rounds.setdefault(f"{name}_p99_ms", []).append(p99)
-    echo.close()
-    bare_stream.close()
-    stream_client.close()
-    unary_client.close()
-    reader.close()
+    # Closed however the run ends: the bare stream's child would serve on forever.
+    with contextlib.ExitStack() as opened:
+        reader = SharedTableReader(shm_name, shm_dir=shm_dir)
+        opened.callback(reader.close)
+        rng = np.random.default_rng(4)
+        steps = [rng.integers(0, reader.header.num_rows, (args.decode_tokens, HEADS))
+                 for _ in range(256)]
+        out = np.empty((args.decode_tokens, HEADS, reader.header.row_bytes), np.uint8)
+        stream_client = PleTableClient(address, allow_shared_memory=False)
+        opened.callback(stream_client.close)
+        unary_client = PleTableClient(address, allow_shared_memory=False, lookup_stream=False)
+        opened.callback(unary_client.close)
+        # The children answering the echo and the bare stream run where the service does.
+        echo = LoopbackEcho(args.service_cpus)
+        opened.callback(echo.close)
+        num_ids = args.decode_tokens * HEADS
+        bare_stream = BareGrpcStream(
+            ple_pb2.LookupRequest(row_ids_le_i64=bytes(8 * num_ids)).ByteSize(),
+            ple_pb2.LookupResponse(rows=bytes(num_ids * reader.header.row_bytes),
+                                   generation=1).ByteSize(), args.service_cpus)
+        opened.callback(bare_stream.close)
+        calls: dict[str, Callable[[int], object]] = {
+            "shm_step": lambda i: reader.gather(steps[i % len(steps)], out=out),
+            "grpc_stream_step": lambda i: stream_client.gather(steps[i % len(steps)]),
+            "grpc_step": lambda i: unary_client.gather(steps[i % len(steps)]),
+            "bare_stream": bare_stream.round_trip,
+            "grpc_empty": lambda i: unary_client.describe(),
+            "tcp_echo": echo.round_trip,
+        }
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                p50, p99 = percentiles_ms(call, args.calls)
+                rounds.setdefault(f"{name}_p50_ms", []).append(p50)
+                rounds.setdefault(f"{name}_p99_ms", []).append(p99)
     return {key: median(values) for key, values in rounds.items()} | {
         f"{key}_rounds": [round(v, 3) for v in values] for key, values in rounds.items()
         if key.endswith("p99_ms")}
@@ -530,7 +539,8 @@ def report(results: dict[str, object], args: argparse.Namespace, table_gib: floa
     print(f"{GRPC_EXPERIMENTS_ENV}: service "
           f"{os.environ.get(GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO)!r}, clients "
           f"{os.environ.get(GRPC_EXPERIMENTS_ENV, '(unset: grpcio default)')!r}")
-    print(f"memcpy baseline: {MEMCPY_BYTES >> 20} MiB contiguous copy out of the table, best of 5: "
+    print(f"memcpy baseline: {r['memcpy_bytes'] / 2**20:.0f} MiB contiguous copy out of the table, "
+          f"best of 5: "
           f"{r['memcpy_1t_gb_s']:.2f} GB/s with 1 thread, {r['memcpy_nt_gb_s']:.2f} GB/s with "
           f"{n}; medians of {args.rounds} rounds")
     print(f"{'shm gather (random rows)':30s} {'GB/s':>7s} {'memcpy same threads':>20s} "
@@ -578,6 +588,9 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true",
                         help="measure GPU gathers from the registered shared table instead")
     args = parser.parse_args()
+    # SIGTERM ends the run like Ctrl-C, so the service and the table it holds in shared
+    # memory are stopped and removed too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.service_cpus is None:
         args.service_cpus = os.sched_getaffinity(0)  # before --client-cpus narrows it
     if args.client_cpus is not None:
