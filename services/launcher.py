@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +28,7 @@ from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
 from services.mesh.errors import ServiceStartError
+from services.mesh.lifeline import stop_when_parent_is_gone
 from services.mesh.service_names import ENGINE_GRPC, PLE_GRPC, TOKENIZER_GRPC
 from services.mesh.settings import ServiceSettings
 from services.ple_offload.errors import TableFileError
@@ -165,21 +165,10 @@ def count_up(first: int, count: int, taken: set[int]) -> list[int]:
 
 
 def stop_with_launcher() -> None:
-    """In a service `backport up` started: SIGTERM this process once its lifeline reads
-    end-of-file, so that it drains and frees what it holds (shared memory, ports, the GPU)
-    when the launcher was killed outright and could stop nothing itself."""
-    fd_text = os.environ.pop(LIFELINE_FD_ENV, None)  # not for the processes this one starts
-    if fd_text is None:
-        return
-    lifeline = int(fd_text)
-
-    def stop_at_end_of_file() -> None:
-        while os.read(lifeline, 1):  # nothing is ever written: only end-of-file comes
-            pass
-        logger.warning("backport up is gone; stopping")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_at_end_of_file, name="lifeline", daemon=True).start()
+    """In a service `backport up` started: SIGTERM this process once the launcher is gone, so
+    that it drains and frees what it holds (shared memory, ports, the GPU) when the launcher
+    was killed outright and could stop nothing itself."""
+    stop_when_parent_is_gone(LIFELINE_FD_ENV, "backport up")
 
 
 class Mesh:

@@ -7,17 +7,13 @@ run, so the server holds every engine's whole KV cache (1 GiB each in the tests)
 server itself exits, however the engine left (unregistered or reaped). Before LMCache
 releases an engine's context, the pins of that context's tensors are dropped, so releasing
 the context unmaps them. Everything else is LMCache's own code, run as `lmcache.cli.main`.
-The server also stops once the runner that started it is gone (`stop_with_runner`).
+The server also stops once the runner that started it is gone (`services.mesh.lifeline`).
 
-It imports nothing else of the project: `--lmcache-python` may run it in an environment that
-has LMCache alone.
+Of the project it imports only what needs the standard library alone: `--lmcache-python`
+may run it in an environment that has LMCache alone.
 """
 
 from __future__ import annotations
-
-import os
-import signal
-import threading
 
 from lmcache.cli.main import main
 from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
@@ -26,8 +22,8 @@ from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
 )
 from lmcache.v1.platform.devices.cpu import shm
 
-# The read end of a pipe whose write end only the runner (`services.kvcache.runner`) holds.
-RUNNER_LIFELINE_FD_ENV = "BACKPORT_KVCACHE_RUNNER_LIFELINE_FD"
+from services.kvcache import RUNNER_LIFELINE_FD_ENV
+from services.mesh.lifeline import stop_when_parent_is_gone
 
 _lmcache_release_entries = LMCacheDrivenTransferModule._release_entries
 
@@ -48,23 +44,8 @@ def _release_entries_and_mappings(self: LMCacheDrivenTransferModule,
 LMCacheDrivenTransferModule._release_entries = _release_entries_and_mappings  # type: ignore[method-assign]
 
 
-def stop_with_runner() -> None:
-    """SIGTERM to this server once the runner's lifeline reads end-of-file, however the runner
-    went: the server leads a session of its own, so nothing else stops it when the runner is
-    killed outright, and it would hold its ports and its L1 memory."""
-    fd_text = os.environ.pop(RUNNER_LIFELINE_FD_ENV, None)
-    if fd_text is None:
-        return
-    lifeline = int(fd_text)
-
-    def stop_at_end_of_file() -> None:
-        while os.read(lifeline, 1):  # nothing is ever written: only end-of-file comes
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_at_end_of_file, name="runner-lifeline", daemon=True).start()
-
-
 if __name__ == "__main__":
-    stop_with_runner()
+    # The server leads a session of its own: nothing else stops it when the runner is killed
+    # outright, and it would hold its ports and its L1 memory.
+    stop_when_parent_is_gone(RUNNER_LIFELINE_FD_ENV, "the KV runner")
     main()

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+from services.kvcache import RUNNER_LIFELINE_FD_ENV
 from services.kvcache.server_command import lmcache_server_argv
 from services.kvcache.settings import KvCacheSettings
 from services.kvcache.shm_segments import reclaim_exited_engine_segments
@@ -24,9 +25,6 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
 STOP_POLL_S = 0.05
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# `services.kvcache.lmcache_server.RUNNER_LIFELINE_FD_ENV`, which cannot be imported here:
-# importing that module imports LMCache.
-RUNNER_LIFELINE_FD_ENV = "BACKPORT_KVCACHE_RUNNER_LIFELINE_FD"
 
 
 class LmcacheServerError(RuntimeError):
@@ -85,7 +83,7 @@ class LmcacheServer:
         self.settings = settings
         self.process: subprocess.Popen[bytes] | None = None
         # The write end of the server's lifeline: it closes when this process ends, however it
-        # ends, and the server stops (`lmcache_server.stop_with_runner`).
+        # ends, and the server stops (`services.mesh.lifeline`).
         self._lifeline: int | None = None
 
     def start(self) -> None:
