@@ -57,7 +57,8 @@ class EngineRegistration:
         self._redis = Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._current_record = current_record
         self._heartbeat: asyncio.Task[None] | None = None
-        self._is_reachable = True
+        # None until the first write: its success is the registration, its failure a warning.
+        self._is_reachable: bool | None = None
         self._is_registered = False
 
     async def start(self) -> None:
@@ -69,14 +70,24 @@ class EngineRegistration:
         record = self._current_record()
         try:
             await self._redis.set(record.key, record.encode(), px=int(record.ttl_s * 1000))
-            if not self._is_reachable:
+            if self._is_reachable is None:
+                logger.info("registered %s in the registry at %s", record.address, self._where)
+            elif not self._is_reachable:
                 logger.info("registry reachable again; %s re-registered", record.address)
             self._is_reachable = True
         except (RedisError, OSError) as error:
             # Redis may restart; the next beat writes the record again.
-            if self._is_reachable:
-                logger.warning("cannot write the registry: %s", error)
+            if self._is_reachable is not False:
+                logger.warning("cannot write the registry at %s: %s", self._where, error)
             self._is_reachable = False
+
+    @property
+    def _where(self) -> str:
+        """The registry's host, port and database: the URL may hold a password."""
+        connection = self._redis.connection_pool.connection_kwargs
+        if "path" in connection:
+            return f"unix:{connection['path']} db {connection.get('db', 0)}"
+        return f"{connection.get('host')}:{connection.get('port')} db {connection.get('db', 0)}"
 
     async def _beat(self) -> None:
         while True:

@@ -64,8 +64,6 @@ async def serve(settings: EngineSettings) -> None:
         await server.start()
         if registration is not None:
             await registration.start()
-            logger.info("registered %s in %s", _advertised_address(server, settings),
-                        settings.redis_url)
         watcher = asyncio.create_task(_watch_engine_core(engine, server, metrics, registration))
 
         async def drain() -> None:
@@ -103,14 +101,10 @@ def _signals_interrupt_startup() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _advertised_address(server: GrpcServer, settings: EngineSettings) -> str:
-    return settings.advertise_address or f"{settings.host}:{server.port}"
-
-
 def _record(engine: VllmEngine, server: GrpcServer, settings: EngineSettings) -> EngineRecord:
     assert engine.info is not None
     loads = engine.loads()
-    return EngineRecord(address=_advertised_address(server, settings),
+    return EngineRecord(address=settings.advertise_address or f"{settings.host}:{server.port}",
                         model=engine.info.served_model_name,
                         max_model_len=engine.info.max_model_len, ttl_s=settings.registry_ttl_s,
                         num_running=loads.num_running, num_waiting=loads.num_waiting,

@@ -33,11 +33,13 @@ class RedisServer:
 
     port: int
     log_path: Path
+    password: str | None = None
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         binary = redis_server_binary()
@@ -45,7 +47,8 @@ class RedisServer:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+                 "--appendonly", "no", *(["--requirepass", self.password] if self.password else [])],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while self.ping() is False:
             assert time.monotonic() < deadline, "redis-server did not start"
@@ -55,14 +58,15 @@ class RedisServer:
         import redis
 
         try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+            return bool(redis.Redis(port=self.port, password=self.password, socket_timeout=0.5).ping())
         except redis.RedisError:
             return False
 
     def keys(self, pattern: str) -> list[str]:
         import redis
 
-        client = redis.Redis(port=self.port, socket_timeout=1.0, decode_responses=True)
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1.0,
+                             decode_responses=True)
         return sorted(client.keys(pattern))
 
     def stop(self) -> None:
