@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from services.kvcache.settings import KvCacheSettings, TransferMode
 
@@ -33,8 +33,9 @@ def l2_adapter_specs(settings: KvCacheSettings) -> list[dict[str, object]]:
                       "persist_enabled": True})
     if settings.redis_url is not None:
         url = urlsplit(settings.redis_url)
+        # A URL carries its credentials percent-encoded (a password with "@" or ":").
         specs.append({"type": "resp", "host": url.hostname, "port": url.port,
-                      "username": url.username or "", "password": url.password or "",
+                      "username": unquote(url.username or ""), "password": unquote(url.password or ""),
                       "max_capacity_gb": settings.redis_capacity_gib, "eviction": eviction})
     return specs
 

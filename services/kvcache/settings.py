@@ -45,8 +45,8 @@ class KvCacheSettings(ServiceSettings):
     max_workers: int = Field(1, gt=0, description="LMCache transfer worker threads")
     fs_l2_path: Path | None = Field(None, description="directory of the disk (fs_native) L2 tier")
     fs_l2_capacity_gib: float = Field(8.0, gt=0, description="disk L2 bound in GiB (LRU beyond it)")
-    redis_url: str | None = Field(None, description="redis://[user:password@]host:port of a "
-                                                    "Redis (resp) L2 tier")
+    redis_url: str | None = Field(None, description="redis://[user:password@]host:port[/0] of a "
+                                                    "Redis (resp) L2 tier (LMCache's uses database 0)")
     redis_capacity_gib: float = Field(4.0, gt=0, description="Redis L2 bound in GiB")
     worker_reap_timeout_s: float = Field(
         30.0, ge=30.0, description="LMCache drops an engine silent this long (at least 3 "
@@ -81,6 +81,10 @@ class KvCacheSettings(ServiceSettings):
         parts = urlsplit(value)
         if parts.scheme not in ("redis", "resp") or not parts.hostname or not parts.port:
             raise ValueError(f"redis_url must look like redis://host:port, got {value!r}")
+        # LMCache's Redis tier has no database setting: it always uses database 0.
+        if parts.path.strip("/") not in ("", "0") or parts.query:
+            raise ValueError("redis_url: LMCache's Redis tier uses database 0 and takes no "
+                             f"options; got {parts.path + ('?' + parts.query if parts.query else '')!r}")
         return value
 
     @field_validator("lmcache_python")

@@ -37,7 +37,7 @@ def test_argv_carries_every_setting(tmp_path: Path) -> None:
     settings = KvCacheSettings(port=6001, http_port=6002, chunk_size_tokens=1024, l1_size_gib=3,
                                eviction_policy="ARC", transfer_mode="zmq",
                                fs_l2_path=tmp_path, fs_l2_capacity_gib=5,
-                               redis_url="redis://user:pw@127.0.0.1:6379")
+                               redis_url="redis://user:p%40ss%3Aword@127.0.0.1:6379/0")
     argv = lmcache_server_argv(settings)
     assert argv[1:4] == ["-m", "services.kvcache.lmcache_server", "server"]
     assert flag_values(argv, "--port") == ["6001"] and flag_values(argv, "--http-port") == ["6002"]
@@ -48,8 +48,9 @@ def test_argv_carries_every_setting(tmp_path: Path) -> None:
     disk, redis = (json.loads(spec) for spec in flag_values(argv, "--l2-adapter"))
     assert disk["type"] == "fs_native" and disk["base_path"] == str(tmp_path)
     assert disk["max_capacity_gb"] == 5 and disk["eviction"]["eviction_policy"] == "LRU"
+    # The password as Redis knows it, not as the URL had to spell it.
     assert redis == {"type": "resp", "host": "127.0.0.1", "port": 6379, "username": "user",
-                     "password": "pw", "max_capacity_gb": 4.0, "eviction": disk["eviction"]}
+                     "password": "p@ss:word", "max_capacity_gb": 4.0, "eviction": disk["eviction"]}
 
 
 def test_shm_mode_and_no_l2_by_default() -> None:
@@ -59,7 +60,8 @@ def test_shm_mode_and_no_l2_by_default() -> None:
 
 
 @pytest.mark.parametrize("fields", [
-    {"redis_url": "localhost:6379"}, {"port": 7000, "http_port": 7000},
+    {"redis_url": "localhost:6379"}, {"redis_url": "redis://127.0.0.1:6379/3"},
+    {"port": 7000, "http_port": 7000},
     {"transfer_mode": "rdma"}, {"worker_reap_timeout_s": 10}])
 def test_invalid_settings_are_refused(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
