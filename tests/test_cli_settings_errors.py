@@ -49,6 +49,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
      "--api-key=[' ']: Value error, an API key"),
     (["-m", "services.cli", "up", "--model", "/nonexistent", "--allowed-origin", "app.example"], {},
      "--allowed-origin=['app.example']: Value error, 'app.example' is not an origin"),
+    # A Redis URL redis-py cannot read was a traceback at the gateway's startup (and the
+    # engine's, once its model had loaded).
+    (["-m", "services.cli", "gateway", "--redis-url", "127.0.0.1:6379"], {},
+     "--redis-url='127.0.0.1:6379': Value error, not a Redis URL"),
+    (["-m", "services.cli", "up", "--model", "/nonexistent"], {"BACKPORT_UP_REDIS_URL": "http://r:6379"},
+     "BACKPORT_UP_REDIS_URL='http://r:6379': Value error, not a Redis URL"),
     (["-m", "services.cli", "up", "--model", "/nonexistent", "--routing-policy", "fastest"], {},
      "--routing-policy='fastest'"),
     (["-m", "services.ple_offload", "--grace-s", "soon"], {},

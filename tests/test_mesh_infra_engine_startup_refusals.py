@@ -36,10 +36,11 @@ def test_a_taken_metrics_port_stops_the_engine_naming_it_before_the_model_loads(
 def test_a_redis_url_that_is_none_stops_the_engine_naming_it_before_the_model_loads(
         embedded_model_path: Path, tmp_path: Path, redis_url: str) -> None:
     """redis-py refused it only where the engine registers, once the model had loaded and the
-    gRPC server was serving: a ValueError traceback, then the unstopped server's."""
+    gRPC server was serving: a ValueError traceback, then the unstopped server's. Now the
+    settings refuse it, as any other bad flag."""
     returncode, log = _run_engine(embedded_model_path, tmp_path, "--redis-url", redis_url)
-    assert returncode == 1, log
-    assert f"--redis-url {redis_url!r}" in log and "redis://" in log, log
+    assert returncode == 2, log
+    assert f"--redis-url={redis_url!r}: Value error, not a Redis URL" in log and "redis://" in log, log
     _assert_refused_before_the_model_loads(log)
 
 

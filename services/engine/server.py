@@ -16,7 +16,6 @@ from services.engine.registry import EngineRecord, EngineRegistration
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 from services.engine.vllm_engine import VllmEngine
-from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_server import GrpcServer
 from services.mesh.service_names import ENGINE_GRPC
 
@@ -38,17 +37,13 @@ async def serve(settings: EngineSettings) -> None:
     kv_events = collector_for(settings.kv_events_endpoint)
     servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
-    # Both before the model loads: a taken port or a URL redis-py cannot read is refused in
-    # seconds, not once the load is done.
+    # Before the model loads: a taken port is refused in seconds, not once the load is done.
     if settings.metrics_port is not None:
         metrics.serve(settings.host, settings.metrics_port)
     registration = None
     if settings.redis_url:
-        try:
-            registration = EngineRegistration(settings.redis_url,
-                                              lambda: _record(engine, server, settings))
-        except ValueError as error:
-            raise ServiceStartError(f"--redis-url {settings.redis_url!r}: {error}") from None
+        registration = EngineRegistration(settings.redis_url,
+                                          lambda: _record(engine, server, settings))
     try:
         with _signals_interrupt_startup():
             engine.start()

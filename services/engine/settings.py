@@ -10,7 +10,7 @@ from services.engine.kv_transfer import (
     parse_transfer_mode,
     split_kv_service_address,
 )
-from services.mesh.settings import ServiceSettings
+from services.mesh.settings import ServiceSettings, check_redis_url
 
 
 class EngineSettings(ServiceSettings):
@@ -47,6 +47,12 @@ class EngineSettings(ServiceSettings):
                                                           "renewed every third of it")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="Prometheus /metrics HTTP port (off when unset)")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_is_one(cls, value: str | None) -> str | None:
+        check_redis_url(value)
+        return value
 
     # The KV settings are checked here, not first at engine start: a bad value then stops the
     # command with one line naming its flag, not a traceback from inside vLLM's startup.

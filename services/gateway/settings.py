@@ -8,7 +8,7 @@ from pydantic_settings import SettingsConfigDict
 from services.gateway.auth import read_keys_file
 from services.gateway.parsing.registry import reasoning_format, tool_call_format
 from services.gateway.routing import RoutingPolicy
-from services.mesh.settings import ServiceSettings
+from services.mesh.settings import ServiceSettings, check_redis_url
 
 DEFAULT_ENGINE = "127.0.0.1:50051"
 
@@ -50,6 +50,7 @@ PASSED_ON_CHECKS: dict[str, Callable[[Any], None]] = {
     "reasoning_parser": _check_reasoning_parser,
     "api_key": _check_api_keys,
     "allowed_origin": _check_origins,
+    "redis_url": check_redis_url,
 }
 
 

@@ -19,6 +19,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
 
+def check_redis_url(value: str | None) -> None:
+    """A URL redis-py can connect by, checked when the settings are read: redis-py itself reads
+    it only once the service has started (an engine: after loading its model)."""
+    if value is None:
+        return
+    from redis.connection import parse_url  # the services that take no Redis URL skip the import
+
+    try:
+        parse_url(value)
+    except ValueError as error:
+        raise ValueError(f"not a Redis URL: {error}") from None
+
+
 class SettingsError(ValueError):
     """A flag or environment value that does not validate; the message names where it came from."""
 
