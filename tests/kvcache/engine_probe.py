@@ -2,7 +2,7 @@
 
     python tests/kvcache/engine_probe.py --model DIR --kv-service HOST:PORT --transfer-mode zmq \
         --chunk-size 256 --records-file PATH --prompt NAME:NUM_TOKENS [--prompt ...] \
-        [--no-prefix-caching]
+        [--no-prefix-caching] [--kv-http-port PORT]
 
 Each `--prompt` is a deterministic prompt of exactly NUM_TOKENS tokens (the same NAME and
 length give the same tokens in any process). One JSON line per request in the records file
@@ -10,6 +10,12 @@ length give the same tokens in any process). One JSON line per request in the re
 time to first token, cached prompt tokens as vLLM reports them, greedy token ids, and the
 first token's top log-probabilities. Used by the tests and by bench/kvcache.py; the mesh's
 engine service gets the same arguments from `services.engine.kv_transfer.engine_kv_args`.
+
+With `--kv-http-port` (the KV service's HTTP port), a prompt served before in this run
+waits until the service holds every whole chunk of it: in the `shm` transfer mode LMCache
+stores asynchronously, so a repeat sent as soon as the first answer arrives can be looked
+up before the chunks are written and miss (docs/kvcache.md). The wait is recorded, and is
+not part of the request's times.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -29,6 +36,10 @@ sys.path.insert(0, str(REPO_ROOT))
 PASSAGE = ("The lighthouse keeper wrote down the tides, the ships that passed, the colour of "
            "the sky at dawn and the number of gulls on the rocks. {name} kept every page. ")
 KV_CACHE_GIB = 1
+# LMCache keys chunks by the engine's model name (its path here) and KV world size (one rank).
+KV_WORLD_SIZE = 1
+STORE_WAIT_TIMEOUT_S = 60.0
+STORE_POLL_S = 0.02
 
 
 def prompt_token_ids(tokenizer, name: str, num_tokens: int) -> list[int]:
@@ -39,6 +50,42 @@ def prompt_token_ids(tokenizer, name: str, num_tokens: int) -> list[int]:
         ids += tokenizer.encode(f"{line}. " + PASSAGE.format(name=name), add_special_tokens=False)
         line += 1
     return ids[:num_tokens]
+
+
+def _http_json(url: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.load(response)
+
+
+def stored_chunks(http_port: int, model: str, ids: list[int]) -> tuple[int, int]:
+    """(found, total) whole chunks of `ids` that a lookup would find in the KV service now.
+
+    Asks through LMCache's warm-prefetch API, which runs the lookup's own prefetch without
+    locking anything; a chunk still being written counts as not found, as for a lookup.
+    """
+    base = f"http://127.0.0.1:{http_port}/cache/prefetches"
+    submitted = _http_json(base, {"model_name": model, "world_size": KV_WORLD_SIZE,
+                                  "token_ids": ids})
+    if submitted["status"] == "noop":  # shorter than one chunk: nothing is ever stored
+        return 0, 0
+    while True:
+        status = _http_json(f"{base}/{submitted['request_id']}")
+        if status["status"] == "completed":
+            return status["found_keys"], status["total_keys"]
+        time.sleep(STORE_POLL_S)
+
+
+def wait_until_stored(http_port: int, model: str, ids: list[int]) -> dict:
+    """Waits (up to STORE_WAIT_TIMEOUT_S) until the service holds every whole chunk of `ids`."""
+    start = time.perf_counter()
+    found, total = stored_chunks(http_port, model, ids)
+    while found < total and time.perf_counter() - start < STORE_WAIT_TIMEOUT_S:
+        time.sleep(STORE_POLL_S)
+        found, total = stored_chunks(http_port, model, ids)
+    return {"store_wait_s": time.perf_counter() - start, "chunks_stored": found,
+            "chunks_total": total}
 
 
 def write_record(path: Path, record: dict) -> None:
@@ -67,9 +114,13 @@ async def serve_prompts(args: argparse.Namespace) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5,
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         write_record(args.records_file, {"event": "ready", "pid": os.getpid()})
-        for spec in args.prompt:
+        for index, spec in enumerate(args.prompt):
             name, num_tokens = spec.rsplit(":", 1)
             ids = prompt_token_ids(tokenizer, name, int(num_tokens))
+            store_visibility: dict[str, float | int] = {}
+            if args.kv_http_port is not None and spec in args.prompt[:index]:
+                store_visibility = await asyncio.to_thread(wait_until_stored, args.kv_http_port,
+                                                           args.model, ids)
             start = time.perf_counter()
             ttft_s = None
             token_ids: list[int] = []
@@ -87,7 +138,8 @@ async def serve_prompts(args: argparse.Namespace) -> None:
                 "event": "request", "name": name, "prompt_tokens": len(ids), "ttft_s": ttft_s,
                 "total_s": time.perf_counter() - start, "cached_tokens": num_cached,
                 "token_ids": token_ids,
-                "first_logprobs": {str(k): v for k, v in first_logprobs.items()}})
+                "first_logprobs": {str(k): v for k, v in first_logprobs.items()},
+                **store_visibility})
     finally:
         llm.shutdown()
 
@@ -99,6 +151,9 @@ def main() -> None:
     parser.add_argument("--transfer-mode", default="zmq")
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--kv-events-endpoint", default=None)
+    parser.add_argument("--kv-http-port", type=int, default=None,
+                        help="the KV service's HTTP port: a repeated prompt waits until its "
+                             "chunks are stored there")
     parser.add_argument("--prompt", action="append", required=True)
     parser.add_argument("--records-file", type=Path, required=True)
     parser.add_argument("--max-tokens", type=int, default=8)
