@@ -139,6 +139,15 @@ class FakeEngineServicer(engine_pb2_grpc.EngineServicer):
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         num_choices = max(1, request.sampling.n)
         num_tokens = len(SCRIPTED_TOKEN_IDS)
+        # Noted when the call ends, however it ends: a cancel that arrives while this generator
+        # waits at a `yield` (a loaded machine) ends the call without resuming it.
+        ended_on_its_own = False
+
+        def note_cancel() -> None:
+            if not ended_on_its_own:
+                self.cancelled_request_ids.append(request.request_id)
+
+        context.add_callback(note_cancel)
         for index in range(num_choices):
             yield pb.GenerateResponse(chunk=pb.GenerateChunk(
                 index=index, token_ids=SCRIPTED_TOKEN_IDS,
@@ -148,8 +157,8 @@ class FakeEngineServicer(engine_pb2_grpc.EngineServicer):
         while context.is_active() and time.monotonic() < deadline:
             time.sleep(0.05)
         if not context.is_active():
-            self.cancelled_request_ids.append(request.request_id)
             return
+        ended_on_its_own = True
         for index in range(num_choices):
             yield pb.GenerateResponse(complete=pb.GenerateComplete(
                 index=index, finish_reason=common_pb2.FINISH_REASON_LENGTH,
