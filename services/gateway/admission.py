@@ -62,8 +62,10 @@ class AdmissionMiddleware:
                 key_given=bool(authorization)))
             return
         if self.traffic.is_draining:
+            # Closed: a client's pool would otherwise bring its retry back on this connection,
+            # to be refused again until the drain ends, instead of to a replica that serves.
             await self._refuse(send, ServiceUnavailableError(
-                "the gateway is shutting down; retry on another replica"))
+                "the gateway is shutting down; retry on another replica"), close_connection=True)
             return
         context = RequestContext(started_at=started_at, session_id=headers.get("x-session-id"))
         set_request_context(context)
@@ -88,15 +90,21 @@ class AdmissionMiddleware:
             self.traffic.num_in_flight -= 1
             self.metrics.requests_in_flight.dec()
             self.metrics.requests.labels(str(status)).inc()
-            self.metrics.e2e_latency.observe(time.monotonic() - started_at)
+            if status < 400 or status == CLIENT_CLOSED_REQUEST:
+                # As vLLM's, a latency of requests served (or abandoned while they ran); an
+                # error answered in a millisecond would drag every quantile down.
+                self.metrics.e2e_latency.observe(time.monotonic() - started_at)
 
-    async def _refuse(self, send: Send, error: GatewayError) -> None:
+    async def _refuse(self, send: Send, error: GatewayError, *,
+                      close_connection: bool = False) -> None:
         self.metrics.requests.labels(str(error.status)).inc()
         body = json.dumps(error.body()).encode()
         head: dict[str, Any] = {"type": "http.response.start", "status": error.status,
                                 "headers": [(b"content-type", b"application/json"),
                                             (b"content-length", str(len(body)).encode()),
                                             *((name.lower().encode(), value.encode())
-                                              for name, value in error.headers.items())]}
+                                              for name, value in error.headers.items()),
+                                            *([(b"connection", b"close")] if close_connection
+                                              else [])]}
         await send(head)
         await send({"type": "http.response.body", "body": body})

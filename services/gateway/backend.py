@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from backport.v1 import engine_pb2 as pb
+from backport.v1 import tokenizer_pb2
 
 from services.gateway.dispatch import EngineRoute
 from services.gateway.engine_pool import EnginePool
@@ -28,8 +29,11 @@ from services.tokenizer.client import TokenizerClient
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 600.0
+# Each describe call's deadline, tokenizer's or engine's; a slow one is asked again.
 MODEL_INFO_TIMEOUT_S = 5.0
-ENGINE_WAIT_POLL_S = 0.5
+MESH_WAIT_POLL_S = 0.5
+# A service not listening yet (still loading), or slow to answer: worth asking again.
+NOT_YET_UP_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +69,34 @@ class GatewayBackend:
                                                  or InMemorySessionEffortStore())
         self.model: ServedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._connecting: asyncio.Task[None] | None = None
+        self._is_connect_stopped = False
 
     async def connect(self) -> None:
-        """Waits for the tokenizer and for an engine to describe the model."""
-        tokenizer_info = await self.tokenizer.info(timeout_s=CONNECT_TIMEOUT_S)
+        """Waits for the tokenizer and for an engine to describe the model; returns with no
+        model once `stop_connecting` is called."""
+        if self._is_connect_stopped:
+            return
+        self._connecting = asyncio.ensure_future(self._wait_for_mesh())
+        try:
+            await self._connecting
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self._is_connect_stopped or (current is not None and current.cancelling()):
+                raise
+            logger.info("stopped while waiting for the mesh")
+        finally:
+            self._connecting = None
+
+    def stop_connecting(self) -> None:
+        """Ends the wait of `connect` (a signal during startup): it may last minutes, while
+        engines load, and the server looks at signals only once the app has started."""
+        self._is_connect_stopped = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+
+    async def _wait_for_mesh(self) -> None:
+        tokenizer_info = await self._tokenizer_info()
         if self.registry is not None:
             self._tasks.append(asyncio.create_task(self.registry.run()))
         model_info = await self._first_model_info()
@@ -87,6 +115,20 @@ class GatewayBackend:
                     self.model.name, self.model.architecture, self.model.max_model_len,
                     self.model.chat_format, self.settings.routing_policy, len(self.pool.engines))
 
+    async def _tokenizer_info(self) -> tokenizer_pb2.TokenizerInfo:
+        """The tokenizer service's answer, waited for: started beside the gateway (compose), it
+        listens only once its tokenizer has loaded."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                return await self.tokenizer.info(timeout_s=MODEL_INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in NOT_YET_UP_CODES or time.monotonic() >= deadline:
+                    raise
+                logger.info("waiting for the tokenizer service %s: %s", self.tokenizer.address,
+                            error.code().name)
+            await asyncio.sleep(MESH_WAIT_POLL_S)
+
     async def _first_model_info(self) -> pb.ModelInfo:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -104,7 +146,7 @@ class GatewayBackend:
                     if current is not None and current.cancelling():
                         raise
                     logger.info("waiting for engines: %s left the registry", engine.address)
-            await asyncio.sleep(ENGINE_WAIT_POLL_S)
+            await asyncio.sleep(MESH_WAIT_POLL_S)
         raise TimeoutError(f"no engine answered within {CONNECT_TIMEOUT_S} s")
 
     def served_model(self) -> ServedModel:

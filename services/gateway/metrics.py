@@ -8,8 +8,13 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                     7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's buckets for the histograms of the same names, so that the gateway's and the engines'
+# compare bucket by bucket. A request runs for minutes where a reasoning model thinks at length;
+# the first token may wait that long behind a queue.
+TIME_TO_FIRST_TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                             50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                        0.5, 0.75, 1.0, 2.5, 5.0)
 ENGINE_STATES = ("serving", "not_serving", "ejected")
@@ -33,10 +38,12 @@ class GatewayMetrics:
         self.requests_in_flight = Gauge("backport:gateway_requests_in_flight",
                                         "HTTP API requests being served", registry=r)
         self.e2e_latency = Histogram("backport:e2e_request_latency_seconds",
-                                     "Request start to last byte", buckets=LATENCY_BUCKETS_S, registry=r)
+                                     "Request start to last byte, of requests answered or left "
+                                     "by their client", buckets=REQUEST_LATENCY_BUCKETS_S,
+                                     registry=r)
         self.time_to_first_token = Histogram(
             "backport:time_to_first_token_seconds", "Request start to the first generated token",
-            buckets=LATENCY_BUCKETS_S, registry=r)
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS_S, registry=r)
         self.inter_token_latency = Histogram(
             "backport:inter_token_latency_seconds", "Gap between successive engine chunks, per token",
             buckets=TOKEN_GAP_BUCKETS_S, registry=r)

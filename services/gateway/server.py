@@ -2,7 +2,8 @@
 
 On SIGTERM (or Ctrl-C) the gateway keeps listening but answers new API requests 503 and
 `/health` 503, lets open requests finish (at most `drain_timeout_s`), then exits. A second
-signal stops at once.
+signal stops at once. A signal while the gateway still waits for the mesh to answer stops it
+at once too: there is nothing to drain yet.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 
 from services.gateway.admission import Traffic
 from services.gateway.app import create_app
+from services.gateway.backend import GatewayBackend
 from services.gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         self.traffic.is_draining = True
         self.app.state.draining = True  # `/health` answers 503 from now on
+        if not self.started:
+            await self._stop_startup()
         logger.info("draining %d open request(s)", self.traffic.num_in_flight)
         deadline = time.monotonic() + self.drain_timeout_s
         while self.traffic.num_in_flight and time.monotonic() < deadline:
@@ -67,6 +71,17 @@ class DrainingServer(uvicorn.Server):
         # what is left of the drain (a second when the drain ran out), then cancels it.
         self.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
         self.should_exit = True
+
+    async def _stop_startup(self) -> None:
+        """Stops the lifespan's wait for the mesh: uvicorn looks at `should_exit` only once
+        the app has started, and the backend waits minutes for engines that are loading.
+        Nothing is open yet to drain; the app then starts and stops at once."""
+        while not self.started:
+            backend: GatewayBackend | None = getattr(self.app.state, "backend", None)
+            if backend is not None:  # set by the lifespan before it waits
+                backend.stop_connecting()
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
 
 
 def serve(settings: GatewaySettings) -> None:
