@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -100,11 +100,6 @@ def check_valid_unicode(body: Any) -> None:
         raise RequestFieldError(param, f"the lone UTF-16 surrogate in {where} is not valid Unicode")
 
 
-# Fields a request may send as null for their default (nullable in OpenAI's API or vLLM's).
-NULL_MEANS_UNSET = frozenset({"n", "stream", "presence_penalty", "frequency_penalty", "logprobs",
-                              "echo", "stop_token_ids"})
-
-
 def without_nulls(body: Any, names: frozenset[str]) -> Any:
     """`body` without those of `names` sent as null: OpenAI's API (and vLLM's server) take null
     for them, meaning the default, and the official client sends it for an explicit None."""
@@ -125,10 +120,14 @@ class SamplingFields(BaseModel):
         check_valid_unicode(body)
         return body
 
+    # Fields a request may send as null for their default (nullable in OpenAI's API or vLLM's).
+    null_means_unset: ClassVar[frozenset[str]] = frozenset({
+        "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo", "stop_token_ids"})
+
     @model_validator(mode="before")
     @classmethod
     def _null_means_unset(cls, body: Any) -> Any:
-        return without_nulls(body, NULL_MEANS_UNSET)
+        return without_nulls(body, cls.null_means_unset)
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -300,6 +299,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    # OpenAI's API and vLLM's server read a null max_tokens as 16 here, not as no limit.
+    null_means_unset = SamplingFields.null_means_unset | {"max_tokens"}
+
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="text, token ids, or a batch of either")
     # 0 only with `echo`: the prompt alone comes back (scoring it by its logprobs).
@@ -327,12 +329,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("must be a non-empty string, a list of token ids (0 to 2**32 - 1), "
                              "or a non-empty list of either")
         return prompt
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_max_tokens_is_the_default(cls, body: Any) -> Any:
-        # OpenAI's API and vLLM's server read a null max_tokens as 16 here, not as no limit.
-        return without_nulls(body, frozenset({"max_tokens"}))
 
     @model_validator(mode="after")
     def _no_tokens_only_with_echo(self) -> CompletionRequest:
