@@ -56,3 +56,12 @@ def test_request_latencies_of_minutes_land_in_different_buckets() -> None:
     steps = sorted({count for _, count in counts})
     assert steps[-3:] == [1.0, 2.0, 3.0]
     assert next(le for le, count in counts if count == 3.0) < float("inf")
+
+
+def test_a_gateway_that_reads_no_registry_exports_no_registry_gauge(mesh: RunningMesh) -> None:
+    """This mesh's gateway has its engines by address and no Redis: a
+    `backport:registry_reachable` of 0 there would page an operator for an outage of a registry
+    that does not exist."""
+    samples = scrape(metrics_url(mesh))
+    assert "backport:gateway_requests_in_flight" in samples
+    assert "backport:registry_reachable" not in samples

@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from services.gateway.admission import ENGINE_HEADER, AdmissionMiddleware, Traffic
 from services.gateway.auth import ApiKeys
 from services.gateway.backend import GatewayBackend
-from services.gateway.errors import install_error_handlers
+from services.gateway.errors import UnexpectedErrorMiddleware, install_error_handlers
 from services.gateway.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
 from services.gateway.routes import chat, completions, models, responses, tokenize
 from services.gateway.settings import GatewaySettings
@@ -23,7 +23,7 @@ CORS_EXPOSED_HEADERS = (ENGINE_HEADER.decode(), "WWW-Authenticate")
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(watches_registry=settings.redis_url is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +42,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                        api_keys=ApiKeys.load(settings.api_key, settings.api_keys_file),
                        traffic=app.state.traffic, metrics=metrics,
                        expose_engine_header=settings.expose_engine_header)
+    # Outside admission, so that it counts the 500, and inside CORS, so that a page reads it.
+    app.add_middleware(UnexpectedErrorMiddleware)
     if settings.allowed_origin:
         # Added last, so outermost: a preflight carries no API key and must not meet the check,
         # and a refusal must carry the CORS headers for the page to read its error.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -10,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.tokenizer.client import TokenizerTimeoutError
 
@@ -141,15 +143,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def tokenizer_call_error(request: Request,
                                    error: grpc.aio.AioRpcError | TokenizerTimeoutError) -> JSONResponse:
         # Engine calls handle their own failures (retry, then 503); a gRPC error that reaches
-        # here is the tokenizer service's. Answered here, not by the catch-all below, the
-        # client keeps its connection: Starlette re-raises what the catch-all answers.
+        # here is the tokenizer service's, and a 503 or 504, not an unexpected 500.
         failure = tokenizer_failure(error)
         return JSONResponse(failure.body(), status_code=failure.status)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return JSONResponse(error_body("internal server error", "internal_error"), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -157,6 +153,42 @@ def install_error_handlers(app: FastAPI) -> None:
         message = _unreadable_body_problem(error.__cause__) or str(error.detail)
         return JSONResponse(error_body(message, "invalid_request_error"),
                             status_code=error.status_code, headers=error.headers)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an error no handler knows with an OpenAI-shaped 500.
+
+    Starlette sends a handler for `Exception` from its outermost middleware, past CORS, so a
+    page could not read the 500, and it re-raises, which closes the client's connection. Added
+    inside CORS, this answers first. Once a response has begun, there is nothing to answer
+    with: the error goes on up and the server ends the connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response_started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal response_started
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception:
+            if response_started:
+                raise
+            logger.exception("request failed: %s %s", scope["method"], scope["path"])
+            body = json.dumps(error_body("internal server error", "internal_error")).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
 
 def _unreadable_body_problem(cause: BaseException | None) -> str | None:

@@ -30,7 +30,7 @@ class EngineView(Protocol):
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, *, watches_registry: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("backport:gateway_requests", "HTTP API requests by status code",
@@ -57,8 +57,11 @@ class GatewayMetrics:
                                       "This gateway's open calls per engine", ["engine"], registry=r)
         self.engine_state = Gauge("backport:engine_state", "1 for the engine's current state",
                                   ["engine", "state"], registry=r)
+        # Exported only by a gateway that reads a registry: a 0 where none is configured
+        # would read as a Redis outage.
         self.registry_reachable = Gauge("backport:registry_reachable",
-                                        "1 while the Redis engine registry answers", registry=r)
+                                        "1 while the Redis engine registry answers",
+                                        registry=r if watches_registry else None)
 
     def render(self, engines: Iterable[EngineView]) -> bytes:
         self.engine_in_flight.clear()
