@@ -36,9 +36,11 @@ per sequence, the indexer's C4A ratio; each token's top-k rows are distinct), 16
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import itertools
 import json
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -948,7 +950,11 @@ def main() -> None:
     if args.gpu_arch != "native":
         from services.engine.backport.kernels.arch_fidelity import enable_arch_emulation
 
-        enable_arch_emulation(args.gpu_arch, tempfile.mkdtemp(prefix="triton-bench-"))
+        cache_dir = tempfile.mkdtemp(prefix="triton-bench-")
+        # A fresh cache per run, so that no kernel built for another arch is reused; its
+        # builds are hundreds of MB left in /tmp otherwise.
+        atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+        enable_arch_emulation(args.gpu_arch, cache_dir)
 
     cuda_arch = args.gpu_arch if args.gpu_arch != "native" else None
     green = use_sms(args.sms) if args.sms else None  # referenced until main returns

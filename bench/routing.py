@@ -61,11 +61,14 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if ttft is None and event.get("choices") and event["choices"][0].get("text"):
+            # The first generated token, whether or not its text is whole yet.
+            if ttft is None and event.get("choices"):
                 ttft = time.perf_counter() - start
             usage = event.get("usage") or usage
+    if ttft is None:
+        raise RuntimeError("a stream ended without a generated token")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return ttft or 0.0, usage.get("prompt_tokens", 0), cached
+    return ttft, usage.get("prompt_tokens", 0), cached
 
 
 async def run_phase(policy: str, url: str, model: str, prompts: list[list[int]],
