@@ -5,7 +5,8 @@ start and end markers, the markers not counted. Where the prompt opened the reas
 (thinking mode), the count starts at the first output token; vLLM's count needs the start
 marker in the output and gives 0 there. Only formats whose markers are one token each are
 counted. A tool call that starts inside the reasoning ends it for the output parser but not
-here: its tokens count until the end marker.
+here: its tokens count until the end marker. Once the reasoning has ended, a start marker no
+longer opens it: the answer is talking about the tag, as the output parser reads it too.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ class ReasoningTokenCounter:
         self.markers = markers
         self.in_reasoning = thinking
         self.count = 0
+        self._has_reasoning_ended = False
 
     def feed(self, token_ids: Iterable[int]) -> int:
         for token_id in token_ids:
             if token_id == self.markers.start:
-                self.in_reasoning = True
+                self.in_reasoning = self.in_reasoning or not self._has_reasoning_ended
             elif token_id == self.markers.end:
+                self._has_reasoning_ended = self._has_reasoning_ended or self.in_reasoning
                 self.in_reasoning = False
             elif self.in_reasoning:
                 self.count += 1

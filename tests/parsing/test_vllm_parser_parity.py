@@ -132,12 +132,19 @@ def _tool(name: str, properties: dict[str, Any]) -> dict[str, Any]:
 _QUIRK_TOOLS = [
     _tool("search", {"query": {"type": "string"}, "limit": {"type": "integer"}}),
     _tool("toggle", {"on": {"type": "boolean"}, "force": {"type": "boolean"}}),
+    _tool("write", {"path": {"type": "string"}, "text": {"type": "string"}}),
+    _tool("order", {"items": {"type": "array", "items": {"type": "object", "properties": {
+        "qty": {"type": "integer"}, "sku": {"type": "string"}}}}}),
 ]
 QUIRKS: dict[str, list[str]] = {
     "deepseek_v4": [
         # Whole arguments object inside one undeclared `arguments` parameter.
         f'Look it up.</think><{DSML}tool_calls>\n<{DSML}invoke name="search">\n'
         f'<{DSML}parameter name="arguments" string="false">{{"query": "cats", "limit": 3}}'
+        f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>",
+        # Members of an array of objects written with the wrong JSON types.
+        f'Order.</think><{DSML}tool_calls>\n<{DSML}invoke name="order">\n'
+        f'<{DSML}parameter name="items" string="false">[{{"qty": "2", "sku": 7}}]'
         f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>",
     ],
     "glm47": [
@@ -149,6 +156,10 @@ QUIRKS: dict[str, list[str]] = {
         # 1 and 0 for booleans.
         "Go.</think><tool_call>\n<function=toggle>\n<parameter=on>\n1\n</parameter>\n"
         "<parameter=force>\n0\n</parameter>\n</function>\n</tool_call>",
+        # A file that quotes the tool-call tags.
+        "Go.</think><tool_call>\n<function=write>\n<parameter=path>\na.md\n</parameter>\n"
+        "<parameter=text>\nCalls end with </tool_call> and start with <tool_call>.\n</parameter>\n"
+        "</function>\n</tool_call>",
     ],
 }
 

@@ -5,7 +5,10 @@ parameter keeps its text verbatim ("007" stays "007"), an `integer` parameter "3
 `number`, `boolean`, `null`, `object` and `array` are read as JSON (Python-literal spellings such
 as `True` or `{'a': 1}` are accepted too, since models produce them, and `1`/`0` for a boolean, as
 vLLM reads them). A parameter the schema does not know is read as JSON when it parses and kept as
-text otherwise.
+text otherwise. Members of an object or array are typed the same way by the schema's `properties`
+or `items` (through `anyOf`/`oneOf`/`allOf`), as vLLM's deepseek_v4 parser types them: models
+write `{"quantity": "2"}` for an integer member too. Members the schema does not describe are
+left as written.
 """
 
 from __future__ import annotations
@@ -132,6 +135,10 @@ def declared_types(schema: Mapping[str, Any] | None) -> frozenset[str]:
 
 def type_value(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | None) -> Any:
     """The typed value of one argument (see the module docstring for the rules)."""
+    return _typed_members(_typed_text(text, encoding, schema), schema)
+
+
+def _typed_text(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | None) -> Any:
     types = declared_types(schema)
     if encoding == "json":
         parsed = _loads_json(text)
@@ -154,6 +161,51 @@ def type_value(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | N
         return text
     parsed = _loads_json(text)
     return text if parsed is _FAILED else parsed
+
+
+def _typed_members(value: Any, schema: Mapping[str, Any] | None) -> Any:
+    """`value` with the members of its objects and arrays typed by the schema's nested schemas.
+
+    Only where the schema describes them: the recursion follows the schema, which is finite.
+    """
+    if isinstance(value, dict):
+        properties = _nested_schema(schema, "properties")
+        if properties is None:
+            return value
+        return {key: _typed_member(member, properties.get(key)) for key, member in value.items()}
+    if isinstance(value, list):
+        items = _nested_schema(schema, "items")
+        if items is None:
+            return value
+        return [_typed_member(member, items) for member in value]
+    return value
+
+
+def _typed_member(value: Any, schema: Any) -> Any:
+    if not isinstance(schema, Mapping):
+        return value
+    types = declared_types(schema)
+    if types and _json_type(value) not in types and not _is_whole(value, types):
+        # Typed as if the model had written the member as a JSON-encoded argument.
+        value = _typed_text(json.dumps(value, ensure_ascii=False), "json", schema)
+    return _typed_members(value, schema)
+
+
+def _nested_schema(schema: Mapping[str, Any] | None, key: str) -> Mapping[str, Any] | None:
+    """`schema[key]` (`properties` or `items`), or the first one an `anyOf`/`oneOf`/`allOf`
+    option holds (an optional object is `anyOf: [{object}, {null}]`)."""
+    if not isinstance(schema, Mapping):
+        return None
+    nested = schema.get(key)
+    if isinstance(nested, Mapping):
+        return nested
+    for combinator in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(combinator)
+        for option in options if isinstance(options, list) else ():
+            nested = _nested_schema(option, key)
+            if nested is not None:
+                return nested
+    return None
 
 
 def _json_type(value: Any) -> str:

@@ -4,11 +4,14 @@ As in vLLM, forced calls do not go through the model family's tool-call markup: 
 holds the output to a JSON schema, so any model can answer them. A named function's output
 is its arguments object, streamed as argument deltas; "required" gives a JSON array of
 `{"name", "parameters"}` objects, released as calls when the choice ends (a partial array
-says nothing certain about a call).
+says nothing certain about a call). In that array schema each tool's definitions (`$defs`, or
+draft-07's `definitions`) move to the root, where its `#/$defs/...` references resolve, as vLLM
+moves them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +23,9 @@ from services.gateway.parsing.output_parser import new_call_id
 
 # A function declared without parameters takes an object (OpenAI's reading).
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Where JSON schemas keep reusable definitions: `$defs` (pydantic), `definitions` (draft-07, as
+# zod-to-json-schema writes them).
+_DEFINITION_KEYWORDS = ("$defs", "definitions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,17 +51,77 @@ class ForcedToolChoice:
     def json_schema(self) -> dict[str, Any]:
         if self.named:
             return dict(self.functions[0].get("parameters") or ANY_OBJECT)
+        definitions: dict[str, dict[str, Any]] = {}
         calls = [{"type": "object",
                   "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                 "parameters": f.get("parameters") or ANY_OBJECT},
+                                 "parameters": _hoist_definitions(f.get("parameters") or ANY_OBJECT,
+                                                                  definitions)},
                   "required": ["name", "parameters"]} for f in self.functions]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                                  **definitions}
         if not self.allow_parallel:
             schema["maxItems"] = 1
         return schema
 
     def parser(self, make_call_id: Callable[[], str] = new_call_id) -> ForcedToolCallParser:
         return ForcedToolCallParser(self.functions[0]["name"] if self.named else None, make_call_id)
+
+
+def _hoist_definitions(parameters: Mapping[str, Any],
+                       hoisted: dict[str, dict[str, Any]]) -> Mapping[str, Any]:
+    """`parameters` less its definitions, which join `hoisted` (keyword -> name -> schema).
+
+    A `#/$defs/Item` reference resolves against the root of the whole schema, the array of calls.
+    Where another tool already put a different schema under one of this tool's names, all of
+    this tool's definitions get new names, and its references follow them.
+    """
+    own = {keyword: parameters[keyword] for keyword in _DEFINITION_KEYWORDS
+           if isinstance(parameters.get(keyword), Mapping)}
+    if not own:
+        return parameters
+    rest = {key: value for key, value in parameters.items() if key not in own}
+    clashes = any(hoisted.get(keyword, {}).get(name, definition) != definition
+                  for keyword, definitions in own.items()
+                  for name, definition in definitions.items())
+    if not clashes:
+        for keyword, definitions in own.items():
+            hoisted.setdefault(keyword, {}).update(definitions)
+        return rest
+    renames: dict[str, str] = {}
+    renamed: list[tuple[str, str]] = []
+    for keyword, definitions in own.items():
+        taken = hoisted.setdefault(keyword, {})
+        for name, definition in definitions.items():
+            new_name = next(candidate for number in itertools.count(2)
+                            if (candidate := f"{name}_{number}") not in taken)
+            taken[new_name] = definition  # holds the name; its references are renamed below
+            renamed.append((keyword, new_name))
+            old_reference = f"#/{keyword}/{_pointer_token(name)}"
+            renames[old_reference] = f"#/{keyword}/{_pointer_token(new_name)}"
+    for keyword, new_name in renamed:
+        hoisted[keyword][new_name] = _with_references_renamed(hoisted[keyword][new_name], renames)
+    return _with_references_renamed(rest, renames)
+
+
+def _pointer_token(name: str) -> str:
+    """`name` as one step of a JSON pointer (RFC 6901)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _with_references_renamed(schema: Any, renames: Mapping[str, str]) -> Any:
+    """A copy of `schema` whose `$ref`s into a renamed definition point at its new name."""
+    if isinstance(schema, list):
+        return [_with_references_renamed(item, renames) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    copy = {key: _with_references_renamed(value, renames) for key, value in schema.items()}
+    reference = copy.get("$ref")
+    if isinstance(reference, str):
+        for old, new in renames.items():
+            if reference == old or reference.startswith(old + "/"):
+                copy["$ref"] = new + reference[len(old):]
+                break
+    return copy
 
 
 class ForcedToolCallParser:

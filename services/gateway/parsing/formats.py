@@ -38,7 +38,10 @@ class ToolCallFormat:
     closing marker and returns None when the text is not a usable call. `call_restarts` are
     opening markers that, met inside a call, end it and begin the next (the model left the
     closing tag out). `drops_undeclared_tools`: a call to a tool the request did not declare is
-    dropped instead of released (vLLM's choice for GLM).
+    dropped instead of released (vLLM's choice for GLM). `value_starts` and `value_ends` open and
+    close one argument's value inside a call; inside an open value the closing tags in
+    `call_ends_outside_values` are the value's own text (a file the model writes may quote them),
+    while the other `call_ends` still end the call.
     """
 
     name: str
@@ -50,6 +53,9 @@ class ToolCallFormat:
     terminators: tuple[str, ...] = ()
     call_restarts: tuple[str, ...] = ()
     drops_undeclared_tools: bool = False
+    value_starts: tuple[str, ...] = ()
+    value_ends: tuple[str, ...] = ()
+    call_ends_outside_values: tuple[str, ...] = ()
 
     @property
     def stray_markup(self) -> tuple[str, ...]:

@@ -8,7 +8,9 @@ speculative decoding produces), or anything between.
 
 Rules that hold for every format:
 - Markup never reaches `content` or `reasoning_content`: recognised tags are consumed, stray
-  closing tags are dropped, and a marker cut off by the end of the output is dropped.
+  closing tags are dropped, and a marker cut off by the end of the output is dropped. Once the
+  answer has begun, though, a stray closing tag or a `<think>` is the answer's own text (it may
+  explain these very tags), as vLLM keeps it.
 - A tool call is released only once its closing tag has arrived: its first delta carries index,
   id, type and name, the next its complete arguments (a JSON object, values typed by the tool
   schema). A call cut off by `max_tokens` is never sent, so the stream and the final message
@@ -47,16 +49,20 @@ class _Mode(Enum):
     CONTENT = auto()
     BETWEEN_CALLS = auto()
     IN_CALL = auto()
+    IN_VALUE = auto()  # inside a call, inside one argument's value
     ENDED = auto()
 
 
 class _Action(Enum):
     DROP = auto()
+    STRAY = auto()  # a closing tag with nothing open: dropped, or the answer's text once it began
     OPEN_REASONING = auto()
     CLOSE_REASONING = auto()
     OPEN_BLOCK = auto()
     OPEN_CALL = auto()
     CLOSE_CALL = auto()
+    OPEN_VALUE = auto()
+    CLOSE_VALUE = auto()
     END_TURN = auto()
 
 
@@ -74,7 +80,7 @@ def _marker_table(
         *(tools.terminators if tools else ()),
     }
     ends_turn = dict.fromkeys(terminators, _Action.END_TURN)
-    strays = dict.fromkeys(tools.stray_markup if tools else (), _Action.DROP)
+    strays = dict.fromkeys(tools.stray_markup if tools else (), _Action.STRAY)
     opens_tools = {
         **dict.fromkeys(tools.block_starts if tools else (), _Action.OPEN_BLOCK),
         **dict.fromkeys(tools.call_starts if tools else (), _Action.OPEN_CALL),
@@ -82,6 +88,9 @@ def _marker_table(
     reasoning_tags = (
         {reasoning.start: _Action.OPEN_REASONING, reasoning.end: _Action.DROP} if reasoning else {}
     )
+    ends_inside_values = tuple(
+        end for end in tools.call_ends if end not in tools.call_ends_outside_values
+    ) if tools else ()
     return {
         _Mode.CONTENT: {**strays, **reasoning_tags, **opens_tools, **ends_turn},
         _Mode.REASONING: {
@@ -99,8 +108,16 @@ def _marker_table(
             **ends_turn,
         },
         _Mode.IN_CALL: {
+            **dict.fromkeys(tools.value_starts if tools else (), _Action.OPEN_VALUE),
             **dict.fromkeys(tools.call_restarts if tools else (), _Action.OPEN_CALL),
             **dict.fromkeys(tools.call_ends if tools else (), _Action.CLOSE_CALL),
+            **ends_turn,
+        },
+        _Mode.IN_VALUE: {
+            **dict.fromkeys(tools.value_starts if tools else (), _Action.OPEN_VALUE),
+            **dict.fromkeys(tools.value_ends if tools else (), _Action.CLOSE_VALUE),
+            **dict.fromkeys(tools.call_restarts if tools else (), _Action.OPEN_CALL),
+            **dict.fromkeys(ends_inside_values, _Action.CLOSE_CALL),
             **ends_turn,
         },
         _Mode.ENDED: {},
@@ -210,7 +227,7 @@ class ChatOutputParser:
     def _take_text(self, text: str, delta: MessageDelta) -> None:
         if not text:
             return
-        if self._mode is _Mode.IN_CALL:
+        if self._mode in (_Mode.IN_CALL, _Mode.IN_VALUE):
             self._call_parts.append(text)
         elif self._mode in (_Mode.REASONING, _Mode.CONTENT):
             self._emit_text(text, delta)
@@ -238,6 +255,13 @@ class ChatOutputParser:
     def _apply(self, action: _Action, marker: str, delta: MessageDelta) -> None:
         if action is _Action.DROP:
             return
+        if action in (_Action.STRAY, _Action.OPEN_REASONING) and self._content_parts:
+            # Reasoning and markup slips come before the answer: an answer that talks about
+            # the tags (how a tool call ends, what `<think>` does) keeps them.
+            self._emit_text(marker, delta)
+            return
+        if action is _Action.STRAY:
+            return
         self._pending_space = []
         self._is_segment_start = True
         if action is _Action.OPEN_REASONING:
@@ -246,8 +270,12 @@ class ChatOutputParser:
             self._mode = _Mode.CONTENT
         elif action is _Action.OPEN_BLOCK:
             self._mode = _Mode.BETWEEN_CALLS
+        elif action in (_Action.OPEN_VALUE, _Action.CLOSE_VALUE):
+            # Value tags stay in the call's text: the format's `parse_call` reads them.
+            self._call_parts.append(marker)
+            self._mode = _Mode.IN_VALUE if action is _Action.OPEN_VALUE else _Mode.IN_CALL
         elif action is _Action.OPEN_CALL:
-            if self._mode is _Mode.IN_CALL:  # a restart: the previous call lacks its closing tag
+            if self._mode in (_Mode.IN_CALL, _Mode.IN_VALUE):  # a restart: no closing tag came
                 self._release_call(delta)
             self._mode = _Mode.IN_CALL
             self._call_parts = [marker]
@@ -259,7 +287,7 @@ class ChatOutputParser:
             self._mode = _Mode.ENDED
 
     def _release_call(self, delta: MessageDelta) -> None:
-        assert self._tool_format is not None  # IN_CALL is only reachable with a tool format
+        assert self._tool_format is not None  # a call is only reachable with a tool format
         parsed = self._tool_format.parse_call("".join(self._call_parts))
         self._call_parts = []
         if parsed is None or not self._allow_tool_calls:

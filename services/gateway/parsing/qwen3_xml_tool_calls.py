@@ -18,7 +18,9 @@ are removed, anything else is kept. Values carry no type, so the tool schema dec
 deviations seen from these models: `<function=...>` without `<tool_call>`, a missing
 `</parameter>` (the value then ends where the next parameter or the function ends), a missing
 `</function>` or `</tool_call>`, and the older Hermes form
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Inside a parameter value only
+`</function>` ends the call: a `</tool_call>` there is the value's text (an agent writing a file
+about this very format), as in vLLM's qwen3 parser.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 FUNCTION_START = "<function="
 FUNCTION_END = "</function>"
+PARAMETER_START = "<parameter="
+PARAMETER_END = "</parameter>"
 
 # Names stop at `<` too: otherwise each of many unclosed `<function=` or `<parameter=` heads
 # scans to the end of the call (quadratic time); no name contains one.
@@ -96,4 +100,7 @@ QWEN3_XML_FORMAT = ToolCallFormat(
     call_ends=(FUNCTION_END, CALL_END),
     parse_call=parse_tool_call,
     terminators=("<|im_end|>", "<|im_start|>", "<|endoftext|>"),
+    value_starts=(PARAMETER_START,),
+    value_ends=(PARAMETER_END,),
+    call_ends_outside_values=(CALL_END,),
 )

@@ -6,10 +6,12 @@ All three families use the same tags; they differ in who writes `<think>`:
 - Qwen3 (`enable_thinking`) and GLM-4.5/4.7 sometimes leave `<think>` in the prompt and sometimes
   let the model write it; GLM-5.3 always opens `<think>` in the prompt.
 So the parser starts in the reasoning when the prompt ended with `<think>` (`thinking=True`),
-and a `<think>` written by the model opens the reasoning in either case. A `</think>` with no
-open reasoning (the model closing a block the prompt opened, or a chat-mode slip) is dropped;
-a duplicate `<think>` inside the reasoning is dropped; a tool call that starts inside the
-reasoning ends it. The terminators are each family's end-of-turn special tokens.
+and a `<think>` written by the model opens the reasoning in either case, as long as no content
+came before it (after content it is the answer's own text, say about these very tags; vLLM's
+qwen3 parser keeps it too). A `</think>` with no open reasoning (the model closing a block the
+prompt opened, or a chat-mode slip) is dropped; a duplicate `<think>` inside the reasoning is
+dropped; a tool call that starts inside the reasoning ends it. The terminators are each
+family's end-of-turn special tokens.
 """
 
 from __future__ import annotations
