@@ -131,7 +131,8 @@ def main() -> None:
     mesh = measure("backport mesh", [
         sys.executable, "-m", "services.cli", "up", "--model", model_path, "--port", str(port),
         "--engine-port", str(free_port()), "--tokenizer-port", str(free_port()), "--enforce-eager",
-        "--max-model-len", str(args.max_model_len)], f"http://127.0.0.1:{port}/health",
+        "--max-model-len", str(args.max_model_len), "--kv-cache-memory-gib", str(KV_CACHE_BYTES / 2**30)],
+        f"http://127.0.0.1:{port}/health",
         f"http://127.0.0.1:{port}/v1", model, args)
 
     print(f"\n{args.requests} streamed chats per level, {args.max_tokens} tokens each, greedy")
