@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 
-from services.gateway.generation import TokenLogprob
+from services.gateway.generation import TokenLogprob, TopLogprob
 from services.gateway.routes.chat import _chat_logprobs
 
 
 def test_an_infinite_logprob_is_written_as_vllm_writes_it() -> None:
-    entries = [TokenLogprob("Paris", -0.25, [("Paris", -0.25), ("Lyon", -math.inf)])]
-    shaped = json.loads(json.dumps(_chat_logprobs(entries), allow_nan=False))
+    entries = [TokenLogprob(7042, "Paris", -0.25,
+                            [TopLogprob(7042, "Paris", -0.25), TopLogprob(55, "Lyon", -math.inf)])]
+    shaped = json.loads(json.dumps(_chat_logprobs(entries, shows_token_ids=False), allow_nan=False))
     [entry] = shaped["content"]
     assert entry["logprob"] == -0.25
     assert [(top["token"], top["logprob"]) for top in entry["top_logprobs"]] == [

@@ -216,6 +216,41 @@ CASES: dict[str, Call] = {
     "completion, include_stop_str_in_output": lambda c: c.completions.create(
         model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=20, stop=[" 6"],
         extra_body={"include_stop_str_in_output": True}),
+    "chat, echo of a final assistant message": lambda c: c.chat.completions.create(
+        model=MODEL, messages=[*MESSAGES, {"role": "assistant", "content": "The capital"}],
+        temperature=0, max_tokens=6,
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False}),
+    "chat, echo streamed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=[*MESSAGES, {"role": "assistant", "content": "The capital"}],
+        temperature=0, max_tokens=6, stream=True,
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False}),
+    "chat, no generation prompt": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=4,
+        extra_body={"add_generation_prompt": False}),
+    # Sampled below the most likely token: vLLM lists the sampled token first.
+    "chat, logprobs of sampled tokens": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1, seed=15, max_tokens=3, logprobs=True,
+        top_logprobs=2),
+    "chat, return_tokens_as_token_ids": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True}),
+    "completion, echo with logprobs as token ids": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3, echo=True,
+        logprobs=1, extra_body={"return_tokens_as_token_ids": True}),
+    "chat, truncate_prompt_tokens": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=4,
+        extra_body={"truncate_prompt_tokens": 10}),
+    "completion, truncate_prompt_tokens": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 3, "prompt_logprobs": 0}),
+    "completion, truncate_prompt_tokens from the right": lambda c: c.completions.create(
+        model=MODEL, prompt=[[504, 3575, 282, 4649, 314], [504, 3575]], temperature=0, max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"}),
+    "completion, include_stop_str_in_output with a stop token": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=10,
+        extra_body={"stop_token_ids": [28], "include_stop_str_in_output": True}),
+    "completion, overlapping stop strings": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=12, stop=[" 5,", " 5"]),
     "refused: a negative temperature": lambda c: c.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=-1, max_tokens=5),
     "refused: n of 0": lambda c: c.chat.completions.create(
@@ -236,6 +271,12 @@ CASES: dict[str, Call] = {
         model=MODEL, prompt="hello " * 2100, max_tokens=5),
     "refused: stream_options without stream": lambda c: c.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=5, stream_options={"include_usage": True}),
+    "refused: truncate_prompt_tokens past the context": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 2049}),
+    "refused: a chat template in the request": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3,
+        extra_body={"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}),
     "refused: an assistant tool call without an id": lambda c: c.chat.completions.create(
         model=MODEL, max_tokens=5, messages=[
             *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [

@@ -39,10 +39,19 @@ FINISH_REASONS = {
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TopLogprob:
+    token_id: int
     token: str
     logprob: float
-    top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    # The top alternatives, most likely first; the token itself among them where it ranks.
+    top: list[TopLogprob]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,7 @@ class PromptTokenLogprobs:
     first, then the top alternatives (the prompt's token among them only once); None for the
     prompt's first token, which nothing precedes."""
 
+    token_id: int
     token: str
     candidates: list[RankedLogprob] | None
 
@@ -166,15 +176,13 @@ class Generation:
         try:
             while response is not None:
                 is_chunk = response.WhichOneof("response") == "chunk"
-                if is_chunk:
-                    try:
-                        delta = await self._on_chunk(response.chunk, finished)
-                    except (grpc.aio.AioRpcError, TokenizerTimeoutError) as error:
-                        # Only the tokenizer service is called there. As a GatewayError it
-                        # ends a started stream with an error event, as an engine failure does.
-                        raise tokenizer_failure(error) from error
-                else:
-                    delta = self._on_complete(response.complete, finished)
+                try:
+                    delta = await (self._on_chunk(response.chunk, finished) if is_chunk
+                                   else self._on_complete(response.complete, finished))
+                except (grpc.aio.AioRpcError, TokenizerTimeoutError) as error:
+                    # Only the tokenizer service is called there. As a GatewayError it
+                    # ends a started stream with an error event, as an engine failure does.
+                    raise tokenizer_failure(error) from error
                 if delta is not None:
                     if delta.finish_reason is not None:
                         finished.add(delta.index)
@@ -268,11 +276,16 @@ class Generation:
             return ChoiceDelta(chunk.index, check.text, logprobs)
         return None
 
-    def _on_complete(self, complete: pb.GenerateComplete, finished: set[int]) -> ChoiceDelta | None:
+    async def _on_complete(self, complete: pb.GenerateComplete,
+                           finished: set[int]) -> ChoiceDelta | None:
         if complete.index in finished:
             return None
         self._count(complete.index, complete.completion_tokens, complete.cached_prompt_tokens)
         tail = self._matcher(complete.index).flush()
+        if self._include_stop_str and complete.HasField("stop_token_id"):
+            # As vLLM: a stop token's text ends the output when stops are included in it (the
+            # engine leaves the token out of the chunks).
+            tail += await self._detokenizer(complete.index).step([complete.stop_token_id])
         return ChoiceDelta(complete.index, tail,
                            finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"),
                            stop_reason=(complete.stop_token_id if complete.HasField("stop_token_id")
@@ -331,8 +344,9 @@ class Generation:
             tail.append(entry.token_id)
         del tail[:-MAX_CHARACTER_TOKENS]
         texts = await self.tokenizer.logprob_token_texts(positions)
-        return [TokenLogprob(token, entry.logprob,
-                             list(zip(top, (t.logprob for t in entry.top), strict=True)))
+        return [TokenLogprob(entry.token_id, token, entry.logprob,
+                             [TopLogprob(t.token_id, text, t.logprob)
+                              for t, text in zip(entry.top, top, strict=True)])
                 for entry, (token, *top) in zip(entries, texts, strict=True)]
 
     async def _prompt_logprobs(self, entries: list[pb.TokenLogprob]) -> list[PromptTokenLogprobs]:
@@ -347,12 +361,12 @@ class Generation:
         texts = await self.tokenizer.logprob_token_texts(
             [(prompt[max(1, k - MAX_CHARACTER_TOKENS):k], list(position))
              for k, position in enumerate(candidates, start=1)])
-        scored = [PromptTokenLogprobs(position_texts[0], [
+        scored = [PromptTokenLogprobs(entry.token_id, position_texts[0], [
                       RankedLogprob(token_id, text, logprob, rank)
                       for (token_id, (logprob, rank)), text in zip(position.items(), position_texts, strict=True)])
-                  for position, position_texts in zip(candidates, texts, strict=True)]
+                  for entry, position, position_texts in zip(entries, candidates, texts, strict=True)]
         [first_text] = await self.tokenizer.token_texts([prompt[0]])
-        return [PromptTokenLogprobs(first_text, None), *scored]
+        return [PromptTokenLogprobs(prompt[0], first_text, None), *scored]
 
 
 def prompt_logprobs_json(prompt_logprobs: list[PromptTokenLogprobs]) -> list[dict[str, Any] | None]:
@@ -365,6 +379,12 @@ def prompt_logprobs_json(prompt_logprobs: list[PromptTokenLogprobs]) -> list[dic
 
 def finite_logprob(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
+
+
+def shown_token(token_id: int, text: str, *, as_token_id: bool) -> str:
+    """A logprob token as vLLM writes it: its text, or with `return_tokens_as_token_ids`
+    "token_id:<id>" (for clients that need the token whole where its text is a piece)."""
+    return f"token_id:{token_id}" if as_token_id else text
 
 
 def _num_tokens_reaching(token_texts: list[str], text_end: int) -> int:

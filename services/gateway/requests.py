@@ -46,6 +46,29 @@ def check_context(model: ServedModel, num_prompt_tokens: int, token_limit: int |
             param="min_tokens")
 
 
+def truncated_prompt(model: ServedModel, body: SamplingFields, prompt_ids: list[int]) -> list[int]:
+    """The prompt cut to vLLM's `truncate_prompt_tokens`: its last tokens, or its first with
+    `truncation_side: "right"`."""
+    num_kept = body.truncate_prompt_tokens
+    if num_kept is None:
+        return prompt_ids
+    if num_kept > model.max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens={num_kept} cannot be greater than the model's maximum "
+            f"context length of {model.max_model_len} tokens", param="truncate_prompt_tokens")
+    if num_kept == 0:
+        raise InvalidRequestError("truncate_prompt_tokens=0 leaves no prompt",
+                                  param="truncate_prompt_tokens")
+    if num_kept == -1:
+        # As vLLM: the whole context, less a token for the output when a limit is asked for.
+        num_kept = model.max_model_len - 1 if body.token_limit else model.max_model_len
+    if num_kept >= len(prompt_ids):
+        return prompt_ids
+    if body.truncation_side == "right":
+        return prompt_ids[:num_kept]
+    return prompt_ids[len(prompt_ids) - num_kept:]
+
+
 def check_token_ids(model: ServedModel, body: SamplingFields,
                     prompts: list[list[int]] | None = None) -> None:
     """Token ids the client wrote itself must lie in the model's vocabulary."""

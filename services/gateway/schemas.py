@@ -122,7 +122,8 @@ class SamplingFields(BaseModel):
 
     # Fields a request may send as null for their default (nullable in OpenAI's API or vLLM's).
     null_means_unset: ClassVar[frozenset[str]] = frozenset({
-        "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo", "stop_token_ids"})
+        "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo", "stop_token_ids",
+        "return_tokens_as_token_ids"})
 
     @model_validator(mode="before")
     @classmethod
@@ -154,6 +155,13 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's default --max-logprobs is 20; non-streamed only (vLLM's rule: 0 is let through).
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: keep this many of the prompt's tokens (-1: as many as the context holds), the
+    # last ones unless `truncation_side` is "right" (vLLM loads generating models' tokenizers
+    # with truncation on the left).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: logprob tokens written as "token_id:<id>", for tokens whose text is not whole.
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -240,6 +248,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     # vLLM's: the tokenizer's special tokens (BOS) on top of the template's; off, as in vLLM.
     add_special_tokens: bool = False
+    # vLLM's: the last message's content leads each choice's when it has the response's role.
+    echo: bool = False
+    # vLLM's: refused, as vLLM's server refuses it unless started to trust request templates.
+    chat_template: str | None = None
 
     @field_validator("messages")
     @classmethod
@@ -262,6 +274,14 @@ class ChatCompletionRequest(SamplingFields):
                 and "add_generation_prompt" in self.model_fields_set):
             raise RequestFieldError("continue_final_message",
                                     "cannot be true together with add_generation_prompt")
+        return self
+
+    @model_validator(mode="after")
+    def _no_request_chat_template(self) -> ChatCompletionRequest:
+        # Ignoring it would answer a prompt other than the one the client asked for.
+        if self.chat_template is not None:
+            raise RequestFieldError("chat_template", "a chat template sent with the request is "
+                                                     "not used here: chats render with the model's own")
         return self
 
     @field_validator("tool_choice")
@@ -296,6 +316,32 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        # As vLLM: `echo` asks for the prompt's logprobs too, which a stream leaves out.
+        if self.prompt_logprobs is None and self.echo and not self.stream:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+    @property
+    def response_role(self) -> str:
+        """The role of the message answered, as vLLM's server gives it: the assistant's, unless
+        no generation prompt was asked for: the output then goes on with the last message."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1]["role"]
+
+    @property
+    def echoed_content(self) -> str:
+        """With `echo`, the last message's text when it has the response's role (vLLM's rule),
+        its text parts joined by newlines as the chat template reads them."""
+        last = self.messages[-1]
+        if not self.echo or last["role"] != self.response_role:
+            return ""
+        content = last.get("content")
+        if isinstance(content, list):
+            return "\n".join(part.get("text") or "" for part in content
+                             if isinstance(part, dict) and part.get("type") == "text")
+        return content if isinstance(content, str) else ""
 
 
 class CompletionRequest(SamplingFields):

@@ -12,15 +12,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
-from services.gateway.generation import (ChoiceDelta, Generation, TokenLogprob, finite_logprob,
-                                         prompt_logprobs_json)
+from services.gateway.generation import (ChoiceDelta, Generation, TokenLogprob, TopLogprob,
+                                         finite_logprob, prompt_logprobs_json, shown_token)
 from services.gateway.parsing import ChatOutputParser, MessageDelta
 from services.gateway.parsing.forced_tool_calls import ForcedToolCallParser, ForcedToolChoice
 from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
                                                 requested_effort, resolve_session_effort, session_key)
 from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
-                                       generate_request, output_constraint)
+                                       generate_request, output_constraint, truncated_prompt)
 from services.gateway.schemas import ChatCompletionRequest, new_id, now
 from services.gateway.sse import sse_event, sse_stream, usage_dict
 
@@ -31,7 +31,7 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 async def create_chat_completion(body: ChatCompletionRequest,
                                  request: Request) -> JSONResponse | StreamingResponse:
     started = await start_chat_generation(body, request, request_id=new_id("chatcmpl"))
-    completion = _ChatCompletion(started)
+    completion = _ChatCompletion(started, body)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
                                                               body.include_continuous_usage)),
@@ -57,6 +57,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
     model = check_model(backend, body.model)
     check_token_ids(model, body)
     prompt_ids, is_thinking = await render_chat_prompt(backend, model, body, request)
+    prompt_ids = truncated_prompt(model, body, prompt_ids)
     check_context(model, len(prompt_ids), body.token_limit, min_tokens=body.min_tokens,
                   prompt_param="messages",
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -144,12 +145,15 @@ def _output_parser(backend: GatewayBackend, body: ChatCompletionRequest,
 class _ChatCompletion:
     """Shapes one generation's deltas as chat.completion(.chunk) objects."""
 
-    def __init__(self, started: StartedChatGeneration) -> None:
+    def __init__(self, started: StartedChatGeneration, body: ChatCompletionRequest) -> None:
         self.id = started.request_id
         self.created = now()
         self.model_name = started.model_name
         self.generation = started.generation
         self.parsers = started.parsers
+        self.role = body.response_role
+        self.echoed_content = body.echoed_content
+        self.shows_token_ids = body.return_tokens_as_token_ids
 
     def _finish_reason(self, delta: ChoiceDelta) -> str | None:
         parser = self.parsers[delta.index]
@@ -159,18 +163,27 @@ class _ChatCompletion:
 
     async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
         for index in range(len(self.parsers)):
-            opening = self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+            opening = self._chunk([{"index": index, "delta": {"role": self.role, "content": ""},
                                     "logprobs": None, "finish_reason": None}])
             if continuous_usage:
                 opening["usage"] = usage_dict(self.generation.usage)
             yield sse_event(opening)
+        if self.echoed_content:
+            # As vLLM streams it: each choice's echo in a chunk of its own, before any output.
+            for index in range(len(self.parsers)):
+                echo = self._chunk([{"index": index, "delta": {"content": self.echoed_content},
+                                     "logprobs": None, "finish_reason": None}])
+                if continuous_usage:
+                    echo["usage"] = usage_dict(self.generation.usage)
+                yield sse_event(echo)
         async for delta in self.generation.deltas():
             message = parse_choice_delta(self.parsers[delta.index], delta)
             if message.is_empty and not delta.logprobs and delta.finish_reason is None:
                 continue
             chunk = self._chunk([{
                 "index": delta.index, "delta": message.to_dict(),
-                "logprobs": _chat_logprobs(delta.logprobs) if delta.logprobs else None,
+                "logprobs": (_chat_logprobs(delta.logprobs, self.shows_token_ids)
+                             if delta.logprobs else None),
                 "finish_reason": self._finish_reason(delta), "stop_reason": delta.stop_reason}])
             if continuous_usage:
                 chunk["usage"] = usage_dict(self.generation.usage)
@@ -183,17 +196,20 @@ class _ChatCompletion:
         collected = await self.generation.collect()
         for index, (parser, choice) in enumerate(zip(self.parsers, collected, strict=True)):
             if parser is None:
-                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                message: dict[str, Any] = {"role": self.role, "content": choice.text}
             else:
                 parser.feed(choice.text)
                 parser.finish()
-                message = parser.message().to_dict()
+                message = parser.message().to_dict() | {"role": self.role}
+            if self.echoed_content:
+                message["content"] = self.echoed_content + (message.get("content") or "")
             finish = choice.finish_reason
             if finish == "stop" and parser is not None and parser.has_tool_calls:
                 finish = "tool_calls"
             choices.append({"index": index, "message": message, "finish_reason": finish,
                             "stop_reason": choice.stop_reason,
-                            "logprobs": _chat_logprobs(choice.logprobs) if choice.logprobs else None})
+                            "logprobs": (_chat_logprobs(choice.logprobs, self.shows_token_ids)
+                                         if choice.logprobs else None)})
         response = {"id": self.id, "object": "chat.completion", "created": self.created,
                     "model": self.model_name, "choices": choices,
                     "usage": usage_dict(self.generation.usage)}
@@ -225,10 +241,22 @@ def _join(first: str | None, second: str | None) -> str | None:
     return None if first is None and second is None else (first or "") + (second or "")
 
 
-def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    # -inf has no JSON spelling: written as -9999.0, as vLLM writes it.
-    return {"content": [{
-        "token": e.token, "logprob": finite_logprob(e.logprob), "bytes": list(e.token.encode()),
-        "top_logprobs": [{"token": t, "logprob": finite_logprob(lp), "bytes": list(t.encode())}
-                         for t, lp in e.top],
-    } for e in entries]}
+def _chat_logprobs(entries: list[TokenLogprob], shows_token_ids: bool) -> dict[str, Any]:
+    """Each token and its top alternatives as vLLM's server lists them: the sampled token
+    leads the alternatives, which are cut to the number asked for, so a token sampled below
+    the top ones shows in place of the last of them. -inf has no JSON spelling: written as
+    -9999.0, as vLLM writes it. With `return_tokens_as_token_ids` a token is written as
+    "token_id:<id>"; vLLM keeps the sampled token's `bytes` its text's."""
+    content = []
+    for e in entries:
+        listed = [TopLogprob(e.token_id, e.token, e.logprob),
+                  *(t for t in e.top if t.token_id != e.token_id)][:len(e.top)]
+        content.append({
+            "token": shown_token(e.token_id, e.token, as_token_id=shows_token_ids),
+            "logprob": finite_logprob(e.logprob),
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [{"token": (token := shown_token(t.token_id, t.token,
+                                                             as_token_id=shows_token_ids)),
+                              "logprob": finite_logprob(t.logprob), "bytes": list(token.encode())}
+                             for t in listed]})
+    return {"content": content}

@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
 from services.gateway.generation import (Generation, PromptTokenLogprobs, TokenLogprob, UsageCounts,
-                                         finite_logprob, prompt_logprobs_json)
+                                         finite_logprob, prompt_logprobs_json, shown_token)
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
-                                       generate_request, output_constraint)
+                                       generate_request, output_constraint, truncated_prompt)
 from services.gateway.schemas import CompletionRequest, new_id, now
 from services.gateway.sse import sse_event, sse_stream, usage_dict
 
@@ -31,7 +31,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     constraint = output_constraint(body)
     completion_id = new_id("cmpl")
     generations = []
-    for index, prompt_ids in enumerate(prompts):
+    for index, whole_prompt_ids in enumerate(prompts):
+        prompt_ids = truncated_prompt(model, body, whole_prompt_ids)
         check_context(model, len(prompt_ids), body.token_limit, min_tokens=body.min_tokens,
                       prompt_param="prompt", limit_param="max_tokens")
         generations.append(Generation(
@@ -43,6 +44,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens,
             include_stop_str=body.include_stop_str_in_output,
             constraint_param=constraint.param if constraint is not None else None))
+    # As vLLM: a truncated prompt is echoed whole.
     echoes = await _echoes(backend, body.prompt, prompts) if body.echo else None
     try:
         for generation in generations:
@@ -52,7 +54,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
             generation.cancel()
         raise
     completion = _Completion(completion_id, model, body.n, generations, echoes, body.logprobs,
-                             is_echo_only=body.is_echo_only)
+                             is_echo_only=body.is_echo_only,
+                             shows_token_ids=body.return_tokens_as_token_ids)
     if body.stream:
         return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
                                                               body.include_continuous_usage)),
@@ -87,11 +90,13 @@ class _Completion:
 
     Choice `i` of prompt `p` is index `p * n + i`, as in OpenAI's batched completions.
     `is_echo_only` (`echo` with `max_tokens: 0`) leaves the generated token out of the choices;
-    the usage counts it, as vLLM's does.
+    the usage counts it, as vLLM's does. `shows_token_ids` (vLLM's `return_tokens_as_token_ids`)
+    writes logprob tokens as "token_id:<id>".
     """
 
     def __init__(self, completion_id: str, model: ServedModel, n: int, generations: list[Generation],
-                 echoes: list[str] | None, num_logprobs: int | None, *, is_echo_only: bool) -> None:
+                 echoes: list[str] | None, num_logprobs: int | None, *, is_echo_only: bool,
+                 shows_token_ids: bool) -> None:
         self.id = completion_id
         self.created = now()
         self.model = model
@@ -100,12 +105,13 @@ class _Completion:
         self.echoes = echoes
         self.num_logprobs = num_logprobs
         self.is_echo_only = is_echo_only
+        self.shows_token_ids = shows_token_ids
 
     def _echoed_logprobs(self, generation: Generation) -> list[_LogprobEntry]:
         """With `echo`, the prompt's tokens lead a choice's logprobs (OpenAI's legacy rule)."""
         if self.echoes is None or self.num_logprobs is None or generation.prompt_logprobs is None:
             return []
-        return _prompt_entries(generation.prompt_logprobs, self.num_logprobs)
+        return _prompt_entries(generation.prompt_logprobs, self.num_logprobs, self.shows_token_ids)
 
     def _usage(self) -> dict[str, Any]:
         total = UsageCounts(
@@ -123,7 +129,8 @@ class _Completion:
                 positions: dict[int, int] = {}
                 async for delta in generation.deltas():
                     text = "" if self.is_echo_only else delta.text
-                    entries = [] if self.is_echo_only else _generated_entries(delta.logprobs)
+                    entries = ([] if self.is_echo_only
+                               else _generated_entries(delta.logprobs, self.shows_token_ids))
                     if delta.index not in positions:
                         positions[delta.index] = 0
                         text = echo + text
@@ -156,7 +163,8 @@ class _Completion:
                         generated_text, generated_logprobs = "", []
                     logprobs = None
                     if self.num_logprobs is not None:
-                        logprobs = _logprobs(echoed + _generated_entries(generated_logprobs), 0)
+                        logprobs = _logprobs(echoed + _generated_entries(generated_logprobs,
+                                                                         self.shows_token_ids), 0)
                     shaped = {"index": p * self.n + i, "text": echo + generated_text,
                               "logprobs": logprobs, "finish_reason": choice.finish_reason,
                               "stop_reason": choice.stop_reason}
@@ -182,17 +190,25 @@ class _Completion:
 _LogprobEntry = tuple[str, float | None, dict[str, float] | None]
 
 
-def _generated_entries(entries: list[TokenLogprob]) -> list[_LogprobEntry]:
+def _generated_entries(entries: list[TokenLogprob], shows_token_ids: bool) -> list[_LogprobEntry]:
     # As vLLM: the sampled token leads its top logprobs, so they hold it even when it ranks lower.
-    return [(e.token, finite_logprob(e.logprob), {text: finite_logprob(logprob) for text, logprob in
-                                           [(e.token, e.logprob), *e.top]}) for e in entries]
+    return [(token := shown_token(e.token_id, e.token, as_token_id=shows_token_ids),
+             finite_logprob(e.logprob),
+             {token: finite_logprob(e.logprob)} | {
+                 shown_token(t.token_id, t.token, as_token_id=shows_token_ids): finite_logprob(t.logprob)
+                 for t in e.top})
+            for e in entries]
 
 
-def _prompt_entries(prompt: list[PromptTokenLogprobs], num_top: int) -> list[_LogprobEntry]:
+def _prompt_entries(prompt: list[PromptTokenLogprobs], num_top: int,
+                    shows_token_ids: bool) -> list[_LogprobEntry]:
     # The prompt's token leads its candidates; vLLM keeps the first `num_top + 1` of them.
-    return [(entry.token, None, None) if entry.candidates is None else
-            (entry.token, finite_logprob(entry.candidates[0].logprob),
-             {c.token: finite_logprob(c.logprob) for c in entry.candidates[:num_top + 1]})
+    return [(shown_token(entry.token_id, entry.token, as_token_id=shows_token_ids), None, None)
+            if entry.candidates is None else
+            (shown_token(entry.token_id, entry.token, as_token_id=shows_token_ids),
+             finite_logprob(entry.candidates[0].logprob),
+             {shown_token(c.token_id, c.token, as_token_id=shows_token_ids): finite_logprob(c.logprob)
+              for c in entry.candidates[:num_top + 1]})
             for entry in prompt]
 
 
