@@ -81,9 +81,9 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
     from services.ple_offload.settings import PleSettings
     from services.tokenizer.settings import TokenizerSettings
 
-    def run_engine(settings: ServiceSettings) -> None:
+    def run_engine(settings: ServiceSettings) -> int:
         from services.engine.server import serve
-        asyncio.run(serve(settings))
+        return asyncio.run(serve(settings))
 
     def run_tokenizer(settings: ServiceSettings) -> None:
         from services.tokenizer.server import serve

@@ -25,11 +25,11 @@ from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
 from services.gateway.routing import RoutingPolicy
 from services.gateway.settings import PASSED_ON_CHECKS, check_passed_on_field
 from services.gpu_placement import VISIBLE_DEVICES_ENV, split_gpus, visible_gpus
-from services.kvcache.runner import is_port_free
 from services.kvcache.settings import TransferMode
 from services.mesh.channels import wait_until_serving
 from services.mesh.errors import ServiceStartError
 from services.mesh.lifeline import stop_when_parent_is_gone
+from services.mesh.ports import is_port_free
 from services.mesh.service_names import ENGINE_GRPC, PLE_GRPC, TOKENIZER_GRPC
 from services.mesh.settings import ServiceSettings
 from services.ple_offload.errors import TableFileError

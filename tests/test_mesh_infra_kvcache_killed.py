@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.kvcache.runner import is_port_free
+from services.mesh.ports import is_port_free
 from tests.cluster.processes import has_exited
 from tests.kvcache.processes import lmcache_python, start_kv_service
 

@@ -17,11 +17,17 @@ from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 from services.engine.vllm_engine import VllmEngine
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.ports import is_port_free
 from services.mesh.service_names import ENGINE_GRPC
 
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.5
+# The service's exit status once vLLM's engine core has died under it.
+ENGINE_CORE_DIED_EXIT_STATUS = 1
+# How long the service answers, NOT_SERVING, once its engine core has died: calls already on
+# their way get its UNAVAILABLE naming the cause, not a refused connection.
+ENGINE_CORE_DEATH_NOTICE_S = 2.0
 
 
 class StartupInterrupted(BaseException):
@@ -29,7 +35,8 @@ class StartupInterrupted(BaseException):
     is: vLLM's startup code catches Exception in places and must not swallow it."""
 
 
-async def serve(settings: EngineSettings) -> None:
+async def serve(settings: EngineSettings) -> int:
+    """Serves until a signal, or until vLLM's engine core dies; returns the exit status."""
     engine = VllmEngine(settings)
     metrics = EngineMetrics()
     server = GrpcServer(ENGINE_GRPC, f"{settings.host}:{settings.port}",
@@ -38,6 +45,11 @@ async def serve(settings: EngineSettings) -> None:
     servicer = EngineServicer(engine, metrics, kv_events)
     server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
     # Before the model loads: a taken port is refused in seconds, not once the load is done.
+    # The gRPC port is checked, not held: grpc listens as soon as it binds (calls would hang
+    # through the load), and vLLM's engine core, forked, would keep that socket open after the
+    # service had closed it.
+    if settings.port != 0 and not _can_listen(settings.host, settings.port):
+        raise server.port_taken_error()
     if settings.metrics_port is not None:
         metrics.serve(settings.host, settings.metrics_port)
     registration = None
@@ -50,7 +62,7 @@ async def serve(settings: EngineSettings) -> None:
     except StartupInterrupted as interruption:
         logger.info("stopped by %s while starting", interruption)
         engine.shutdown()
-        return
+        return 0
     # From here the loop takes the signals: one before the server serves stops it at once.
     server.stop_on_signals()
     kv_event_collection = asyncio.create_task(kv_events.run()) if kv_events is not None else None
@@ -59,10 +71,12 @@ async def serve(settings: EngineSettings) -> None:
         await server.start()
         if registration is not None:
             await registration.start()
-        watcher = asyncio.create_task(_watch_engine_core(engine, server, metrics, registration))
+        watcher = asyncio.create_task(_stop_when_engine_core_dies(engine, server, metrics,
+                                                                  registration))
 
         async def drain() -> None:
-            """SIGTERM: leave the registry before the server stops taking calls."""
+            """SIGTERM, or the engine core's death: leave the registry before the server stops
+            taking calls."""
             metrics.is_serving.set(0)
             if registration is not None:
                 await registration.deregister()
@@ -71,6 +85,7 @@ async def serve(settings: EngineSettings) -> None:
 
         metrics.is_serving.set(1)
         await server.serve_until_signal(on_stop=drain)
+        return 0 if engine.is_healthy else ENGINE_CORE_DIED_EXIT_STATUS
     finally:
         if watcher is not None:
             watcher.cancel()
@@ -96,6 +111,13 @@ def _signals_interrupt_startup() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _can_listen(host: str, port: int) -> bool:
+    try:
+        return is_port_free(host, port)
+    except OSError:  # a host name that does not resolve: the server could not listen there
+        return False
+
+
 def _record(engine: VllmEngine, server: GrpcServer, settings: EngineSettings) -> EngineRecord:
     assert engine.info is not None
     loads = engine.loads()
@@ -106,13 +128,20 @@ def _record(engine: VllmEngine, server: GrpcServer, settings: EngineSettings) ->
                         kv_cache_usage=loads.kv_cache_usage)
 
 
-async def _watch_engine_core(engine: VllmEngine, server: GrpcServer, metrics: EngineMetrics,
-                             registration: EngineRegistration | None) -> None:
-    """Health turns NOT_SERVING when vLLM's engine core dies; the gateway routes away."""
+async def _stop_when_engine_core_dies(engine: VllmEngine, server: GrpcServer,
+                                     metrics: EngineMetrics,
+                                     registration: EngineRegistration | None) -> None:
+    """Once vLLM's engine core has died, health turns NOT_SERVING and the engine leaves the
+    registry (gateways route away; its calls have ended with UNAVAILABLE, which they retry
+    elsewhere), then the service stops, as vLLM's own server does: it could serve nothing again,
+    and a process left up hid the loss from `backport up` and from container restarts. A drain
+    under way is cut short."""
     while engine.is_healthy:
         await asyncio.sleep(HEALTH_POLL_S)
-    logger.error("vLLM engine core died; health is now NOT_SERVING")
+    logger.error("vLLM's engine core died; the engine service stops")
     metrics.is_serving.set(0)
     await server.set_serving(False)
     if registration is not None:
         await registration.deregister()
+    await asyncio.sleep(ENGINE_CORE_DEATH_NOTICE_S)
+    server.request_stop()

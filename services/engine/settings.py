@@ -1,6 +1,6 @@
-from typing import Self
+from typing import Any, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, Json, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.engine.kv_transfer import (
@@ -47,6 +47,10 @@ class EngineSettings(ServiceSettings):
                                                           "renewed every third of it")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="Prometheus /metrics HTTP port (off when unset)")
+    # Its default is JSON text too: settings validate their defaults.
+    vllm_args: Json[dict[str, Any]] = Field(
+        "{}", description="more of vLLM's engine arguments, a JSON object of "
+                                          "their Python names, e.g. '{\"max_num_batched_tokens\": 8192}'")
 
     @field_validator("redis_url")
     @classmethod

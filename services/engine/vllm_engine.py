@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from services.engine.backport.engine_core_watch import SERVICE_PID_ENV
 from services.engine.kv_events import ipc_socket_path
 from services.engine.kv_transfer import engine_kv_args
 from services.engine.settings import EngineSettings
+from services.mesh.errors import ServiceStartError
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,39 @@ class Loads:
     kv_cache_usage: float = 0.0
 
 
+def vllm_engine_args(settings: EngineSettings) -> AsyncEngineArgs:
+    """vLLM's engine arguments from the settings, `--vllm-args` last. A `--vllm-args` name that
+    vLLM does not know, or that the service sets itself, is refused before the model loads."""
+    s = settings
+    kv_cache_gib = s.kv_cache_memory_gib
+    if kv_cache_gib is None and current_platform.is_cpu():
+        # vLLM's CPU default reserves 90% of the node's memory and refuses to start when
+        # anything else on the machine holds more than a tenth of it.
+        kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
+    ours = dict(
+        model=s.model, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs, dtype=s.dtype, enforce_eager=s.enforce_eager,
+        enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
+        gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
+        kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
+        logits_processors=list(s.logits_processors) or None,
+        **engine_kv_args(s.model, s.kv_service, s.kv_transfer_mode, s.kv_chunk_size_tokens,
+                         s.kv_events_endpoint))
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    for name in s.vllm_args:
+        if name not in known:
+            raise ServiceStartError(f"--vllm-args: {name!r} is not one of vLLM's engine "
+                                    "arguments (their Python names, as `vllm serve --help` "
+                                    "lists them with `_` for `-`)")
+        if name in EngineSettings.model_fields:
+            raise ServiceStartError(f"--vllm-args: {name!r} has its own flag, --"
+                                    f"{name.replace('_', '-')}")
+        if name in ours:
+            raise ServiceStartError(f"--vllm-args: {name!r} is set by the engine service "
+                                    "from its other settings")
+    return AsyncEngineArgs(**ours, **s.vllm_args)
+
+
 class VllmEngine:
     """One AsyncLLM; `generate` yields `ChoiceUpdate`s and aborts the request when closed early."""
 
@@ -161,21 +196,8 @@ class VllmEngine:
         return self._llm
 
     def start(self) -> None:
+        args = vllm_engine_args(self.settings)
         s = self.settings
-        kv_cache_gib = s.kv_cache_memory_gib
-        if kv_cache_gib is None and current_platform.is_cpu():
-            # vLLM's CPU default reserves 90% of the node's memory and refuses to start when
-            # anything else on the machine holds more than a tenth of it.
-            kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
-        args = AsyncEngineArgs(
-            model=s.model, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs, dtype=s.dtype, enforce_eager=s.enforce_eager,
-            enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
-            gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
-            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
-            logits_processors=list(s.logits_processors) or None,
-            **engine_kv_args(s.model, s.kv_service, s.kv_transfer_mode, s.kv_chunk_size_tokens,
-                             s.kv_events_endpoint))
         # vLLM leaves its socket files behind when it stops, even on a clean shutdown (7 an
         # engine, measured): a directory of this engine's own holds them, removed at shutdown.
         self._ipc_dir = tempfile.mkdtemp(prefix="backport-engine-ipc-", dir=_RPC_BASE_PATH)
@@ -251,8 +273,9 @@ class VllmEngine:
             raise InvalidRequestError("prompt_token_ids is empty")
         if len(prompt_token_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
-                f"prompt_token_ids has {len(prompt_token_ids)} tokens, more than the model's "
-                f"context of {self.info.max_model_len} tokens allows")
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model's context of "
+                f"{self.info.max_model_len} tokens takes at most {self.info.max_model_len - 1}, "
+                "to leave room for an output token")
         # vLLM's own check names no field: a client could not tell the prompt from a sampling
         # field that also holds token ids.
         for token_id in (min(prompt_token_ids), max(prompt_token_ids)):

@@ -6,7 +6,6 @@ import http.client
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ from services.kvcache import RUNNER_LIFELINE_FD_ENV
 from services.kvcache.server_command import lmcache_server_argv
 from services.kvcache.settings import KvCacheSettings
 from services.kvcache.shm_segments import reclaim_exited_engine_segments
+from services.mesh.ports import is_port_free
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +60,6 @@ def finds_lmcache(python: str) -> bool:
                        "sys.exit(importlib.util.find_spec('lmcache') is None)"],
         env=lmcache_environment(), capture_output=True)
     return probe.returncode == 0
-
-
-def is_port_free(host: str, port: int) -> bool:
-    """Whether a server could listen on host:port now. The probe binds as servers do (uvicorn,
-    gRPC and ZMQ set SO_REUSEADDR): the connections a just-stopped server left in TIME_WAIT
-    must not count, or a restart within a minute would be refused."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class LmcacheServer:

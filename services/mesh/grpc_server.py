@@ -50,10 +50,14 @@ class GrpcServer:
         try:
             self.port = self.server.add_insecure_port(self.address)
         except RuntimeError:
-            raise ServiceStartError(f"{self.service_name} cannot listen on {self.address}: the port "
-                                    "is already in use, or the host is not this machine's") from None
+            raise self.port_taken_error() from None
         await self.server.start()
         logger.info("%s listening on %s", self.service_name, self.address)
+
+    def port_taken_error(self) -> ServiceStartError:
+        """What stops the service when it cannot listen on its address."""
+        return ServiceStartError(f"{self.service_name} cannot listen on {self.address}: the port "
+                                 "is already in use, or the host is not this machine's")
 
     async def stop_now(self) -> None:
         """Stops without a drain, cancelling calls in progress; nothing to do once stopped."""

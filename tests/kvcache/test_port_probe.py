@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.kvcache.runner import is_port_free
+from services.mesh.ports import is_port_free
 from tests.conftest import free_port
 from tests.kvcache.processes import REPO_ROOT, lmcache_python, process_environment, start_kv_service
 
