@@ -79,6 +79,8 @@ BAD_REQUESTS = {
     "logit_bias outside the vocabulary": ([1, 2], {"logit_bias": {OUT_OF_VOCABULARY: 1.0}}, "logit_bias"),
     "logit_bias nan": ([1, 2], {"logit_bias": {5: float("nan")}}, "logit_bias"),
     "stop token outside the vocabulary": ([1, 2], {"stop_token_ids": [OUT_OF_VOCABULARY]}, "stop_token_ids"),
+    "allowed token outside the vocabulary": ([1, 2], {"allowed_token_ids": [OUT_OF_VOCABULARY]},
+                                             "allowed_token_ids"),
     "min_tokens above max_tokens": ([1, 2], {"max_tokens": 4, "min_tokens": 10}, "min_tokens"),
     "n past the limit": ([1, 2], {"n": 100_000}, "n must be"),
     "max_tokens past the context": ([1, 2], {"max_tokens": 2**31}, "max_tokens"),
@@ -131,6 +133,32 @@ def test_the_engine_serves_after_bad_requests(engine: RunningEngine) -> None:
     replies = generate(engine.address, "good", [1, 2, 3], pb.SamplingParams(max_tokens=4, temperature=0))
     assert replies[-1].complete.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert replies[-1].complete.completion_tokens == 4
+
+
+def test_the_token_that_ends_a_choice_comes_with_its_logprob_in_the_last_message(
+        engine: RunningEngine) -> None:
+    """An EOS (the only token allowed) or a stop token ends the choice: no chunk carries it,
+    as it is no part of the text, but it counts, and the complete message names it and holds
+    its logprob entry (vLLM lists it among the choice's logprobs)."""
+    prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    eos = 2  # the embedded model's <|im_end|>
+    first = generate(engine.address, "first-token", prompt, pb.SamplingParams(max_tokens=1, temperature=0))
+    [greedy] = first[0].chunk.token_ids
+    for request_id, sampling, stop_token_id in [
+            ("ends-on-eos", pb.SamplingParams(max_tokens=4, logprobs=1, allowed_token_ids=[eos]), None),
+            ("ends-on-a-stop-token", pb.SamplingParams(max_tokens=4, temperature=0, logprobs=1,
+                                                       stop_token_ids=[greedy]), greedy)]:
+        replies = generate(engine.address, request_id, prompt, sampling)
+        assert [t for reply in replies if reply.HasField("chunk") for t in reply.chunk.token_ids] == []
+        complete = replies[-1].complete
+        ended_by = eos if stop_token_id is None else stop_token_id
+        assert complete.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert complete.completion_tokens == 1
+        assert complete.stopping_token_id == ended_by
+        assert complete.HasField("stop_token_id") == (stop_token_id is not None)
+        assert complete.stopping_token_logprob.token_id == ended_by
+        assert complete.stopping_token_logprob.rank >= 1
+        assert len(complete.stopping_token_logprob.top) == 1
 
 
 def test_infinite_logit_biases_on_two_tokens_sample_both(engine: RunningEngine) -> None:

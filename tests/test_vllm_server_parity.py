@@ -32,6 +32,10 @@ CITY = {"type": "object", "additionalProperties": False, "required": ["city", "p
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
                                           "properties": {"city": {"type": "string"}}}}}
+# The embedded model's chat template around MESSAGES, as a completion prompt.
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+               "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France? Answer in one "
+               "sentence.<|im_end|>\n<|im_start|>assistant\n")
 # vLLM-only fields, null unless a request asks for them.
 VLLM_ONLY_FIELDS = {"token_ids", "prompt_token_ids",
                     "kv_transfer_params", "service_tier", "system_fingerprint", "reasoning",
@@ -251,6 +255,43 @@ CASES: dict[str, Call] = {
         extra_body={"stop_token_ids": [28], "include_stop_str_in_output": True}),
     "completion, overlapping stop strings": lambda c: c.completions.create(
         model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=12, stop=[" 5,", " 5"]),
+    # The token that ends a choice (EOS, a stop token) keeps its logprob entry, and with
+    # special tokens shown and stops included, an EOS's text ends the output.
+    "chat, logprobs of an answer ending on EOS": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=1),
+    "chat, logprobs of an answer ending on EOS streamed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=1,
+        stream=True, stream_options={"include_usage": True}),
+    "chat, EOS shown with special tokens and stops included": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12,
+        extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}),
+    "chat, EOS shown with special tokens and stops included streamed": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, stream=True,
+        extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}),
+    "completion, logprobs of a stop token": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=6, logprobs=1,
+        extra_body={"stop_token_ids": [28]}),
+    "completion, logprobs of a stop token streamed": lambda c: c.completions.create(
+        model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=6, logprobs=1, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stop_token_ids": [28]}),
+    "completion, logprobs of a chat prompt's answer ending on EOS": lambda c: c.completions.create(
+        model=MODEL, prompt=CHAT_PROMPT, temperature=0, max_tokens=12, logprobs=1,
+        extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}),
+    "chat, bad_words": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8,
+        extra_body={"bad_words": ["Paris"]}),
+    "completion, allowed_token_ids": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
+        extra_body={"allowed_token_ids": [504, 3575, 282, 4649, 314]}),
+    "refused: allowed_token_ids outside the vocabulary": lambda c: c.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3,
+        extra_body={"allowed_token_ids": [504, 49152]}),
+    "refused: empty allowed_token_ids": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, extra_body={"allowed_token_ids": []}),
+    "refused: an empty bad word": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, extra_body={"bad_words": [""]}),
+    "refused: thinking_token_budget without a reasoning parser": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, extra_body={"thinking_token_budget": 8}),
     "refused: a negative temperature": lambda c: c.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=-1, max_tokens=5),
     "refused: n of 0": lambda c: c.chat.completions.create(

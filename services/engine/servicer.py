@@ -156,7 +156,9 @@ def sampling_request_from_proto(p: pb.SamplingParams) -> SamplingRequest:
         prompt_logprobs=opt("prompt_logprobs"),
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=opt("repetition_penalty"), logit_bias=dict(p.logit_bias),
-        constraint=_constraint_from_proto(p.structured_output))
+        constraint=_constraint_from_proto(p.structured_output),
+        # Empty is unset: vLLM refuses an empty list, and the gateway before it.
+        allowed_token_ids=list(p.allowed_token_ids) or None, bad_words=list(p.bad_words))
 
 
 def _constraint_from_proto(p: pb.StructuredOutput) -> OutputConstraint | None:
@@ -190,6 +192,10 @@ def _complete(update: ChoiceUpdate) -> pb.GenerateResponse:
         cached_prompt_tokens=update.cached_prompt_tokens)
     if update.stop_token_id is not None:
         complete.stop_token_id = update.stop_token_id
+    if update.stopping_token_id is not None:
+        complete.stopping_token_id = update.stopping_token_id
+    if update.stopping_token_logprob is not None:
+        complete.stopping_token_logprob.CopyFrom(_token_logprob(update.stopping_token_logprob))
     return pb.GenerateResponse(complete=complete)
 
 

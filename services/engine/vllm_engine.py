@@ -84,6 +84,10 @@ class SamplingRequest:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     constraint: OutputConstraint | None = None
+    # Set: only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated, tokenized by vLLM.
+    bad_words: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,11 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class ChoiceUpdate:
-    """New tokens of one choice. Counts are running totals; `finish_reason` is set once, last."""
+    """New tokens of one choice. Counts are running totals; `finish_reason` is set once, last.
+
+    The token that ended the choice (EOS or a stop token) is left out of `token_ids` and
+    `logprobs`, as it is no part of the choice's text; `stopping_token_id` and
+    `stopping_token_logprob` hold it."""
 
     index: int
     token_ids: list[int]
@@ -119,7 +127,10 @@ class ChoiceUpdate:
     completion_tokens: int
     cached_prompt_tokens: int
     finish_reason: str | None = None
+    # vLLM's `stop_reason` when a stop token (not EOS) ended the choice.
     stop_token_id: int | None = None
+    stopping_token_id: int | None = None
+    stopping_token_logprob: TokenLogprob | None = None
     # Once a call, when asked for: the prompt's tokens from the second on, scored.
     prompt_logprobs: list[TokenLogprob] | None = None
 
@@ -374,6 +385,7 @@ class VllmEngine:
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 logit_bias=_bounded_logit_bias(s.logit_bias) or None,
+                allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words or None,
                 structured_outputs=s.constraint.params() if s.constraint is not None else None,
                 # Detokenization and stop strings belong to the tokenizer service and gateway.
                 detokenize=False, output_kind=RequestOutputKind.DELTA)
@@ -397,17 +409,20 @@ def _choice_update(completion: CompletionOutput, prompt_tokens: int, completion_
     token_ids = list(completion.token_ids)
     logprobs = [_token_logprob(token_id, candidates, num_top_logprobs)
                 for token_id, candidates in zip(token_ids, completion.logprobs or [])]
-    stop_token_id = None
+    update = ChoiceUpdate(index=completion.index, token_ids=token_ids, logprobs=logprobs,
+                          prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          cached_prompt_tokens=cached_prompt_tokens,
+                          finish_reason=completion.finish_reason)
     stopped_by_token = completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
     if stopped_by_token and token_ids:
         # The EOS or stop token ends the choice but is not part of its text; it still counts
-        # as a completion token, as in vLLM's own server.
-        stop_token_id = completion.stop_reason
-        token_ids, logprobs = token_ids[:-1], logprobs[:len(token_ids) - 1]
-    return ChoiceUpdate(index=completion.index, token_ids=token_ids, logprobs=logprobs,
-                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        cached_prompt_tokens=cached_prompt_tokens,
-                        finish_reason=completion.finish_reason, stop_token_id=stop_token_id)
+        # as a completion token and keeps its logprob entry, as in vLLM's own server.
+        update.stop_token_id = completion.stop_reason
+        update.stopping_token_id = token_ids[-1]
+        if len(logprobs) == len(token_ids):
+            update.stopping_token_logprob = logprobs[-1]
+        update.token_ids, update.logprobs = token_ids[:-1], logprobs[:len(token_ids) - 1]
+    return update
 
 
 def _prompt_logprobs(prompt_token_ids: list[int], scored: list[dict[int, Logprob] | None],

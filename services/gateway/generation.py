@@ -282,11 +282,19 @@ class Generation:
             return None
         self._count(complete.index, complete.completion_tokens, complete.cached_prompt_tokens)
         tail = self._matcher(complete.index).flush()
-        if self._include_stop_str and complete.HasField("stop_token_id"):
-            # As vLLM: a stop token's text ends the output when stops are included in it (the
-            # engine leaves the token out of the chunks).
-            tail += await self._detokenizer(complete.index).step([complete.stop_token_id])
-        return ChoiceDelta(complete.index, tail,
+        # Engines from before `stopping_token_id` name stop tokens alone, not EOS.
+        stopping_token_id = (complete.stopping_token_id if complete.HasField("stopping_token_id")
+                             else complete.stop_token_id if complete.HasField("stop_token_id")
+                             else None)
+        if self._include_stop_str and stopping_token_id is not None:
+            # As vLLM: the text of the EOS or stop token that ended the choice ends the output
+            # when stops are included in it (an EOS's only where special tokens are shown); the
+            # engine leaves the token out of the chunks.
+            tail += await self._detokenizer(complete.index).step([stopping_token_id])
+        # As vLLM: that token's logprob is the choice's last, whether or not its text shows.
+        logprobs = (await self._logprobs(complete.index, [complete.stopping_token_logprob])
+                    if complete.HasField("stopping_token_logprob") else [])
+        return ChoiceDelta(complete.index, tail, logprobs,
                            finish_reason=FINISH_REASONS.get(complete.finish_reason, "stop"),
                            stop_reason=(complete.stop_token_id if complete.HasField("stop_token_id")
                                         else None))

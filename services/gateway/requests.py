@@ -74,6 +74,7 @@ def check_token_ids(model: ServedModel, body: SamplingFields,
     """Token ids the client wrote itself must lie in the model's vocabulary."""
     check_in_vocabulary(model, "stop_token_ids", body.stop_token_ids)
     check_in_vocabulary(model, "logit_bias", [int(token) for token in body.logit_bias or {}])
+    check_in_vocabulary(model, "allowed_token_ids", body.allowed_token_ids or [])
     check_in_vocabulary(model, "prompt", [i for prompt in prompts or [] for i in prompt])
 
 
@@ -132,7 +133,8 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, reque
         n=body.n, min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()})
+        logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
+        allowed_token_ids=body.allowed_token_ids or [], bad_words=body.bad_words)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:

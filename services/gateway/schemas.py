@@ -130,6 +130,26 @@ class SamplingFields(BaseModel):
     def _null_means_unset(cls, body: Any) -> Any:
         return without_nulls(body, cls.null_means_unset)
 
+    # vLLM's fields that change its output and that are not served here, each with the values
+    # that ask for nothing (which pass): ignored, they would answer another request than the
+    # one sent: beam search, logprobs of named tokens, a reasoning budget (vLLM's own server
+    # refuses it without a reasoning parser), repetition detection, and the arguments of
+    # custom logits processors.
+    unserved_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (None, False), "logprob_token_ids": (None, []),
+        "thinking_token_budget": (None,), "repetition_detection": (None,),
+        "vllm_xargs": (None, {})}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved_fields(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name, values_asking_nothing in cls.unserved_fields.items():
+                if name in body and not any(body[name] == value and type(body[name]) is type(value)
+                                            for value in values_asking_nothing):
+                    raise RequestFieldError(name, "is not supported by this server")
+        return body
+
     model: str
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -162,6 +182,13 @@ class SamplingFields(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     # vLLM's: logprob tokens written as "token_id:<id>", for tokens whose text is not whole.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: only these tokens may be sampled; an empty list is refused, as vLLM refuses it.
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    # vLLM's: words never generated (the engine forbids the token that would complete one).
+    bad_words: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    # vLLM's: off, adjacent special tokens shown in the text get no space between them, which
+    # the tokenizer service's detokenization does not do; refused then (below).
+    spaces_between_special_tokens: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -177,6 +204,13 @@ class SamplingFields(BaseModel):
     def _prompt_logprobs_not_streamed(self) -> SamplingFields:
         if self.stream and self.prompt_logprobs:
             raise RequestFieldError("prompt_logprobs", "not available when `stream=True`")
+        return self
+
+    @model_validator(mode="after")
+    def _special_tokens_spaced(self) -> SamplingFields:
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            raise RequestFieldError("spaces_between_special_tokens",
+                                    "false is not supported by this server")
         return self
 
     @model_validator(mode="after")
