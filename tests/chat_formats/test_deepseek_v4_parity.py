@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from services.gateway.reasoning_effort import DEFAULT_EFFORT, requested_effort
-from services.tokenizer.chat_formats import DeepseekV4Renderer
+from services.tokenizer.chat_formats import ChatRenderError, DeepseekV4Renderer
 from tests.chat_formats.deepseek_v4_corpus import CONVERSATIONS, TEMPLATE_KWARGS
 
 pytest.importorskip("vllm.tokenizers.deepseek_v4", reason="vllm is not installed")
@@ -78,3 +78,33 @@ def test_gateway_effort_renders_like_vllm(conversation: str, chat_template_kwarg
     rendered = DeepseekV4Renderer().render(copy.deepcopy(messages), copy.deepcopy(tools),
                                            decision.template_kwargs(chat_template_kwargs))
     assert rendered == vllm_prompt(messages, tools, dict(chat_template_kwargs), reasoning_effort=effort)
+
+
+# Messages without content: vLLM's server renders them as empty text.
+CONTENTLESS = {
+    "user": [{"role": "system", "content": "Be brief."}, {"role": "user"}],
+    "system_and_tool": [{"role": "system"}, {"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "c1"}],
+}
+
+
+@pytest.mark.parametrize("shape", CONTENTLESS)
+@pytest.mark.parametrize("kwargs_name", ["effort_high", "chat"])
+def test_messages_without_content_render_like_vllm(shape: str, kwargs_name: str) -> None:
+    template_kwargs = TEMPLATE_KWARGS[kwargs_name]
+    expected = vllm_prompt(CONTENTLESS[shape], None, chat_template_kwargs=dict(template_kwargs))
+    assert DeepseekV4Renderer().render(copy.deepcopy(CONTENTLESS[shape]), None, template_kwargs) == expected
+
+
+@pytest.mark.parametrize("message", [{"role": "function", "name": "now", "content": "12:00"},
+                                     {"role": "narrator", "content": "Night falls."}])
+def test_roles_the_encoding_has_not_are_refused_as_by_vllm(message: dict[str, Any]) -> None:
+    """vLLM's server serves these roles to jinja templates; its DeepSeek-V4 encoder refuses them."""
+    messages = [{"role": "user", "content": "What time is it?"}, message]
+    with pytest.raises(ValueError, match="Invalid role"):
+        vllm_prompt(messages, None)
+    with pytest.raises(ChatRenderError) as caught:
+        DeepseekV4Renderer().render(copy.deepcopy(messages), None, {})
+    assert caught.value.field == "messages[1].role"

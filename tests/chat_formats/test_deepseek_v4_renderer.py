@@ -80,7 +80,8 @@ def test_continue_final_message_drops_eos_and_keeps_open_reasoning_open() -> Non
 @pytest.mark.parametrize(("messages", "field"), [
     ([], "messages"),
     ([{"role": "robot", "content": "x"}], "messages[0].role"),
-    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": "q"}, {"role": "function", "name": "f", "content": "x"}], "messages[1].role"),
+    ([{"content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None,

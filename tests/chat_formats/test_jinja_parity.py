@@ -114,6 +114,15 @@ CLIENT_SHAPES: dict[str, tuple[list[dict[str, Any]], bool]] = {
                                                          {"type": "text", "text": "A"}]},
                        {"role": "user", "content": "Q again"}], False),
     "continue_final_user_message": ([{"role": "user", "content": "Complete: the capital of France is"}], True),
+    # OpenAI's legacy function calling: the result comes back in a `function` message.
+    "legacy_function_role": ([{"role": "user", "content": "Weather in Paris?"},
+                              {"role": "assistant", "content": None},
+                              {"role": "function", "name": "get_weather", "content": "Sunny, 24 C"}], False),
+    "role_only_the_template_knows": ([{"role": "narrator", "content": "Night falls."},
+                                      {"role": "user", "content": "Go on."}], False),
+    "user_message_without_content": ([{"role": "system", "content": "Be brief."}, {"role": "user"}], False),
+    "tool_and_system_messages_without_content": ([{"role": "system"}, {"role": "user", "content": "Hi"},
+                                                  {"role": "tool", "tool_call_id": "c1"}], False),
 }
 
 

@@ -75,8 +75,8 @@ def test_template_errors_and_reserved_kwargs_are_client_errors(tokenizer: Any) -
         renderer.render([{"role": "user", "content": "x"}], None, {"tokenize": True})
     assert caught.value.field == "chat_template_kwargs.tokenize"
     with pytest.raises(ChatRenderError) as caught:
-        renderer.render([{"role": "tool"}], None, {})
-    assert caught.value.field == "messages[0].content"
+        renderer.render([{"content": "no role"}], None, {})
+    assert caught.value.field == "messages[0].role"
 
 
 def _model_folder(tmp_path: Path, config: dict[str, Any]) -> Path:

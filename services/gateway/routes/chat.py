@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,9 @@ from services.gateway.errors import InvalidRequestError
 from services.gateway.generation import (ChoiceDelta, Generation, TokenLogprob, TopLogprob,
                                          finite_logprob, prompt_logprobs_json, shown_token)
 from services.gateway.parsing import ChatOutputParser, MessageDelta
+from services.gateway.parsing.formats import ReasoningFormat
 from services.gateway.parsing.forced_tool_calls import ForcedToolCallParser, ForcedToolChoice
+from services.gateway.parsing.registry import reasoning_format
 from services.gateway.reasoning_effort import (EffortRequestError, passthrough_template_kwargs,
                                                 requested_effort, resolve_session_effort, session_key)
 from services.gateway.reasoning_tokens import ReasoningTokenCounter
@@ -89,8 +91,9 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
 
 async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
                              request: Request) -> tuple[list[int], bool]:
-    """The prompt's token ids as the chat request renders, and whether it opens a reasoning block."""
-    template_kwargs, is_thinking = await _template_kwargs(backend, model, body, request)
+    """The prompt's token ids as the chat request renders, and whether the output starts inside
+    a reasoning block (always False without a reasoning parser)."""
+    template_kwargs = await _template_kwargs(backend, model, body, request)
     try:
         rendered = await backend.tokenizer.render_chat(
             body.messages, body.tools, template_kwargs,
@@ -102,7 +105,25 @@ async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: 
             details = error.details() or "invalid messages"
             raise InvalidRequestError(details, param=_render_error_param(details)) from error
         raise
+    reasoning_parser = backend.settings.reasoning_parser
+    is_thinking = bool(reasoning_parser) and output_starts_in_reasoning(
+        rendered.prompt, reasoning_format(reasoning_parser),
+        continues_final_message=body.continue_final_message)
     return list(rendered.token_ids), is_thinking
+
+
+def output_starts_in_reasoning(prompt: str, reasoning: ReasoningFormat, *,
+                               continues_final_message: bool) -> bool:
+    """Whether the model writes its reasoning first, read from the rendered prompt.
+
+    The request's flags cannot tell: GLM-5.3's template opens the block whatever
+    `enable_thinking` says, and a Qwen3 template may leave the opening to the model. A
+    generation prompt opens the block when it ends with the start marker; a continued message
+    is inside the block when the last marker in the prompt opened one.
+    """
+    if continues_final_message:
+        return prompt.rfind(reasoning.start) > prompt.rfind(reasoning.end)
+    return prompt.rstrip().endswith(reasoning.start)
 
 
 def _render_error_param(details: str) -> str:
@@ -114,8 +135,8 @@ def _render_error_param(details: str) -> str:
 
 
 async def _template_kwargs(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
-                           request: Request) -> tuple[dict[str, Any], bool]:
-    """The template kwargs to render with, and whether the prompt opens a reasoning block."""
+                           request: Request) -> dict[str, Any]:
+    """The template kwargs to render with: DeepSeek-V4's effort mapping, else the request's own."""
     try:
         if model.chat_format == "deepseek_v4":
             requested = requested_effort(reasoning_effort=body.reasoning_effort, thinking=body.thinking,
@@ -123,11 +144,10 @@ async def _template_kwargs(backend: GatewayBackend, model: ServedModel, body: Ch
             key = session_key(session_id=request.headers.get("x-session-id"),
                               prompt_cache_key=body.prompt_cache_key, user=body.user)
             effort = await resolve_session_effort(requested, key, backend.effort_store)
-            return effort.template_kwargs(body.chat_template_kwargs), effort.is_thinking
-        kwargs = passthrough_template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
+            return effort.template_kwargs(body.chat_template_kwargs)
+        return passthrough_template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
     except EffortRequestError as error:
         raise InvalidRequestError(str(error), param=error.field) from error
-    return kwargs, bool(kwargs.get("enable_thinking", kwargs.get("thinking", True)))
 
 
 def _output_parser(backend: GatewayBackend, body: ChatCompletionRequest,
@@ -154,12 +174,16 @@ class _ChatCompletion:
         self.role = body.response_role
         self.echoed_content = body.echoed_content
         self.shows_token_ids = body.return_tokens_as_token_ids
+        # OpenAI's rule, which vLLM follows: calls the model chose ("auto") or had to make
+        # ("required") end with "tool_calls", the call the request named ends with "stop".
+        self.names_its_tool_call = isinstance(body.tool_choice, Mapping)
 
-    def _finish_reason(self, delta: ChoiceDelta) -> str | None:
-        parser = self.parsers[delta.index]
-        if delta.finish_reason == "stop" and parser is not None and parser.has_tool_calls:
+    def _finish_reason(self, index: int, finish_reason: str | None) -> str | None:
+        parser = self.parsers[index]
+        if (finish_reason == "stop" and parser is not None and parser.has_tool_calls
+                and not self.names_its_tool_call):
             return "tool_calls"
-        return delta.finish_reason
+        return finish_reason
 
     async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
         for index in range(len(self.parsers)):
@@ -184,7 +208,8 @@ class _ChatCompletion:
                 "index": delta.index, "delta": message.to_dict(),
                 "logprobs": (_chat_logprobs(delta.logprobs, self.shows_token_ids)
                              if delta.logprobs else None),
-                "finish_reason": self._finish_reason(delta), "stop_reason": delta.stop_reason}])
+                "finish_reason": self._finish_reason(delta.index, delta.finish_reason),
+                "stop_reason": delta.stop_reason}])
             if continuous_usage:
                 chunk["usage"] = usage_dict(self.generation.usage)
             yield sse_event(chunk)
@@ -203,10 +228,8 @@ class _ChatCompletion:
                 message = parser.message().to_dict() | {"role": self.role}
             if self.echoed_content:
                 message["content"] = self.echoed_content + (message.get("content") or "")
-            finish = choice.finish_reason
-            if finish == "stop" and parser is not None and parser.has_tool_calls:
-                finish = "tool_calls"
-            choices.append({"index": index, "message": message, "finish_reason": finish,
+            choices.append({"index": index, "message": message,
+                            "finish_reason": self._finish_reason(index, choice.finish_reason),
                             "stop_reason": choice.stop_reason,
                             "logprobs": (_chat_logprobs(choice.logprobs, self.shows_token_ids)
                                          if choice.logprobs else None)})

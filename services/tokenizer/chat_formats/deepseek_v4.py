@@ -32,6 +32,8 @@ THINK_CLOSE = "</think>"
 DSML = "｜DSML｜"
 
 ReasoningEffort = Literal["low", "high", "max"]
+# The roles this encoding writes; vLLM's encoder refuses the others ("Invalid role").
+ENCODED_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
 
 # The model was trained on these exact texts; "low" adds nothing.
 EFFORT_PREAMBLES: dict[ReasoningEffort, str] = {
@@ -154,6 +156,10 @@ class DeepseekV4Renderer:
             raise ChatRenderError(f"messages[{len(parsed) - 1}].role",
                                   "continue_final_message needs a final assistant message")
         for index, message in enumerate(parsed):
+            if message.role not in ENCODED_ROLES:
+                raise ChatRenderError(f"messages[{index}].role",
+                                      f"DeepSeek-V4's encoding has no role {message.role!r}; "
+                                      f"expected one of {', '.join(ENCODED_ROLES)}")
             # The model never saw an empty developer turn (vLLM's encoder refuses one too).
             if message.role == "developer" and not "".join(message.text_parts):
                 raise ChatRenderError(f"messages[{index}].content", "must not be empty for a developer message")

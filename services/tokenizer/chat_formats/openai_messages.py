@@ -4,7 +4,9 @@ Normalization follows what vLLM's OpenAI server does before any template sees a 
 prompts match a vLLM deployment byte for byte: `reasoning` wins over the older
 `reasoning_content`, tool-call arguments become JSON objects (a malformed arguments string in
 the history becomes `{}` rather than failing every later turn), and tool schemas keep only
-OpenAI's function fields in OpenAI's order.
+OpenAI's function fields in OpenAI's order. As in vLLM, any role reaches the renderer (OpenAI's
+legacy `function` role, a role only the model's template knows) and a message without content
+has no text; a renderer refuses what its format cannot write.
 """
 
 from __future__ import annotations
@@ -12,14 +14,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 from services.tokenizer.chat_formats.protocol import ChatRenderError
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-KNOWN_ROLES: tuple[str, ...] = get_args(Role)
-# Roles whose messages carry no meaning without content (OpenAI requires it for them).
-_CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
 # Content part types vLLM's chat server reads as text, each with the key its text is under:
 # assistant turns replayed from OpenAI's API carry `refusal` parts.
 _TEXT_PART_KEYS: dict[str, str] = {"text": "text", "refusal": "refusal", "thinking": "thinking"}
@@ -38,7 +36,7 @@ class ToolCall:
 class ChatMessage:
     """One validated message. `text_parts` keeps content parts apart: formats join them differently."""
 
-    role: Role
+    role: str
     text_parts: tuple[str, ...]
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
@@ -68,17 +66,13 @@ def _parse_message(path: str, message: Any) -> ChatMessage:
     if not isinstance(message, Mapping):
         raise ChatRenderError(path, "must be an object")
     role = message.get("role")
-    if role not in KNOWN_ROLES:
-        raise ChatRenderError(f"{path}.role", f"unknown role {role!r}; expected one of {', '.join(KNOWN_ROLES)}")
+    if not isinstance(role, str):
+        raise ChatRenderError(f"{path}.role", "is required and must be a string")
     content = message.get("content")
     tool_calls = _parse_tool_calls(f"{path}.tool_calls", message.get("tool_calls")) if role == "assistant" else ()
     reasoning = _optional_str(path, message, "reasoning")
     if reasoning is None:
         reasoning = _optional_str(path, message, "reasoning_content")
-    # An assistant turn's content may be null (OpenAI's schema allows it, vLLM renders it as
-    # empty): history replayed from the API carries such turns.
-    if content is None and role in _CONTENT_REQUIRED_ROLES:
-        raise ChatRenderError(f"{path}.content", f"is required for a {role} message")
     return ChatMessage(
         role=role,
         text_parts=_parse_content(f"{path}.content", content),
