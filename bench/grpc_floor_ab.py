@@ -38,7 +38,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "protos")]
 
-from services.ple_offload.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO  # noqa: E402
+from services.mesh.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO  # noqa: E402
 
 REQUEST_BYTES = 8 * 1024 + 4  # a LookupRequest of 1024 ids
 REPLY_BYTES = 1024 * 160 + 13  # a LookupResponse of 1024 rows of 160 B

@@ -46,7 +46,7 @@ from backport.v1 import ple_pb2  # noqa: E402
 
 from services.mesh.channels import GRPC_OPTIONS, wait_until_serving  # noqa: E402
 from services.ple_offload.client import PleTableClient  # noqa: E402
-from services.ple_offload.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO  # noqa: E402
+from services.mesh.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO  # noqa: E402
 from services.ple_offload.table_reader import SharedTableReader  # noqa: E402
 
 HEADS = 16
@@ -293,7 +293,7 @@ class LoopbackEcho:
 # and its choice of grpc I/O threads.
 _BARE_STREAM_CHILD = """
 import asyncio, sys
-from services.ple_offload.grpc_io import prefer_polling_thread_io
+from services.mesh.grpc_io import prefer_polling_thread_io
 prefer_polling_thread_io()
 import grpc
 from services.mesh.channels import GRPC_OPTIONS

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from services.mesh.errors import ServiceStartError
+from services.mesh.grpc_io import prefer_polling_thread_io
 from services.mesh.logs import configure_logging
 from services.mesh.settings import ServiceSettings, SettingsError
 
@@ -17,10 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["ple"]:
-        # Before the parser is built: that imports grpc, which reads its experiments once.
-        from services.ple_offload.grpc_io import prefer_polling_thread_io
-        prefer_polling_thread_io()
+    # Before the parser is built: that imports grpc, which reads its experiments once.
+    prefer_polling_thread_io()
     parser = argparse.ArgumentParser(prog="backport", description="vLLM Backport serving mesh")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (settings_type, help_text, _) in _services().items():

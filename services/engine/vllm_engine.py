@@ -9,7 +9,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +28,7 @@ from vllm.outputs import CompletionOutput
 from vllm.platforms import current_platform
 
 from services.engine.backport.engine_core_watch import SERVICE_PID_ENV
+from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
 from services.engine.kv_events import ipc_socket_path
 from services.engine.kv_transfer import engine_kv_args
 from services.engine.settings import EngineSettings
@@ -40,6 +41,8 @@ CPU_DEFAULT_KV_CACHE_GIB = 2.0
 # socket is made, and inherited by the engine-core and worker processes.
 RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 _RPC_BASE_PATH = os.environ.get(RPC_BASE_PATH_ENV)  # the setting before any engine's own
+# How vLLM starts its engine core and workers: fork (its default) or spawn.
+MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # vLLM's own server bounds each logit bias to this range (OpenAI's); unbounded, an infinite
 # bias on two tokens turns every probability into NaN and the sampled tokens into noise.
 MAX_LOGIT_BIAS = 100.0
@@ -152,6 +155,18 @@ class Loads:
     kv_cache_usage: float = 0.0
 
 
+def spawn_vllm_processes_for_ple(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Where the PLE hook is on, vLLM starts its engine core and workers by spawn, not fork.
+
+    The hook's client makes gRPC calls inside those processes, which vLLM forks from the engine
+    service by default. A forked child's calls hang on the grpc the service set up for
+    polling-thread I/O (services/mesh/grpc_io.py); a spawned child sets up its own, from the
+    environment it inherits.
+    """
+    if environ.get(PLE_ADDRESS_ENV):
+        environ[MULTIPROC_METHOD_ENV] = "spawn"
+
+
 def vllm_engine_args(settings: EngineSettings) -> AsyncEngineArgs:
     """vLLM's engine arguments from the settings, `--vllm-args` last. A `--vllm-args` name that
     vLLM does not know, or that the service sets itself, is refused before the model loads."""
@@ -214,6 +229,7 @@ class VllmEngine:
         self._ipc_dir = tempfile.mkdtemp(prefix="backport-engine-ipc-", dir=_RPC_BASE_PATH)
         os.environ[RPC_BASE_PATH_ENV] = self._ipc_dir
         os.environ[SERVICE_PID_ENV] = str(os.getpid())
+        spawn_vllm_processes_for_ple()
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
         except BaseException:

@@ -10,7 +10,7 @@ import sys
 from services.mesh.errors import ServiceStartError
 from services.mesh.logs import configure_logging
 from services.mesh.settings import SettingsError
-from services.ple_offload.grpc_io import prefer_polling_thread_io
+from services.mesh.grpc_io import prefer_polling_thread_io
 from services.ple_offload.settings import PleSettings
 
 

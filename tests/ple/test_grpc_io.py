@@ -1,5 +1,5 @@
 """The PLE service asks grpc core for socket I/O on its polling threads (see
-`services/ple_offload/grpc_io.py`), from both entry points, before grpc loads; an
+`services/mesh/grpc_io.py`), from both entry points, before grpc loads; an
 operator's GRPC_EXPERIMENTS wins. Seen from outside: whether grpc's EventEngine threads
 wake up for every LookupStream message (about 3 times with grpcio's default I/O, 0.1-0.2
 times with polling-thread I/O on the development machine)."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.ple_offload.client import PleTableClient
-from services.ple_offload.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO
+from services.mesh.grpc_io import GRPC_EXPERIMENTS_ENV, POLLING_THREAD_IO
 from tests.ple.service_process import (
     CLI_ENTRY,
     MODULE_ENTRY,
