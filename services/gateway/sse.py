@@ -8,12 +8,35 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from services.gateway.errors import GatewayError, error_body
 from services.gateway.generation import UsageCounts
 
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A stream of server-sent events whose generator is closed as soon as the response ends,
+    the client's leaving included.
+
+    Starlette stops iterating a stream whose client went, but leaves its generator to garbage
+    collection, which a reference cycle can put off for seconds; the generator's `finally` is
+    what aborts the engine requests behind the stream.
+    """
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
 
 
 def sse_event(payload: dict[str, Any]) -> str:

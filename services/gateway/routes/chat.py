@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
@@ -24,20 +25,19 @@ from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
                                        generate_request, output_constraint, truncated_prompt)
 from services.gateway.schemas import ChatCompletionRequest, new_id, now
-from services.gateway.sse import sse_event, sse_stream, usage_dict
+from services.gateway.sse import EventStreamResponse, sse_event, sse_stream, usage_dict
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 
 
 @router.post("/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest,
-                                 request: Request) -> JSONResponse | StreamingResponse:
+                                 request: Request) -> JSONResponse | EventStreamResponse:
     started = await start_chat_generation(body, request, request_id=new_id("chatcmpl"))
     completion = _ChatCompletion(started, body)
     if body.stream:
-        return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
-                                                              body.include_continuous_usage)),
-                                 media_type="text/event-stream")
+        return EventStreamResponse(sse_stream(completion.chunks(body.include_usage,
+                                                                body.include_continuous_usage)))
     return JSONResponse(await completion.response())
 
 
@@ -186,35 +186,40 @@ class _ChatCompletion:
         return finish_reason
 
     async def chunks(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
-        for index in range(len(self.parsers)):
-            opening = self._chunk([{"index": index, "delta": {"role": self.role, "content": ""},
-                                    "logprobs": None, "finish_reason": None}])
-            if continuous_usage:
-                opening["usage"] = usage_dict(self.generation.usage)
-            yield sse_event(opening)
-        if self.echoed_content:
-            # As vLLM streams it: each choice's echo in a chunk of its own, before any output.
+        try:
             for index in range(len(self.parsers)):
-                echo = self._chunk([{"index": index, "delta": {"content": self.echoed_content},
-                                     "logprobs": None, "finish_reason": None}])
+                opening = self._chunk([{"index": index, "delta": {"role": self.role, "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
                 if continuous_usage:
-                    echo["usage"] = usage_dict(self.generation.usage)
-                yield sse_event(echo)
-        async for delta in self.generation.deltas():
-            message = parse_choice_delta(self.parsers[delta.index], delta)
-            if message.is_empty and not delta.logprobs and delta.finish_reason is None:
-                continue
-            chunk = self._chunk([{
-                "index": delta.index, "delta": message.to_dict(),
-                "logprobs": (_chat_logprobs(delta.logprobs, self.shows_token_ids)
-                             if delta.logprobs else None),
-                "finish_reason": self._finish_reason(delta.index, delta.finish_reason),
-                "stop_reason": delta.stop_reason}])
-            if continuous_usage:
-                chunk["usage"] = usage_dict(self.generation.usage)
-            yield sse_event(chunk)
-        if include_usage:
-            yield sse_event(self._chunk([]) | {"usage": usage_dict(self.generation.usage)})
+                    opening["usage"] = usage_dict(self.generation.usage)
+                yield sse_event(opening)
+            if self.echoed_content:
+                # As vLLM streams it: each choice's echo in a chunk of its own, before any output.
+                for index in range(len(self.parsers)):
+                    echo = self._chunk([{"index": index, "delta": {"content": self.echoed_content},
+                                         "logprobs": None, "finish_reason": None}])
+                    if continuous_usage:
+                        echo["usage"] = usage_dict(self.generation.usage)
+                    yield sse_event(echo)
+            async with aclosing(self.generation.deltas()) as deltas:
+                async for delta in deltas:
+                    message = parse_choice_delta(self.parsers[delta.index], delta)
+                    if message.is_empty and not delta.logprobs and delta.finish_reason is None:
+                        continue
+                    chunk = self._chunk([{
+                        "index": delta.index, "delta": message.to_dict(),
+                        "logprobs": (_chat_logprobs(delta.logprobs, self.shows_token_ids)
+                                     if delta.logprobs else None),
+                        "finish_reason": self._finish_reason(delta.index, delta.finish_reason),
+                        "stop_reason": delta.stop_reason}])
+                    if continuous_usage:
+                        chunk["usage"] = usage_dict(self.generation.usage)
+                    yield sse_event(chunk)
+            if include_usage:
+                yield sse_event(self._chunk([]) | {"usage": usage_dict(self.generation.usage)})
+        finally:
+            # A client gone before the deltas were read leaves the engine call started.
+            self.generation.cancel()
 
     async def response(self) -> dict[str, Any]:
         choices = []

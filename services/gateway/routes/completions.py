@@ -6,7 +6,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import InvalidRequestError
@@ -15,13 +15,13 @@ from services.gateway.generation import (Generation, PromptTokenLogprobs, TokenL
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
                                        generate_request, output_constraint, truncated_prompt)
 from services.gateway.schemas import CompletionRequest, new_id, now
-from services.gateway.sse import sse_event, sse_stream, usage_dict
+from services.gateway.sse import EventStreamResponse, sse_event, sse_stream, usage_dict
 
 router = APIRouter(prefix="/v1", tags=["completions"])
 
 
 @router.post("/completions", response_model=None)
-async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:
     backend = backend_of(request)
     model = check_model(backend, body.model)
     if body.suffix:
@@ -57,9 +57,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
                              is_echo_only=body.is_echo_only,
                              shows_token_ids=body.return_tokens_as_token_ids)
     if body.stream:
-        return StreamingResponse(sse_stream(completion.chunks(body.include_usage,
-                                                              body.include_continuous_usage)),
-                                 media_type="text/event-stream")
+        return EventStreamResponse(sse_stream(completion.chunks(body.include_usage,
+                                                                body.include_continuous_usage)))
     return JSONResponse(await completion.response())
 
 

@@ -33,7 +33,7 @@ from contextlib import aclosing
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, UsageCounts
@@ -41,7 +41,7 @@ from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import StartedChatGeneration, parse_choice_delta, start_chat_generation
 from services.gateway.schemas import now
-from services.gateway.sse import sse_event
+from services.gateway.sse import EventStreamResponse, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", 
 
 
 @router.post("/responses", response_model=None)
-async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
+async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | EventStreamResponse:
     try:
         started = await start_chat_generation(body.chat_request(), request,
                                               request_id=_new_id("resp"))
@@ -63,7 +63,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         raise type(error)(responses_message(message), param=param) from error
     response = _Response(body, started)
     if body.stream:
-        return StreamingResponse(response.events(), media_type="text/event-stream")
+        return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
 
 
@@ -204,8 +204,13 @@ class _Response:
             return f"event: {event['type']}\n{sse_event(event)}"
 
         opening = self._shape("in_progress", [], None)
-        yield sse({"type": "response.created", "response": opening})
-        yield sse({"type": "response.in_progress", "response": opening})
+        try:
+            yield sse({"type": "response.created", "response": opening})
+            yield sse({"type": "response.in_progress", "response": opening})
+        except GeneratorExit:
+            # The client went before the deltas were read, which leaves the engine call started.
+            self.generation.cancel()
+            raise
         output = OutputItems()
         finish_reason: str | None = None
         failure: dict[str, Any] | None = None  # the `error` event, when the stream fails
