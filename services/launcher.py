@@ -359,6 +359,9 @@ class Mesh:
             args.append("--enforce-eager")
         if s.kv_cache_memory_gib:
             args += ["--kv-cache-memory-gib", str(s.kv_cache_memory_gib)]
+        if s.reasoning_parser:
+            # The engine finds where the reasoning ends, for constrained outputs that follow it.
+            args += ["--reasoning-parser", s.reasoning_parser]
         if s.redis_url:
             args += ["--redis-url", s.redis_url]
         if self._engine_metrics_ports:

@@ -112,6 +112,19 @@ def test_a_constraint_that_does_not_compile_is_an_error_of_the_structured_output
     assert "min_tokens" in replies[0].error.message and replies[0].error.field == ""
 
 
+def test_a_constraint_after_the_reasoning_needs_the_engines_reasoning_parser(
+        engine: RunningEngine) -> None:
+    """This engine has none, so it could not tell where the reasoning ends: the constraint
+    would hold the reasoning too. (With one: tests/e2e/test_deepseek_v4_mesh.py.)"""
+    after_reasoning = pb.StructuredOutput(json_object=True, after_reasoning=True)
+    replies = generate(engine.address, "after-reasoning", [1, 2],
+                       pb.SamplingParams(max_tokens=4, structured_output=after_reasoning))
+    assert [reply.WhichOneof("response") for reply in replies] == ["error"]
+    assert replies[0].error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
+    assert "--reasoning-parser" in replies[0].error.message
+    assert replies[0].error.field == "sampling.structured_output"
+
+
 def test_a_request_vllm_fails_in_its_engine_core_is_an_internal_error(engine: RunningEngine) -> None:
     # vLLM's engine core compiles every constraint with the backend its first one chose
     # (xgrammar here); a NUL in a schema's pattern sends vLLM's checks to another backend, which

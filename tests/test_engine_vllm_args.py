@@ -36,6 +36,15 @@ def test_a_name_vllm_would_not_take_from_here_is_refused(embedded_model_path: Pa
         vllm_engine_args(EngineSettings(model=str(embedded_model_path), vllm_args=vllm_args))
 
 
+def test_the_reasoning_parser_reaches_vllm_s_structured_outputs(embedded_model_path: Path) -> None:
+    """vLLM's structured outputs find the reasoning's end with it; a name vLLM does not know
+    is refused here, not in the engine core after the model load."""
+    args = vllm_engine_args(EngineSettings(model=str(embedded_model_path), reasoning_parser="qwen3"))
+    assert args.create_engine_config().structured_outputs_config.reasoning_parser == "qwen3"
+    with pytest.raises(ServiceStartError, match="--reasoning-parser: 'qwen9' is not one of vLLM's"):
+        vllm_engine_args(EngineSettings(model=str(embedded_model_path), reasoning_parser="qwen9"))
+
+
 def test_the_engine_stops_on_a_bad_name_before_loading_its_model(embedded_model_path: Path) -> None:
     engine = subprocess.run(
         [sys.executable, "-m", "services.cli", "engine", "--model", str(embedded_model_path),

@@ -166,8 +166,9 @@ def _constraint_from_proto(p: pb.StructuredOutput) -> OutputConstraint | None:
     if kind is None:
         return None
     if kind == "choice":
-        return OutputConstraint("choice", list(p.choice.choices))
-    return OutputConstraint("json" if kind == "json_schema" else kind, getattr(p, kind))
+        return OutputConstraint("choice", list(p.choice.choices), p.after_reasoning)
+    return OutputConstraint("json" if kind == "json_schema" else kind, getattr(p, kind),
+                            p.after_reasoning)
 
 
 def _chunk(update: ChoiceUpdate) -> pb.GenerateResponse:

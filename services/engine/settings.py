@@ -33,6 +33,10 @@ class EngineSettings(ServiceSettings):
     trust_remote_code: bool = Field(False, description="allow the checkpoint's own model code")
     logits_processors: list[str] = Field(default_factory=list,
                                          description="vLLM logits processor classes, module:Class")
+    reasoning_parser: str | None = Field(
+        None, description="vLLM's reasoning parser for the model (deepseek_v4 | glm45 | qwen3...): "
+                          "it finds where the reasoning ends, so that a constrained output "
+                          "(JSON schema, forced tool call) can follow the model's reasoning")
     kv_service: str | None = Field(None, description="KV cache service (LMCache server) host:port")
     kv_transfer_mode: str = Field("zmq", description="KV transfer to the service: zmq or shm")
     kv_chunk_size_tokens: int | None = Field(

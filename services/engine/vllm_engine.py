@@ -26,6 +26,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 from vllm.platforms import current_platform
+from vllm.reasoning import ReasoningParserManager
 
 from services.engine.backport.engine_core_watch import SERVICE_PID_ENV
 from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
@@ -99,6 +100,8 @@ class OutputConstraint:
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     value: str | bool | list[str]
+    # The output starts inside the model's reasoning; the constraint holds from its end.
+    after_reasoning: bool = False
 
     def params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(**{self.kind: self.value})
@@ -183,6 +186,7 @@ def vllm_engine_args(settings: EngineSettings) -> AsyncEngineArgs:
         gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
         logits_processors=list(s.logits_processors) or None,
+        reasoning_parser=_known_reasoning_parser(s.reasoning_parser),
         **engine_kv_args(s.model, s.kv_service, s.kv_transfer_mode, s.kv_chunk_size_tokens,
                          s.kv_events_endpoint))
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -198,6 +202,17 @@ def vllm_engine_args(settings: EngineSettings) -> AsyncEngineArgs:
             raise ServiceStartError(f"--vllm-args: {name!r} is set by the engine service "
                                     "from its other settings")
     return AsyncEngineArgs(**ours, **s.vllm_args)
+
+
+def _known_reasoning_parser(name: str | None) -> str:
+    """The name as vLLM's engine arguments take it ("" for none); an unknown name is refused
+    here, where vLLM would find it only in the engine core, after the model load."""
+    if name is None:
+        return ""
+    if name not in ReasoningParserManager.list_registered():
+        raise ServiceStartError(f"--reasoning-parser: {name!r} is not one of vLLM's reasoning "
+                                f"parsers ({', '.join(sorted(ReasoningParserManager.list_registered()))})")
+    return name
 
 
 class VllmEngine:
@@ -311,6 +326,7 @@ class VllmEngine:
                     f"prompt_token_ids holds token id {token_id}, out of vocabulary (the "
                     f"model's token ids are 0 to {self.info.vocab_size - 1})")
         params = self._sampling_params(sampling, len(prompt_token_ids))
+        reasoning_ended = self._reasoning_ended(sampling.constraint)
         if request_id in self._request_ids_in_flight:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in flight on this engine; an id is free "
@@ -325,7 +341,8 @@ class VllmEngine:
             # Closed on the way out: a choice that failed ends the call, and vLLM aborts the
             # other choices only when its stream is closed.
             async with aclosing(self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                                  params, request_id)) as stream:
+                                                  params, request_id,
+                                                  reasoning_ended=reasoning_ended)) as stream:
                 async for output in stream:
                     if output.finished:
                         # A client that has the request's last output may reuse its id at once,
@@ -361,6 +378,19 @@ class VllmEngine:
             self._num_sequences_in_flight -= params.n
             if holds_request_id:
                 self._request_ids_in_flight.discard(request_id)
+
+    def _reasoning_ended(self, constraint: OutputConstraint | None) -> bool | None:
+        """vLLM's `reasoning_ended` for a constrained request: whether the constraint holds from
+        the first token. Told, not left to vLLM's reading of the prompt, so that the engine and
+        the gateway's output parser agree on where the reasoning is."""
+        if constraint is None:
+            return None
+        if constraint.after_reasoning and not self.settings.reasoning_parser:
+            raise InvalidConstraintError(
+                "a constrained output after the model's reasoning needs the engine's reasoning "
+                "parser, which finds where the reasoning ends (`backport engine "
+                '--reasoning-parser`); or turn thinking off (reasoning_effort: "none")')
+        return not constraint.after_reasoning
 
     async def _check_constraint(self, constraint: OutputConstraint) -> None:
         """Raises `InvalidConstraintError` if the constraint alone fails vLLM's check. vLLM

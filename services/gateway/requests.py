@@ -93,19 +93,22 @@ class RequestedConstraint:
     engine_form: pb.StructuredOutput
 
 
-def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | None = None
-                      ) -> RequestedConstraint | None:
-    """From `response_format`, vLLM's `structured_outputs` or a forced `tool_choice`: one at most."""
+def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | None = None, *,
+                      after_reasoning: bool = False) -> RequestedConstraint | None:
+    """From `response_format`, vLLM's `structured_outputs` or a forced `tool_choice`: one at most.
+    `after_reasoning`: the output starts inside the model's reasoning, which the constraint
+    leaves free (as vLLM does with a reasoning parser)."""
     asked = [name for name, given in (("response_format", body.response_format is not None
                                        and body.response_format.type != "text"),
                                       ("structured_outputs", body.structured_outputs is not None),
                                       ("tool_choice", forced_tools is not None)) if given]
     if len(asked) > 1:
         raise InvalidRequestError(f"{asked[1]}: cannot be combined with {asked[0]}", param=asked[1])
+    if not asked:
+        return None
     if forced_tools is not None:
-        return RequestedConstraint("tool_choice", pb.StructuredOutput(
-            json_schema=json.dumps(forced_tools.json_schema())))
-    if body.structured_outputs is not None:
+        form = pb.StructuredOutput(json_schema=json.dumps(forced_tools.json_schema()))
+    elif body.structured_outputs is not None:
         wanted = body.structured_outputs
         if wanted.json_ is not None:
             schema = wanted.json_ if isinstance(wanted.json_, str) else json.dumps(wanted.json_)
@@ -115,13 +118,12 @@ def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | Non
         else:
             form = pb.StructuredOutput(json_object=wanted.json_object, regex=wanted.regex,
                                        grammar=wanted.grammar)
-        return RequestedConstraint("structured_outputs", form)
-    if body.response_format is None or body.response_format.type == "text":
-        return None
-    if body.response_format.json_schema is None:
-        return RequestedConstraint("response_format", pb.StructuredOutput(json_object=True))
-    return RequestedConstraint("response_format", pb.StructuredOutput(
-        json_schema=json.dumps(body.response_format.json_schema.schema_)))
+    elif body.response_format.json_schema is None:
+        form = pb.StructuredOutput(json_object=True)
+    else:
+        form = pb.StructuredOutput(json_schema=json.dumps(body.response_format.json_schema.schema_))
+    form.after_reasoning = after_reasoning
+    return RequestedConstraint(asked[0], form)
 
 
 def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, request_id: str,

@@ -36,6 +36,10 @@ SCRIPTED_TEXT = (
     '<｜DSML｜parameter name="code" string="true">007</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
 EXPECTED_ARGUMENTS = {"city": "Paris", "days": 3, "code": "007"}
+# What it "says" when held to a constraint (a JSON schema, a forced tool call): the reasoning,
+# which the constraint leaves free, then JSON the constraint allows.
+CONSTRAINED_JSON = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
+CONSTRAINED_TEXT = f"{REASONING}</think>{CONSTRAINED_JSON}"
 QUESTION = [{"role": "user", "content": "What's the weather in Paris for 3 days?"}]
 
 
@@ -49,10 +53,12 @@ def mesh(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
-    script = tokenizer.encode(SCRIPTED_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
-    assert tokenizer.decode(script[:-1]) == SCRIPTED_TEXT
+    scripts = {name: tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+               for name, text in (("free", SCRIPTED_TEXT), ("constrained", CONSTRAINED_TEXT))}
+    assert tokenizer.decode(scripts["free"][:-1]) == SCRIPTED_TEXT
+    assert tokenizer.decode(scripts["constrained"][:-1]) == CONSTRAINED_TEXT
     script_path = model_folder / "scripted_output.json"
-    script_path.write_text(json.dumps(script))
+    script_path.write_text(json.dumps(scripts))
     os.environ[SCRIPT_ENV] = str(script_path)
     os.environ["BACKPORT_ENGINE_LOGITS_PROCESSORS"] = json.dumps(
         ["tests.e2e.scripted_output:ScriptedOutputLogitsProcessor"])
@@ -214,15 +220,54 @@ def test_sticky_effort_carries_a_sessions_first_effort_across_turns(client: open
     assert turn("agent-2").model_extra.get("reasoning_content") == REASONING
 
 
-@pytest.mark.parametrize("constraint", [
-    {"response_format": {"type": "json_object"}},
-    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": TOOLS},
-])
-def test_a_constrained_output_with_thinking_on_is_400_naming_the_way_out(
-        client: openai.OpenAI, constraint: dict[str, object]) -> None:
-    """The model thinks by default; vLLM would hold its reasoning to the constraint too."""
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8,
-                                       extra_body=constraint)
-    assert caught.value.body["param"] == next(k for k in constraint if k != "tools")
-    assert 'reasoning_effort: "none"' in caught.value.body["message"]
+def test_a_forced_tool_call_follows_the_reasoning(client: openai.OpenAI) -> None:
+    """The model thinks by default. As in vLLM with its reasoning parser, the engine holds the
+    output to the calls' schema only once the reasoning has ended: the scripted reasoning comes
+    out whole (under a constraint from the first token it could not), then the call."""
+    ask = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
+           "temperature": 0, "max_tokens": 200}
+    reply = client.chat.completions.create(**ask)
+    message = reply.choices[0].message
+    assert message.model_extra.get("reasoning_content") == REASONING
+    assert message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    reasoning, calls = [], []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        calls += delta.tool_calls or []
+    assert "".join(reasoning) == REASONING
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    response = client.responses.create(
+        model=MODEL, input="What's the weather in Paris?", tool_choice="required",
+        tools=[{"type": "function", **tool["function"]} for tool in TOOLS], max_output_tokens=200)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    assert json.loads(response.output[1].arguments) == {"city": "Paris", "days": 3}
+
+
+def test_a_json_schema_holds_the_answer_after_the_reasoning(client: openai.OpenAI) -> None:
+    schema = {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "parameters": {"type": "object"}},
+        "required": ["name", "parameters"]}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": schema}})
+    message = reply.choices[0].message
+    assert message.model_extra.get("reasoning_content") == REASONING
+    assert json.loads(message.content) == json.loads(CONSTRAINED_JSON)
+
+
+def test_a_constraint_the_script_breaks_after_the_reasoning_takes_the_output_off_it(
+        client: openai.OpenAI) -> None:
+    """The grammar does hold what follows the reasoning: an object schema forbids the
+    script's `[`, and the answer is the object the grammar allows instead."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "weather", "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+    message = reply.choices[0].message
+    assert message.model_extra.get("reasoning_content") == REASONING
+    assert (message.content or "").startswith("{")

@@ -21,8 +21,9 @@ def _ids() -> object:
     return lambda: f"call_{next(numbers)}"
 
 
-def _run(choice: ForcedToolChoice, pieces: list[str]) -> tuple[list[MessageDelta], AssistantMessage]:
-    parser = choice.parser(make_call_id=_ids())  # type: ignore[arg-type]
+def _run(choice: ForcedToolChoice, pieces: list[str], reasoning_parser: str | None = None
+         ) -> tuple[list[MessageDelta], AssistantMessage]:
+    parser = choice.parser(reasoning_parser, make_call_id=_ids())  # type: ignore[arg-type]
     deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
     return deltas, parser.message()
 
@@ -101,3 +102,38 @@ def test_required_call_with_a_lone_surrogate_escape_is_sendable() -> None:
     # The gateway sends the message as UTF-8 JSON; this raised UnicodeEncodeError (a 500).
     json.dumps(message.to_dict(), ensure_ascii=False).encode("utf-8")
     assert [json.loads(call.arguments) for call in message.tool_calls] == [{"city": "Paris \ud83d"}]
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("piece_size", [1, 3, 1000])
+@pytest.mark.parametrize("reasoning_parser", ["deepseek_v4", "glm45", "qwen3"])
+def test_reasoning_before_the_forced_calls_is_reasoning(piece_size: int, reasoning_parser: str) -> None:
+    """Thinking on: the engine leaves the reasoning free and holds what follows to the calls."""
+    calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    required = ForcedToolChoice.of(TOOLS, "required", None)
+    assert required is not None
+    deltas, message = _run(required, _pieces(f"Oslo, then.</think>\n\n{calls}", piece_size),
+                           reasoning_parser)
+    assert message.reasoning_content == "Oslo, then." and message.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    assert AssistantMessage.from_deltas(deltas) == message
+    named = ForcedToolChoice.of(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named is not None
+    deltas, message = _run(named, _pieces('Oslo, then.</think>{"city": "Oslo"}', piece_size),
+                           reasoning_parser)
+    assert message.reasoning_content == "Oslo, then."
+    assert [(c.name, json.loads(c.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    assert AssistantMessage.from_deltas(deltas) == message
+
+
+def test_reasoning_cut_short_leaves_no_call() -> None:
+    required = ForcedToolChoice.of(TOOLS, "required", None)
+    assert required is not None
+    deltas, message = _run(required, ["Let me think about", " the city"], "deepseek_v4")
+    assert message == AssistantMessage(reasoning_content="Let me think about the city")
+    assert AssistantMessage.from_deltas(deltas) == message

@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.parsing.argument_typing import arguments_json
 from services.gateway.parsing.messages import AssistantMessage, MessageDelta, ToolCall, ToolCallDelta
-from services.gateway.parsing.output_parser import new_call_id
+from services.gateway.parsing.output_parser import ChatOutputParser, new_call_id
 
 # A function declared without parameters takes an object (OpenAI's reading).
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -63,8 +63,12 @@ class ForcedToolChoice:
             schema["maxItems"] = 1
         return schema
 
-    def parser(self, make_call_id: Callable[[], str] = new_call_id) -> ForcedToolCallParser:
-        return ForcedToolCallParser(self.functions[0]["name"] if self.named else None, make_call_id)
+    def parser(self, reasoning_parser: str | None = None,
+               make_call_id: Callable[[], str] = new_call_id) -> ForcedToolCallParser:
+        """`reasoning_parser`: the output starts inside the model's reasoning, in that family's
+        markup."""
+        return ForcedToolCallParser(self.functions[0]["name"] if self.named else None, make_call_id,
+                                    reasoning_parser)
 
 
 def _hoist_definitions(parameters: Mapping[str, Any],
@@ -125,11 +129,19 @@ def _with_references_renamed(schema: Any, renames: Mapping[str, str]) -> Any:
 
 
 class ForcedToolCallParser:
-    """Reads one choice's constrained output as tool calls (the `ChatOutputParser` interface)."""
+    """Reads one choice's constrained output as tool calls (the `ChatOutputParser` interface).
 
-    def __init__(self, function_name: str | None, make_call_id: Callable[[], str]) -> None:
+    With `reasoning_parser`, the output starts inside the model's reasoning, which the engine
+    leaves unconstrained: the reasoning is read off the front in that family's markup, and the
+    calls from the text after it.
+    """
+
+    def __init__(self, function_name: str | None, make_call_id: Callable[[], str],
+                 reasoning_parser: str | None = None) -> None:
         self._function_name = function_name
         self._make_call_id = make_call_id
+        self._reasoning = (ChatOutputParser(reasoning_parser=reasoning_parser, thinking=True)
+                           if reasoning_parser else None)
         self._call_id: str | None = None
         self._parts: list[str] = []
         self._message = AssistantMessage()
@@ -139,6 +151,30 @@ class ForcedToolCallParser:
         return self._call_id is not None or bool(self._message.tool_calls)
 
     def feed(self, text_delta: str) -> MessageDelta:
+        if self._reasoning is None:
+            return self._feed_calls(text_delta)
+        return self._after_reasoning(self._reasoning.feed(text_delta))
+
+    def finish(self) -> MessageDelta:
+        delta = MessageDelta() if self._reasoning is None else self._after_reasoning(
+            self._reasoning.finish())
+        ending = self._finish_calls()
+        delta.content = ending.content
+        delta.tool_calls += ending.tool_calls
+        return delta
+
+    def message(self) -> AssistantMessage:
+        if self._reasoning is None:
+            return self._message
+        return replace(self._message, reasoning_content=self._reasoning.message().reasoning_content)
+
+    def _after_reasoning(self, split: MessageDelta) -> MessageDelta:
+        """The reasoning as it is, and what followed it read as calls."""
+        delta = self._feed_calls(split.content or "")
+        delta.reasoning_content = split.reasoning_content
+        return delta
+
+    def _feed_calls(self, text_delta: str) -> MessageDelta:
         self._parts.append(text_delta)
         if self._function_name is None or not text_delta:
             return MessageDelta()
@@ -148,7 +184,7 @@ class ForcedToolCallParser:
                                                           self._function_name, text_delta)])
         return MessageDelta(tool_calls=[ToolCallDelta(0, arguments=text_delta)])
 
-    def finish(self) -> MessageDelta:
+    def _finish_calls(self) -> MessageDelta:
         text = "".join(self._parts)
         if self._function_name is not None:
             if self._call_id is not None:
@@ -166,9 +202,6 @@ class ForcedToolCallParser:
         return MessageDelta(tool_calls=[
             ToolCallDelta(index, call.id, "function", call.name, call.arguments)
             for index, call in enumerate(self._message.tool_calls)])
-
-    def message(self) -> AssistantMessage:
-        return self._message
 
 
 def _calls_in(text: str) -> list[tuple[str, Any]] | None:

@@ -64,12 +64,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
                   prompt_param="messages",
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     forced_tools = ForcedToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls)
-    constraint = output_constraint(body, forced_tools)
-    if constraint is not None and is_thinking and backend.settings.reasoning_parser:
-        # vLLM would hold the reasoning to the constraint too, from its first token.
-        raise InvalidRequestError(
-            f"{constraint.param}: a constrained output cannot follow the model's reasoning here; "
-            'turn thinking off (reasoning_effort: "none")', param=constraint.param)
+    constraint = output_constraint(body, forced_tools, after_reasoning=is_thinking)
     has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
     markers = model.reasoning_markers
     generation = Generation(
@@ -83,7 +78,8 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
         reasoning_counters=([ReasoningTokenCounter(markers, thinking=is_thinking)
                              for _ in range(body.n)] if markers else None),
         constraint_param=constraint.param if constraint is not None else None)
-    parsers = [forced_tools.parser() if forced_tools else _output_parser(backend, body, is_thinking)
+    parsers = [forced_tools.parser(backend.settings.reasoning_parser if is_thinking else None)
+               if forced_tools else _output_parser(backend, body, is_thinking)
                for _ in range(body.n)]
     await generation.start()
     return StartedChatGeneration(request_id, model.name, generation, parsers)
