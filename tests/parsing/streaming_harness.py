@@ -25,12 +25,14 @@ def chunks_of(text: str, size: int) -> list[str]:
 
 
 def stream(
-    pieces: Sequence[str], **parser_options: Any
+    pieces: Sequence[str], *, model_stopped: bool = False, **parser_options: Any
 ) -> tuple[list[MessageDelta], AssistantMessage]:
-    """Deltas from feeding `pieces`, and the message an OpenAI client accumulates from them."""
+    """Deltas from feeding `pieces`, and the message an OpenAI client accumulates from them.
+
+    `model_stopped`: the output ended with finish_reason "stop" rather than "length"."""
     parser = ChatOutputParser(make_call_id=sequential_ids(), **parser_options)
     deltas = [parser.feed(piece) for piece in pieces]
-    deltas.append(parser.finish())
+    deltas.append(parser.finish(model_stopped=model_stopped))
     accumulated = AssistantMessage.from_deltas(deltas)
     assert parser.message() == accumulated
     assert parser.has_tool_calls == accumulated.has_tool_calls
@@ -53,11 +55,15 @@ def assert_openai_delta_shape(deltas: Sequence[MessageDelta]) -> None:
         assert isinstance(json.loads(arguments), dict)
 
 
-def parse_every_way(text: str, **parser_options: Any) -> AssistantMessage:
+def parse_every_way(
+    text: str, *, model_stopped: bool = False, **parser_options: Any
+) -> AssistantMessage:
     """The message, after checking that whole, 1-, 2-, 3- and 7-character feeding agree."""
-    _, whole = stream([text], **parser_options)
+    _, whole = stream([text], model_stopped=model_stopped, **parser_options)
     for size in (1, 2, 3, 7):
-        deltas, streamed = stream(chunks_of(text, size), **parser_options)
+        deltas, streamed = stream(
+            chunks_of(text, size), model_stopped=model_stopped, **parser_options
+        )
         assert streamed == whole, f"chunk size {size}"
         assert_openai_delta_shape(deltas)
     return whole

@@ -64,10 +64,23 @@ NULLABLE_INTEGER = {"type": ["integer", "null"]}
         ("[1, 'x']", "unknown", ARRAY, [1, "x"]),
         ("[1, 2]", "unknown", OBJECT, [1, 2]),  # the wrong type, still read as JSON
         ("not json", "unknown", ARRAY, "not json"),
-        ('{"x": 1}', "unknown", None, {"x": 1}),
-        ("42", "unknown", None, 42),
+        # Without a type in the schema the text stays, unless the markup says it is JSON.
+        ('{"x": 1}', "unknown", None, '{"x": 1}'),
+        ("42", "unknown", None, "42"),
+        ("42", "unknown", {"description": "any"}, "42"),
         ("hello", "unknown", None, "hello"),
         ("42", "text", None, "42"),
+        ("42", "json", None, 42),
+        ("hello", "json", None, "hello"),
+        # Python-style and other spellings of the type names.
+        ("123", "unknown", {"type": "str"}, "123"),
+        ("007", "unknown", {"type": "int"}, 7),
+        (".5", "unknown", {"type": "float"}, 0.5),
+        ("1", "unknown", {"type": "bool"}, True),
+        ("{'a': 1}", "unknown", {"type": "dict"}, {"a": 1}),
+        ("[1, 'x']", "unknown", {"type": "list"}, [1, "x"]),
+        ("true", "unknown", {"type": " String "}, "true"),
+        ("null", "unknown", {"type": ["Int64", "null"]}, None),
         ('{"x": 1}', "json", {"anyOf": [{"type": "object"}, {"type": "null"}]}, {"x": 1}),
         ("b", "unknown", {"enum": ["a", "b"]}, "b"),
         ("2", "unknown", {"enum": [1, 2]}, 2),
@@ -91,6 +104,11 @@ def test_declared_types_read_unions_and_structural_hints() -> None:
     assert declared_types({"properties": {}}) == {"object"}
     assert declared_types({"items": {}}) == {"array"}
     assert declared_types({"description": "anything"}) == frozenset()
+    assert declared_types({"type": ["str", "null"]}) == {"string", "null"}
+    assert declared_types({"anyOf": [{"type": "Double"}, {"type": "sequence"}]}) == {
+        "number",
+        "array",
+    }
 
 
 def test_tool_schemas_accept_openai_tools_and_bare_functions_and_skip_junk() -> None:

@@ -174,6 +174,47 @@ def test_output_cut_anywhere_gives_a_prefix_and_only_whole_calls(
     assert got.calls == expected.calls[: len(got.calls)]
 
 
+def _is_argument_prefix(got: ExpectedCall, expected: ExpectedCall) -> bool:
+    """`got` is `expected` but, possibly, for its last arguments."""
+    written = list(expected.arguments.items())[: len(got.arguments)]
+    return got.name == expected.name and list(got.arguments.items()) == written
+
+
+@PROPERTY_SETTINGS
+@given(
+    family=st.sampled_from(FAMILIES),
+    expected=_messages(),
+    think_style=st.sampled_from(THINK_STYLES),
+    cut=st.integers(min_value=0, max_value=2000),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8),
+)
+def test_output_the_model_stopped_anywhere_gives_whole_calls_and_a_last_one_between_arguments(
+    family: str, expected: ExpectedMessage, think_style: str, cut: int, cuts: list[int]
+) -> None:
+    # A stop string can end the output anywhere. A call it ends between two arguments is sent
+    # with the arguments written so far; one it ends inside an argument is not.
+    expected = _fit_to_style(expected, think_style)
+    text = render_output(family, expected, think_style=think_style)[:cut]
+    tools = tools_for(expected.calls)
+
+    whole = parse_output(
+        text,
+        make_call_id=sequential_ids(),
+        model_stopped=True,
+        **_options(family, tools, think_style),
+    )
+    deltas, streamed = stream(
+        split_at(text, cuts), model_stopped=True, **_options(family, tools, think_style)
+    )
+    assert streamed == whole
+    assert_openai_delta_shape(deltas)
+    _assert_no_markup(whole)
+    got = _as_expected(whole).calls
+    if got:
+        assert got[:-1] == expected.calls[: len(got) - 1]
+        assert _is_argument_prefix(got[-1], expected.calls[len(got) - 1])
+
+
 _markup_soup = st.lists(
     st.one_of(
         st.sampled_from(sorted(MARKUP)), _text, st.sampled_from(['name="f">', "f>", "x</", "\n"])

@@ -25,6 +25,13 @@ from tests.parsing.model_outputs import (
     render_output,
     tools_for,
 )
+from tests.parsing.streaming_harness import stream
+from tests.parsing.test_parser_parity_gaps import (
+    CALLS_CUT_INSIDE_AN_ARGUMENT,
+    UNCLOSED_CALLS,
+    WRITE_TOOL,
+    render_note_call,
+)
 
 vllm_parsers = {
     "deepseek_v4": pytest.importorskip("vllm.parser.deepseek_v4").DeepSeekV4Parser,
@@ -53,7 +60,7 @@ class EmptyVocabularyTokenizer:
 Comparable = tuple[str, str, list[tuple[str, Any]]]
 
 
-def _vllm_parse(family: str, text: str, tools: list[dict[str, Any]]) -> Comparable:
+def _vllm_parser(family: str, tools: list[dict[str, Any]]) -> tuple[Any, Any]:
     kwargs = {THINKING_KWARGS[family]: True}
     request = ChatCompletionRequest(
         model="m",
@@ -64,6 +71,11 @@ def _vllm_parse(family: str, text: str, tools: list[dict[str, Any]]) -> Comparab
     parser = vllm_parsers[family](
         EmptyVocabularyTokenizer(), tools=request.tools, chat_template_kwargs=kwargs
     )
+    return parser, request
+
+
+def _vllm_parse(family: str, text: str, tools: list[dict[str, Any]]) -> Comparable:
+    parser, request = _vllm_parser(family, tools)
     reasoning, content, calls = parser.parse(text, request, enable_auto_tools=True)
     return (
         (reasoning or "").strip(),
@@ -80,13 +92,35 @@ def _comparable(message: AssistantMessage) -> Comparable:
     )
 
 
-def _ours(family: str, text: str, tools: list[dict[str, Any]]) -> AssistantMessage:
+def _vllm_streamed_calls(
+    family: str, text: str, tools: list[dict[str, Any]]
+) -> list[tuple[str, Any]]:
+    """The calls a client accumulates from vLLM's stream of `text`, fed a character at a time."""
+    parser, request = _vllm_parser(family, tools)
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for position, character in enumerate(text):
+        delta = parser.parse_delta(
+            character, [], request, finished=position == len(text) - 1
+        )
+        for entry in (delta.tool_calls or []) if delta else []:
+            names[entry.index] = names.get(entry.index, "") + (entry.function.name or "")
+            arguments[entry.index] = arguments.get(entry.index, "") + (
+                entry.function.arguments or ""
+            )
+    return [(names[index], json.loads(arguments[index])) for index in sorted(names)]
+
+
+def _ours(
+    family: str, text: str, tools: list[dict[str, Any]], *, model_stopped: bool = False
+) -> AssistantMessage:
     return parse_output(
         text,
         tool_call_parser=family,
         reasoning_parser=REASONING_PARSER_OF[family],
         tools=tools,
         thinking=True,
+        model_stopped=model_stopped,
     )
 
 
@@ -131,11 +165,32 @@ def _tool(name: str, properties: dict[str, Any]) -> dict[str, Any]:
 
 _QUIRK_TOOLS = [
     _tool("search", {"query": {"type": "string"}, "limit": {"type": "integer"}}),
+    _tool("note", {
+        "title": {"type": "str"}, "n": {"type": "int"}, "ratio": {"type": "float"},
+        "flag": {"type": "bool"}, "meta": {"type": "dict"}, "tags": {"type": "list"},
+        "limit": {"type": ["Integer", "null"]}, "free": {"description": "any"}}),
     _tool("toggle", {"on": {"type": "boolean"}, "force": {"type": "boolean"}}),
     _tool("write", {"path": {"type": "string"}, "text": {"type": "string"}}),
     _tool("order", {"items": {"type": "array", "items": {"type": "object", "properties": {
         "qty": {"type": "integer"}, "sku": {"type": "string"}}}}}),
 ]
+# Python-style type names, a parameter declared without a type (`free`) and one not declared at
+# all (`extra`): vLLM types the first by the name and keeps the text of the others unless the
+# markup marks it as JSON (DSML without string="true"). Where DSML marks `free` as JSON, vLLM
+# turns a scalar back into text ("42"); ours keeps what the model wrote (42), so DSML leaves it
+# out here.
+_NOTE_ARGUMENTS = {
+    "title": "123", "n": "007", "ratio": "0.5", "flag": "1", "meta": '{"a": [1, "b"]}',
+    "tags": "[1, 2]", "limit": "null", "extra": "true",
+}
+_NOTE_CALLS = {
+    "deepseek_v4": [
+        render_note_call("deepseek_v4", _NOTE_ARGUMENTS, attribute)
+        for attribute in (None, "true", "false")
+    ],
+    "glm47": [render_note_call("glm47", _NOTE_ARGUMENTS | {"free": "42"}, None)],
+    "qwen3_xml": [render_note_call("qwen3_xml", _NOTE_ARGUMENTS | {"free": "42"}, None)],
+}
 QUIRKS: dict[str, list[str]] = {
     "deepseek_v4": [
         # Whole arguments object inside one undeclared `arguments` parameter.
@@ -146,11 +201,13 @@ QUIRKS: dict[str, list[str]] = {
         f'Order.</think><{DSML}tool_calls>\n<{DSML}invoke name="order">\n'
         f'<{DSML}parameter name="items" string="false">[{{"qty": "2", "sku": 7}}]'
         f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>",
+        *_NOTE_CALLS["deepseek_v4"],
     ],
     "glm47": [
         # A tool the request did not declare, then one it did.
         "Go.</think><tool_call>fetch<arg_key>url</arg_key><arg_value>x</arg_value></tool_call>"
         "<tool_call>toggle<arg_key>on</arg_key><arg_value>1</arg_value></tool_call>",
+        *_NOTE_CALLS["glm47"],
     ],
     "qwen3_xml": [
         # 1 and 0 for booleans.
@@ -160,6 +217,7 @@ QUIRKS: dict[str, list[str]] = {
         "Go.</think><tool_call>\n<function=write>\n<parameter=path>\na.md\n</parameter>\n"
         "<parameter=text>\nCalls end with </tool_call> and start with <tool_call>.\n</parameter>\n"
         "</function>\n</tool_call>",
+        *_NOTE_CALLS["qwen3_xml"],
     ],
 }
 
@@ -170,3 +228,33 @@ def test_same_typed_calls_as_vllm_on_model_quirks(family: str) -> None:
     for text in QUIRKS[family]:
         ours = json.dumps(_comparable(_ours(family, text, _QUIRK_TOOLS)))
         assert ours == json.dumps(_vllm_parse(family, text, _QUIRK_TOOLS)), text
+
+
+@pytest.mark.parametrize("family", sorted(vllm_parsers))
+def test_same_calls_as_vllm_when_the_model_stops_before_a_closing_tag(family: str) -> None:
+    # finish_reason "stop" (EOS, a stop string) right after the last argument.
+    for text in UNCLOSED_CALLS[family]:
+        expected = _vllm_parse(family, text, WRITE_TOOL)
+        assert expected[2], text  # vLLM releases the call
+        ours = _ours(family, text, WRITE_TOOL, model_stopped=True)
+        assert _comparable(ours) == expected, text
+        _, streamed = stream(
+            list(text),
+            model_stopped=True,
+            tool_call_parser=family,
+            reasoning_parser=REASONING_PARSER_OF[family],
+            tools=WRITE_TOOL,
+            thinking=True,
+        )
+        streamed_calls = [(call.name, json.loads(call.arguments)) for call in streamed.tool_calls]
+        assert streamed_calls == _vllm_streamed_calls(family, text, WRITE_TOOL), text
+
+
+@pytest.mark.parametrize("family", sorted(vllm_parsers))
+def test_unlike_vllm_a_call_cut_inside_an_argument_is_not_sent(family: str) -> None:
+    # vLLM sends it without the cut argument (streamed: with a prefix of it, not always JSON),
+    # whether max_tokens or the model ended the output; ours sends nothing either way.
+    for text in CALLS_CUT_INSIDE_AN_ARGUMENT[family]:
+        [(name, arguments)] = _vllm_parse(family, text, WRITE_TOOL)[2]
+        assert name == "write" and len(arguments) < 2, text  # the cut argument left out
+        assert _ours(family, text, WRITE_TOOL, model_stopped=True).tool_calls == [], text

@@ -4,11 +4,15 @@ The markup formats carry every value as text. The schema decides what it becomes
 parameter keeps its text verbatim ("007" stays "007"), an `integer` parameter "3" becomes 3,
 `number`, `boolean`, `null`, `object` and `array` are read as JSON (Python-literal spellings such
 as `True` or `{'a': 1}` are accepted too, since models produce them, and `1`/`0` for a boolean, as
-vLLM reads them). A parameter the schema does not know is read as JSON when it parses and kept as
-text otherwise. Members of an object or array are typed the same way by the schema's `properties`
-or `items` (through `anyOf`/`oneOf`/`allOf`), as vLLM's deepseek_v4 parser types them: models
-write `{"quantity": "2"}` for an integer member too. Members the schema does not describe are
-left as written.
+vLLM reads them). Type names some clients write the Python or SQL way (`str`, `int`, `float`,
+`bool`, `dict`, `list`, `varchar`, `int64`, `double`...) or capitalised mean the JSON type, as
+vLLM maps them. A parameter the schema does not type (one it does not declare, or declares
+without a type) keeps its text, as vLLM keeps it: only a value the markup marks as JSON (DSML's
+`string="false"`) is read as JSON then; a guess would turn a string such as "123" or "true" into
+another type for good. Members of an object or array are typed the same way by the schema's
+`properties` or `items` (through `anyOf`/`oneOf`/`allOf`), as vLLM's deepseek_v4 parser types
+them: models write `{"quantity": "2"}` for an integer member too. Members the schema does not
+describe are left as written.
 """
 
 from __future__ import annotations
@@ -22,9 +26,24 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 ValueEncoding = Literal["text", "json", "unknown"]
-"""How the markup says a value is written: as plain text, as JSON, or not said."""
+"""How the markup says a value is written: as plain text, as JSON, or not said (the schema
+decides; without a type there, the value is the text)."""
 
 _NON_STRING_TYPES = ("integer", "number", "boolean", "null", "object", "array")
+# Other spellings of the JSON types, by the JSON type they mean (the names vLLM maps).
+_TYPE_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "string": ("str", "text", "varchar", "char", "enum"),
+    "integer": ("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short", "unsigned"),
+    "number": ("float", "float32", "float64", "double"),
+    "boolean": ("bool",),
+    "object": ("dict",),
+    "array": ("list", "arr", "sequence"),
+}
+_JSON_TYPE_OF_SPELLING = {
+    spelling: json_type
+    for json_type, spellings in _TYPE_SPELLINGS.items()
+    for spelling in spellings
+}
 _FAILED = object()
 # Parameters a model sometimes wraps the whole arguments object in (see `_unwrapped`).
 _WRAPPER_NAMES = ("arguments", "input")
@@ -113,9 +132,9 @@ def declared_types(schema: Mapping[str, Any] | None) -> frozenset[str]:
         return frozenset()
     declared = schema.get("type")
     if isinstance(declared, str):
-        return frozenset({declared})
+        return frozenset({_json_type_named(declared)})
     if isinstance(declared, list):
-        return frozenset(name for name in declared if isinstance(name, str))
+        return frozenset(_json_type_named(name) for name in declared if isinstance(name, str))
     for combinator in ("anyOf", "oneOf", "allOf"):
         options = schema.get(combinator)
         if isinstance(options, list):
@@ -133,6 +152,12 @@ def declared_types(schema: Mapping[str, Any] | None) -> frozenset[str]:
     return frozenset()
 
 
+def _json_type_named(name: str) -> str:
+    """The JSON type a schema's type name means (`int` and `Integer` mean `integer`)."""
+    normalized = name.strip().lower()
+    return _JSON_TYPE_OF_SPELLING.get(normalized, normalized)
+
+
 def type_value(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | None) -> Any:
     """The typed value of one argument (see the module docstring for the rules)."""
     return _typed_members(_typed_text(text, encoding, schema), schema)
@@ -148,10 +173,7 @@ def _typed_text(text: str, encoding: ValueEncoding, schema: Mapping[str, Any] | 
             if isinstance(parsed, str):
                 text = parsed  # a quoted "3" for an integer: type what is inside the quotes
     if not types:
-        if encoding == "text":
-            return text
-        parsed = _loads_json(text)
-        return text if parsed is _FAILED else parsed
+        return text
     for type_name in _NON_STRING_TYPES:
         if type_name in types:
             value = _CONVERTERS[type_name](text.strip())

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the prompt was rendered in chat mode (it did not end with <think>)",
     )
     parser.add_argument(
+        "--cut-short",
+        action="store_true",
+        help="the output was cut off (finish_reason length): a tool call left open is dropped, "
+        "where by default the model ended it and it is released",
+    )
+    parser.add_argument(
         "--chunk-size",
         type=int,
         default=None,
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     deltas: list[MessageDelta] = [
         parser.feed(text[start : start + chunk_size]) for start in range(0, len(text), chunk_size)
     ]
-    deltas.append(parser.finish())
+    deltas.append(parser.finish(model_stopped=not args.cut_short))
     message = AssistantMessage.from_deltas(deltas)
     printed = {
         "role": "assistant",

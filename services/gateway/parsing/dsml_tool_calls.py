@@ -11,7 +11,8 @@ with a newline between elements::
     </｜DSML｜tool_calls>
 
 `string="true"` means the value is the text as written; `string="false"` means it is JSON.
-The attribute is sometimes missing (then: JSON when it parses, else text), the block tag is
+The attribute is sometimes missing (then it is read as `string="false"`, as vLLM reads it: JSON
+when it parses, else text), the block tag is
 sometimes spelt `<｜DSML｜toolcalls>` or `<｜DSML｜tool>`, and an `invoke` sometimes comes without
 the block or without its closing tag (before `</｜DSML｜tool_calls>` or the next `invoke`); all are
 accepted.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from services.gateway.parsing.argument_typing import RawArgument, ValueEncoding
+from services.gateway.parsing.argument_typing import RawArgument
 from services.gateway.parsing.formats import ParsedCall, ToolCallFormat
 
 _BAR = "\uff5c"
@@ -44,7 +45,6 @@ _PARAMETER = re.compile(
     rf"(.*?)(?:{re.escape(PARAMETER_END)}|(?={re.escape(PARAMETER_START)})|\Z)",
     re.DOTALL,
 )
-_ENCODINGS: dict[str | None, ValueEncoding] = {"true": "text", "false": "json"}
 
 
 def parse_invoke(text: str) -> ParsedCall | None:
@@ -55,7 +55,8 @@ def parse_invoke(text: str) -> ParsedCall | None:
         RawArgument(
             name=match.group(1),
             text=match.group(3),
-            encoding=_ENCODINGS.get(match.group(2), "unknown"),
+            # Anything but string="true", a missing attribute too, is JSON to vLLM.
+            encoding="text" if match.group(2) == "true" else "json",
         )
         for match in _PARAMETER.finditer(text, head.end())
     )
@@ -71,4 +72,6 @@ DSML_FORMAT = ToolCallFormat(
     block_ends=(BLOCK_END,),
     terminators=(END_OF_SENTENCE, USER_TURN),
     call_restarts=(INVOKE_START,),
+    value_starts=(PARAMETER_START,),
+    value_ends=(PARAMETER_END,),
 )

@@ -155,7 +155,9 @@ class ForcedToolCallParser:
             return self._feed_calls(text_delta)
         return self._after_reasoning(self._reasoning.feed(text_delta))
 
-    def finish(self) -> MessageDelta:
+    def finish(self, *, model_stopped: bool = False) -> MessageDelta:
+        """`model_stopped` changes nothing here: whether the constrained JSON is whole says
+        itself whether the calls are."""
         delta = MessageDelta() if self._reasoning is None else self._after_reasoning(
             self._reasoning.finish())
         ending = self._finish_calls()

@@ -39,9 +39,10 @@ class ToolCallFormat:
     opening markers that, met inside a call, end it and begin the next (the model left the
     closing tag out). `drops_undeclared_tools`: a call to a tool the request did not declare is
     dropped instead of released (vLLM's choice for GLM). `value_starts` and `value_ends` open and
-    close one argument's value inside a call; inside an open value the closing tags in
-    `call_ends_outside_values` are the value's own text (a file the model writes may quote them),
-    while the other `call_ends` still end the call.
+    close one argument inside a call (its name and value): an output that ends inside one was cut
+    off mid-argument, one that ends between them may lack only the call's closing tag. Inside an
+    open value the closing tags in `call_ends_outside_values` are the value's own text (a file the
+    model writes may quote them), while the other `call_ends` still end the call.
     """
 
     name: str

@@ -67,4 +67,6 @@ GLM47_FORMAT = ToolCallFormat(
     parse_call=parse_tool_call,
     terminators=("<|user|>", "<|observation|>", "<|system|>", "<|assistant|>", "<|endoftext|>"),
     drops_undeclared_tools=True,
+    value_starts=(_KEY_START,),
+    value_ends=(_VALUE_END,),
 )

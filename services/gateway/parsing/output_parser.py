@@ -13,9 +13,12 @@ Rules that hold for every format:
   explain these very tags), as vLLM keeps it.
 - A tool call is released only once its closing tag has arrived: its first delta carries index,
   id, type and name, the next its complete arguments (a JSON object, values typed by the tool
-  schema). A call cut off by `max_tokens` is never sent, so the stream and the final message
-  agree and no client ever executes half a call. With parallel tool calls off, only the first
-  call is released (vLLM keeps only index 0).
+  schema). A call the model itself ended without its closing tag (the output stopped, or a
+  terminator came, between arguments) is released at that end, as vLLM releases it. A call cut
+  off by `max_tokens` or an abort, or one the output ends inside an argument of, is never sent
+  (vLLM sends what it has), so the stream and the final message agree and no client ever
+  executes half a call. With parallel tool calls off, only the first call is released (vLLM
+  keeps only index 0).
 - Tool calls end the turn: text between and after calls is dropped, as the templates never put
   any there.
 - Leading and trailing whitespace of each reasoning or content stretch is dropped (the
@@ -186,12 +189,20 @@ class ChatOutputParser:
         self._scan(delta, is_final=False)
         return delta
 
-    def finish(self) -> MessageDelta:
-        """Flush at the end of the stream; an unfinished tool call is discarded."""
+    def finish(self, *, model_stopped: bool = False) -> MessageDelta:
+        """Flush at the end of the stream.
+
+        `model_stopped`: the model ended the output (finish_reason "stop": its end-of-turn token,
+        a stop token or a stop string), so a tool call still open, but not inside one of its
+        arguments, is complete but for its closing tag and is released. Otherwise (`max_tokens`,
+        an abort) an unfinished call is discarded.
+        """
         delta = MessageDelta()
         if self._is_finished:
             return delta
         self._scan(delta, is_final=True)
+        if model_stopped and self._mode is _Mode.IN_CALL:
+            self._release_call(delta)
         self._call_parts = []
         self._pending_space = []
         self._mode = _Mode.ENDED
@@ -283,6 +294,8 @@ class ChatOutputParser:
             self._release_call(delta)
             self._mode = _Mode.BETWEEN_CALLS
         elif action is _Action.END_TURN:
+            if self._mode is _Mode.IN_CALL:  # the model ended its turn before the closing tag
+                self._release_call(delta)
             self._call_parts = []
             self._mode = _Mode.ENDED
 
@@ -316,8 +329,9 @@ def parse_output(
     make_call_id: Callable[[], str] = new_call_id,
     allow_tool_calls: bool = True,
     allow_parallel_tool_calls: bool = True,
+    model_stopped: bool = False,
 ) -> AssistantMessage:
-    """The final message for a complete (non-streamed) output."""
+    """The final message for a whole (non-streamed) output; `model_stopped` as in `finish`."""
     parser = ChatOutputParser(
         tool_call_parser,
         reasoning_parser,
@@ -328,5 +342,5 @@ def parse_output(
         allow_parallel_tool_calls,
     )
     parser.feed(text)
-    parser.finish()
+    parser.finish(model_stopped=model_stopped)
     return parser.message()

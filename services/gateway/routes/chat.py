@@ -225,7 +225,7 @@ class _ChatCompletion:
                 message: dict[str, Any] = {"role": self.role, "content": choice.text}
             else:
                 parser.feed(choice.text)
-                parser.finish()
+                parser.finish(model_stopped=choice.finish_reason == "stop")
                 message = parser.message().to_dict() | {"role": self.role}
             if self.echoed_content:
                 message["content"] = self.echoed_content + (message.get("content") or "")
@@ -253,7 +253,7 @@ def parse_choice_delta(parser: ChatOutputParser | ForcedToolCallParser | None,
         return MessageDelta(content=delta.text or None)
     message = parser.feed(delta.text)
     if delta.finish_reason is not None:
-        tail = parser.finish()
+        tail = parser.finish(model_stopped=delta.finish_reason == "stop")
         message = MessageDelta(
             reasoning_content=_join(message.reasoning_content, tail.reasoning_content),
             content=_join(message.content, tail.content),
