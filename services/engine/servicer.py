@@ -43,7 +43,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             yield _error(common_pb2.ERROR_CODE_UNAVAILABLE, "the engine is not serving")
             return
         sampling = sampling_request_from_proto(request.sampling)
-        updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling)
+        updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
+                                       cache_salt=request.cache_salt or None)
         self.metrics.requests_in_flight.inc()
         settled = False
 

@@ -309,7 +309,9 @@ class VllmEngine:
             await self.llm.abort(children, internal=True)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingRequest) -> AsyncIterator[ChoiceUpdate]:
+                       sampling: SamplingRequest, *,
+                       cache_salt: str | None = None) -> AsyncIterator[ChoiceUpdate]:
+        """`cache_salt`: the prompt's cached KV is shared only with requests of the same salt."""
         assert self.info is not None
         if not prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids is empty")
@@ -337,11 +339,13 @@ class VllmEngine:
         completion_tokens: dict[int, int] = {}
         # vLLM hands the prompt's logprobs over once, with the output that ends the prefill.
         unsent_prompt_logprobs: list[TokenLogprob] | None = None
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
         try:
             # Closed on the way out: a choice that failed ends the call, and vLLM aborts the
             # other choices only when its stream is closed.
-            async with aclosing(self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                                  params, request_id,
+            async with aclosing(self.llm.generate(prompt, params, request_id,
                                                   reasoning_ended=reasoning_ended)) as stream:
                 async for output in stream:
                     if output.finished:

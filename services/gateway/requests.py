@@ -150,4 +150,4 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, reque
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint.engine_form)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                              sampling=sampling)
+                              sampling=sampling, cache_salt=body.cache_salt or "")

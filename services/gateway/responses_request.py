@@ -18,7 +18,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError, field_path
 from services.gateway.reasoning_effort import RequestedEffort
-from services.gateway.schemas import ChatCompletionRequest, check_valid_unicode, without_nulls
+from services.gateway.schemas import (CacheSalt, ChatCompletionRequest, check_valid_unicode,
+                                     without_nulls)
 
 # Chat request fields a Responses field turns into, for errors the chat path raises.
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -204,6 +205,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     prompt_cache_key: str | None = None
+    cache_salt: CacheSalt | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
@@ -319,7 +321,7 @@ class ResponsesRequest(BaseModel):
             "model": self.model, "messages": self.chat_messages(), "stream": self.stream,
             "max_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "user": self.user, "prompt_cache_key": self.prompt_cache_key,
-            "parallel_tool_calls": self.parallel_tool_calls}
+            "cache_salt": self.cache_salt, "parallel_tool_calls": self.parallel_tool_calls}
         if self.tools:
             fields["tools"] = [tool.chat_tool() for tool in self.tools]
             fields["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str) else

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.gateway.errors import RequestFieldError
 from services.gateway.reasoning_effort import RequestedEffort
@@ -21,6 +21,19 @@ MAX_FLOAT32 = 3.4028234663852886e38
 # The least positive 32-bit float: a smaller value the engine must see as positive arrives as 0.
 MIN_POSITIVE_FLOAT32 = 2.0**-149
 TokenId = Annotated[int, Field(ge=0, le=MAX_UINT32)]
+# vLLM's limits on a cache salt, which keep it usable inside the KV service's cache keys.
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
+
+
+def _checked_cache_salt(salt: str) -> str:
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN_CHARS.intersection(salt):
+        raise ValueError(f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                         "without '@', '/', '\\' or NUL")
+    return salt
+
+
+CacheSalt = Annotated[str, AfterValidator(_checked_cache_salt)]
 
 
 class StreamOptions(BaseModel):
@@ -189,6 +202,8 @@ class SamplingFields(BaseModel):
     # vLLM's: off, adjacent special tokens shown in the text get no space between them, which
     # the tokenizer service's detokenization does not do; refused then (below).
     spaces_between_special_tokens: bool = True
+    # vLLM's: the prompt's cached KV is shared only with requests of the same salt.
+    cache_salt: CacheSalt | None = None
 
     @field_validator("stop")
     @classmethod

@@ -112,3 +112,23 @@ def test_second_engine_gets_the_prefix_from_the_kv_service(
     warnings.warn(f"greedy texts differ after KV reuse (bf16 near-tie): {cold.choices[0].text!r} "
                   f"vs {warm.choices[0].text!r}; first-token logprobs agree within "
                   f"{LOGPROB_TOLERANCE}")
+
+
+@needs_lmcache
+def test_the_kv_service_shares_a_salted_prefix_only_under_its_salt(
+        kv_mesh: tuple[RunningMesh, int]) -> None:
+    """`cache_salt` isolates tenants in the shared KV service too, not only in each engine's
+    prefix cache: round robin sends each request to the other engine."""
+    mesh, _ = kv_mesh
+    client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=600)
+    prompt = "Salted. " + long_prompt()
+
+    def cached_tokens(salt: str) -> int:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                          extra_body={"cache_salt": salt})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens("tenant-a") == 0  # stored in the service under tenant-a's salt
+    assert cached_tokens("tenant-b") == 0  # the other engine, another salt: nothing shared
+    cached_tokens("tenant-a")  # back on the first engine, to send the next to the second
+    assert cached_tokens("tenant-a") >= CHUNK_TOKENS  # the other engine, the same salt
