@@ -291,6 +291,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     reasoning_effort: RequestedEffort | None = None
     thinking: bool | dict[str, Any] | None = None
+    # vLLM's: false leaves the reasoning out of the answer, and the logprobs, which would show it.
+    include_reasoning: bool = True
     prompt_cache_key: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

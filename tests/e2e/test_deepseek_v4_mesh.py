@@ -271,3 +271,22 @@ def test_a_constraint_the_script_breaks_after_the_reasoning_takes_the_output_off
     message = reply.choices[0].message
     assert message.model_extra.get("reasoning_content") == REASONING
     assert (message.content or "").startswith("{")
+
+
+def test_include_reasoning_false_leaves_the_reasoning_and_its_tokens_out(client: openai.OpenAI) -> None:
+    """vLLM's `include_reasoning: false`: the answer and the call as before, without the
+    reasoning, and without the logprobs, whose tokens would spell it out."""
+    ask = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "temperature": 0, "max_tokens": 400,
+           "logprobs": True, "extra_body": {"include_reasoning": False}}
+    reply = client.chat.completions.create(**ask)
+    message = reply.choices[0].message
+    assert message.model_extra.get("reasoning_content") is None
+    assert message.model_extra.get("reasoning") is None
+    assert message.content.strip() == CONTENT
+    assert json.loads(message.tool_calls[0].function.arguments) == EXPECTED_ARGUMENTS
+    assert reply.choices[0].logprobs is None
+    assert reply.usage.completion_tokens_details.reasoning_tokens > 0
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == CONTENT

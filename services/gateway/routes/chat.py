@@ -170,9 +170,16 @@ class _ChatCompletion:
         self.role = body.response_role
         self.echoed_content = body.echoed_content
         self.shows_token_ids = body.return_tokens_as_token_ids
+        self.includes_reasoning = body.include_reasoning
         # OpenAI's rule, which vLLM follows: calls the model chose ("auto") or had to make
         # ("required") end with "tool_calls", the call the request named ends with "stop".
         self.names_its_tool_call = isinstance(body.tool_choice, Mapping)
+
+    def _shows_tokens(self, index: int) -> bool:
+        """Whether the choice's tokens may show in its logprobs: not where they would show the
+        reasoning that `include_reasoning: false` leaves out (vLLM drops them wherever a parser
+        reads the output)."""
+        return self.includes_reasoning or self.parsers[index] is None
 
     def _finish_reason(self, index: int, finish_reason: str | None) -> str | None:
         parser = self.parsers[index]
@@ -200,12 +207,15 @@ class _ChatCompletion:
             async with aclosing(self.generation.deltas()) as deltas:
                 async for delta in deltas:
                     message = parse_choice_delta(self.parsers[delta.index], delta)
-                    if message.is_empty and not delta.logprobs and delta.finish_reason is None:
+                    logprobs = delta.logprobs if self._shows_tokens(delta.index) else []
+                    if not self.includes_reasoning:
+                        message.reasoning_content = None
+                    if message.is_empty and not logprobs and delta.finish_reason is None:
                         continue
                     chunk = self._chunk([{
                         "index": delta.index, "delta": message.to_dict(),
-                        "logprobs": (_chat_logprobs(delta.logprobs, self.shows_token_ids)
-                                     if delta.logprobs else None),
+                        "logprobs": (_chat_logprobs(logprobs, self.shows_token_ids)
+                                     if logprobs else None),
                         "finish_reason": self._finish_reason(delta.index, delta.finish_reason),
                         "stop_reason": delta.stop_reason}])
                     if continuous_usage:
@@ -226,14 +236,18 @@ class _ChatCompletion:
             else:
                 parser.feed(choice.text)
                 parser.finish(model_stopped=choice.finish_reason == "stop")
-                message = parser.message().to_dict() | {"role": self.role}
+                answer = parser.message()
+                if not self.includes_reasoning:
+                    answer.reasoning_content = None
+                message = answer.to_dict() | {"role": self.role}
             if self.echoed_content:
                 message["content"] = self.echoed_content + (message.get("content") or "")
             choices.append({"index": index, "message": message,
                             "finish_reason": self._finish_reason(index, choice.finish_reason),
                             "stop_reason": choice.stop_reason,
                             "logprobs": (_chat_logprobs(choice.logprobs, self.shows_token_ids)
-                                         if choice.logprobs else None)})
+                                         if choice.logprobs and self._shows_tokens(index)
+                                         else None)})
         response = {"id": self.id, "object": "chat.completion", "created": self.created,
                     "model": self.model_name, "choices": choices,
                     "usage": usage_dict(self.generation.usage)}
