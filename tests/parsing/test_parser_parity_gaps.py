@@ -1,6 +1,7 @@
 """Where our parsers met vLLM 0.32's on review: calls the model ended without their closing tag,
-parameters the schema does not type, and Python-style type names (`test_vllm_parser_parity`
-compares these outputs with vLLM's own parsers)."""
+parameters the schema does not type, Python-style type names, tool markup inside the reasoning
+and two reasoning blocks (`test_vllm_parser_parity` compares these outputs with vLLM's own
+parsers)."""
 
 from __future__ import annotations
 
@@ -300,3 +301,103 @@ def test_python_style_type_names_type_the_values(family: str) -> None:
     message = parse_every_way(text, **_options(family, _PYTHON_TYPED_TOOL))
 
     assert arguments_of(message) == [("note", _PYTHON_TYPED_ARGUMENTS)]
+
+
+# Gap 4: tool markup inside the reasoning. Only the wrapper the templates put around calls
+# (`<tool_call>`, the DSML block) ends the reasoning, as in vLLM's grammars; a bare call or a
+# closing tag there is the reasoning's own text (the model planning a call, or thinking about
+# the format), which vLLM keeps as reasoning.
+
+_QWEN_CALL = "<function=write>\n<parameter=n>\n3\n</parameter>\n</function>"
+_GLM_CALL = "write<arg_key>n</arg_key><arg_value>3</arg_value>"
+_DSML_INVOKE = f'<{DSML}invoke name="write">\n{_P} name="n" string="false">3{_PE}\n</{DSML}invoke>'
+
+REASONING_ABOUT_MARKUP: dict[str, list[str]] = {
+    "deepseek_v4": [
+        f"I could send {_DSML_INVOKE} but first check.",
+        f"Calls close with </{DSML}invoke>, the block with </{DSML}tool_calls>.",
+    ],
+    "glm47": ["Calls close with </tool_call>, keys with </arg_key>."],
+    "qwen3_xml": [
+        f"I could send {_QWEN_CALL} but first check.",
+        "Calls close with </function>, then </tool_call>.",
+    ],
+}
+CALLS_FROM_THE_REASONING: dict[str, str] = {
+    "deepseek_v4": f"Need it.\n\n<{DSML}tool_calls>\n{_DSML_INVOKE}\n</{DSML}tool_calls>",
+    "glm47": f"Need it.<tool_call>{_GLM_CALL}</tool_call>",
+    "qwen3_xml": f"Need it.\n<tool_call>\n{_QWEN_CALL}\n</tool_call>",
+}
+
+
+def _reasoning_about_markup_cases() -> list[tuple[str, str]]:
+    return [(family, text) for family, texts in REASONING_ABOUT_MARKUP.items() for text in texts]
+
+
+@pytest.mark.parametrize(("family", "reasoning"), _reasoning_about_markup_cases())
+@pytest.mark.parametrize("thinking", [True, False])
+def test_tool_markup_the_reasoning_writes_stays_in_the_reasoning(
+    family: str, reasoning: str, thinking: bool
+) -> None:
+    # A bare `<function=...>` (or DSML invoke) started a call: the reasoning was cut at it, the
+    # answer lost and the call sent; a closing tag was dropped from the reasoning's text.
+    opening = "" if thinking else "<think>"
+    text = f"{opening}{reasoning}</think>\n\nAnswer."
+    message = parse_every_way(text, **_options(family, WRITE_TOOL) | {"thinking": thinking})
+
+    assert (message.reasoning_content, message.content) == (reasoning, "Answer.")
+    assert message.tool_calls == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_tool_call_wrapper_still_ends_the_reasoning(family: str) -> None:
+    message = parse_every_way(CALLS_FROM_THE_REASONING[family], **_options(family, WRITE_TOOL))
+
+    assert (message.reasoning_content, message.content) == ("Need it.", None)
+    assert arguments_of(message) == [("write", {"n": 3})]
+
+
+# Gap 5: two reasoning blocks with only whitespace between them (the model closed its reasoning
+# and opened another). Their texts were joined with nothing between ("ab"); they are one
+# reasoning, a paragraph apart. vLLM joins them as written (glm45, deepseek_v4) or makes the
+# second block content, `<think>` tag included (qwen3).
+
+TWO_REASONING_BLOCKS: list[tuple[str, bool]] = [
+    ("<think>a</think>\n\n<think>b</think>answer", False),
+    ("<think>a</think>\n\n<think>b</think>answer", True),
+    ("a</think>\n<think>b</think>answer", True),
+    ("a</think><think>b</think>answer", True),
+    ("<think>\na\n</think>\n\n<think>\nb\n</think>\n\nanswer", False),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("text", "thinking"), TWO_REASONING_BLOCKS)
+def test_two_reasoning_blocks_are_two_paragraphs_of_the_reasoning(
+    family: str, text: str, thinking: bool
+) -> None:
+    message = parse_every_way(text, **_options(family, WRITE_TOOL) | {"thinking": thinking})
+
+    assert (message.reasoning_content, message.content) == ("a\n\nb", "answer")
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning"),
+    [
+        ("<think></think>\n<think>b</think>answer", "b"),
+        ("<think>a</think>\n<think>\n</think>answer", "a"),
+        ("<think>a</think>\n<think></think>\n<think>b</think>answer", "a\n\nb"),
+    ],
+)
+def test_an_empty_reasoning_block_adds_no_separator(text: str, reasoning: str) -> None:
+    message = parse_every_way(text, **_options("qwen3_xml", WRITE_TOOL) | {"thinking": False})
+
+    assert (message.reasoning_content, message.content) == (reasoning, "answer")
+
+
+def test_a_reasoning_block_after_a_tool_call_wrapper_in_the_reasoning_is_not_opened() -> None:
+    # After the calls nothing is parsed but calls: a `<think>` there is no second block.
+    text = CALLS_FROM_THE_REASONING["glm47"] + "<think>b</think>"
+    message = parse_every_way(text, **_options("glm47", WRITE_TOOL))
+
+    assert (message.reasoning_content, message.content) == ("Need it.", None)

@@ -28,6 +28,8 @@ from tests.parsing.model_outputs import (
 from tests.parsing.streaming_harness import stream
 from tests.parsing.test_parser_parity_gaps import (
     CALLS_CUT_INSIDE_AN_ARGUMENT,
+    CALLS_FROM_THE_REASONING,
+    REASONING_ABOUT_MARKUP,
     UNCLOSED_CALLS,
     WRITE_TOOL,
     render_note_call,
@@ -92,23 +94,27 @@ def _comparable(message: AssistantMessage) -> Comparable:
     )
 
 
-def _vllm_streamed_calls(
-    family: str, text: str, tools: list[dict[str, Any]]
-) -> list[tuple[str, Any]]:
-    """The calls a client accumulates from vLLM's stream of `text`, fed a character at a time."""
+def _vllm_streamed(family: str, text: str, tools: list[dict[str, Any]]) -> Comparable:
+    """What a client accumulates from vLLM's stream of `text`, fed a character at a time."""
     parser, request = _vllm_parser(family, tools)
+    reasoning, content = "", ""
     names: dict[int, str] = {}
     arguments: dict[int, str] = {}
     for position, character in enumerate(text):
         delta = parser.parse_delta(
             character, [], request, finished=position == len(text) - 1
         )
-        for entry in (delta.tool_calls or []) if delta else []:
+        if delta is None:
+            continue
+        reasoning += delta.reasoning or ""
+        content += delta.content or ""
+        for entry in delta.tool_calls or []:
             names[entry.index] = names.get(entry.index, "") + (entry.function.name or "")
             arguments[entry.index] = arguments.get(entry.index, "") + (
                 entry.function.arguments or ""
             )
-    return [(names[index], json.loads(arguments[index])) for index in sorted(names)]
+    calls = [(names[index], json.loads(arguments[index])) for index in sorted(names)]
+    return reasoning.strip(), content.strip(), calls
 
 
 def _ours(
@@ -247,7 +253,7 @@ def test_same_calls_as_vllm_when_the_model_stops_before_a_closing_tag(family: st
             thinking=True,
         )
         streamed_calls = [(call.name, json.loads(call.arguments)) for call in streamed.tool_calls]
-        assert streamed_calls == _vllm_streamed_calls(family, text, WRITE_TOOL), text
+        assert streamed_calls == _vllm_streamed(family, text, WRITE_TOOL)[2], text
 
 
 @pytest.mark.parametrize("family", sorted(vllm_parsers))
@@ -258,3 +264,52 @@ def test_unlike_vllm_a_call_cut_inside_an_argument_is_not_sent(family: str) -> N
         [(name, arguments)] = _vllm_parse(family, text, WRITE_TOOL)[2]
         assert name == "write" and len(arguments) < 2, text  # the cut argument left out
         assert _ours(family, text, WRITE_TOOL, model_stopped=True).tool_calls == [], text
+
+
+@pytest.mark.parametrize("family", sorted(vllm_parsers))
+def test_tool_markup_inside_the_reasoning_as_vllm_reads_it(family: str) -> None:
+    # Only the wrapper of the calls ends the reasoning; other markup is the reasoning's text.
+    texts = [
+        *(f"{reasoning}</think>\n\nAnswer." for reasoning in REASONING_ABOUT_MARKUP[family]),
+        CALLS_FROM_THE_REASONING[family],
+    ]
+    for text in texts:
+        expected = _vllm_parse(family, text, WRITE_TOOL)
+        assert _comparable(_ours(family, text, WRITE_TOOL)) == expected, text
+        assert _vllm_streamed(family, text, WRITE_TOOL) == expected, text
+        _, streamed = stream(
+            list(text),
+            tool_call_parser=family,
+            reasoning_parser=REASONING_PARSER_OF[family],
+            tools=WRITE_TOOL,
+            thinking=True,
+        )
+        assert _comparable(streamed) == expected, text
+
+
+# The template's form: a newline on each side of each block's text.
+_TWO_BLOCKS_ON_THEIR_OWN_LINES = (
+    "<think>\nPlan.\n</think>\n\n<think>\nMore plan.\n</think>\n\nAnswer."
+)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm47"])
+def test_two_reasoning_blocks_on_their_own_lines_as_vllm_joins_them(family: str) -> None:
+    # vLLM's whole parse keeps the blocks' newlines: a paragraph between them. (Its stream
+    # strips the first block's trailing newline: "Plan.\nMore plan.")
+    expected = _vllm_parse(family, _TWO_BLOCKS_ON_THEIR_OWN_LINES, [])
+    assert expected == ("Plan.\n\nMore plan.", "Answer.", [])
+    assert _comparable(_ours(family, _TWO_BLOCKS_ON_THEIR_OWN_LINES, [])) == expected
+
+
+@pytest.mark.parametrize("family", sorted(vllm_parsers))
+def test_unlike_vllm_two_reasoning_blocks_are_always_a_paragraph_apart(family: str) -> None:
+    # vLLM joins blocks written without newlines into one word ("ab"), or, in qwen3, makes the
+    # second block content, its `<think>` tag included; ours keeps both as reasoning, apart.
+    text = "a</think>\n\n<think>b</think>answer"
+    vllm_reasoning, vllm_content, _ = _vllm_parse(family, text, [])
+    if family == "qwen3_xml":
+        assert (vllm_reasoning, vllm_content) == ("a", "<think>banswer")
+    else:
+        assert (vllm_reasoning, vllm_content) == ("ab", "answer")
+    assert _comparable(_ours(family, text, [])) == ("a\n\nb", "answer", [])

@@ -15,7 +15,8 @@ The attribute is sometimes missing (then it is read as `string="false"`, as vLLM
 when it parses, else text), the block tag is
 sometimes spelt `<｜DSML｜toolcalls>` or `<｜DSML｜tool>`, and an `invoke` sometimes comes without
 the block or without its closing tag (before `</｜DSML｜tool_calls>` or the next `invoke`); all are
-accepted.
+accepted, but inside the reasoning only the block starts calls (a bare `invoke` there is the
+reasoning's text, as vLLM reads it).
 In the prompt the assistant turn is `reasoning</think>content` + `\\n\\n` + block + EOS, so the
 block ends the turn.
 """
@@ -63,15 +64,18 @@ def parse_invoke(text: str) -> ParsedCall | None:
     return ParsedCall(name=head.group(1).strip(), arguments=arguments)
 
 
+_BLOCK_STARTS = (BLOCK_START, f"<{_DSML}toolcalls>", f"<{_DSML}tool>")
+
 DSML_FORMAT = ToolCallFormat(
     name="deepseek_v4",
     call_starts=(INVOKE_START,),
     call_ends=(INVOKE_END, BLOCK_END),
     parse_call=parse_invoke,
-    block_starts=(BLOCK_START, f"<{_DSML}toolcalls>", f"<{_DSML}tool>"),
+    block_starts=_BLOCK_STARTS,
     block_ends=(BLOCK_END,),
     terminators=(END_OF_SENTENCE, USER_TURN),
     call_restarts=(INVOKE_START,),
     value_starts=(PARAMETER_START,),
     value_ends=(PARAMETER_END,),
+    starts_ending_reasoning=_BLOCK_STARTS,
 )

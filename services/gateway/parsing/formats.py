@@ -43,6 +43,10 @@ class ToolCallFormat:
     off mid-argument, one that ends between them may lack only the call's closing tag. Inside an
     open value the closing tags in `call_ends_outside_values` are the value's own text (a file the
     model writes may quote them), while the other `call_ends` still end the call.
+    `starts_ending_reasoning` are the opening markers that, met inside the reasoning, end it and
+    begin the calls: the wrapper the template writes around calls. Any other tool-call markup
+    there is the reasoning's own text (the model planning a call, or thinking about the format),
+    as vLLM's grammars read it.
     """
 
     name: str
@@ -57,6 +61,7 @@ class ToolCallFormat:
     value_starts: tuple[str, ...] = ()
     value_ends: tuple[str, ...] = ()
     call_ends_outside_values: tuple[str, ...] = ()
+    starts_ending_reasoning: tuple[str, ...] = ()
 
     @property
     def stray_markup(self) -> tuple[str, ...]:

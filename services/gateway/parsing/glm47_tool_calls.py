@@ -69,4 +69,5 @@ GLM47_FORMAT = ToolCallFormat(
     drops_undeclared_tools=True,
     value_starts=(_KEY_START,),
     value_ends=(_VALUE_END,),
+    starts_ending_reasoning=(CALL_START,),
 )

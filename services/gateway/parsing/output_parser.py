@@ -10,7 +10,10 @@ Rules that hold for every format:
 - Markup never reaches `content` or `reasoning_content`: recognised tags are consumed, stray
   closing tags are dropped, and a marker cut off by the end of the output is dropped. Once the
   answer has begun, though, a stray closing tag or a `<think>` is the answer's own text (it may
-  explain these very tags), as vLLM keeps it.
+  explain these very tags), as vLLM keeps it. Inside the reasoning, the tags that end it are
+  `</think>`, a terminator and the wrapper the template writes around tool calls
+  (`starts_ending_reasoning`); any other tool-call markup there (a bare `<function=...>`, a
+  closing tag) is the reasoning's own text, as in vLLM's grammars.
 - A tool call is released only once its closing tag has arrived: its first delta carries index,
   id, type and name, the next its complete arguments (a JSON object, values typed by the tool
   schema). A call the model itself ended without its closing tag (the output stopped, or a
@@ -23,7 +26,8 @@ Rules that hold for every format:
   any there.
 - Leading and trailing whitespace of each reasoning or content stretch is dropped (the
   templates put newlines around the tags); whitespace inside is kept, held back until
-  non-whitespace text follows it.
+  non-whitespace text follows it. A second reasoning block (only whitespace since the first
+  closed) continues the reasoning after a blank line.
 - After a terminator (the family's end-of-turn special token) everything is ignored.
 """
 
@@ -69,6 +73,10 @@ class _Action(Enum):
     END_TURN = auto()
 
 
+# Between the texts of two reasoning blocks, which would otherwise run into one word.
+_REASONING_BLOCK_SEPARATOR = "\n\n"
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -88,6 +96,11 @@ def _marker_table(
         **dict.fromkeys(tools.block_starts if tools else (), _Action.OPEN_BLOCK),
         **dict.fromkeys(tools.call_starts if tools else (), _Action.OPEN_CALL),
     }
+    opens_tools_from_reasoning = {
+        marker: action
+        for marker, action in opens_tools.items()
+        if marker in (tools.starts_ending_reasoning if tools else ())
+    }
     reasoning_tags = (
         {reasoning.start: _Action.OPEN_REASONING, reasoning.end: _Action.DROP} if reasoning else {}
     )
@@ -97,13 +110,12 @@ def _marker_table(
     return {
         _Mode.CONTENT: {**strays, **reasoning_tags, **opens_tools, **ends_turn},
         _Mode.REASONING: {
-            **strays,
             **(
                 {reasoning.start: _Action.DROP, reasoning.end: _Action.CLOSE_REASONING}
                 if reasoning
                 else {}
             ),
-            **opens_tools,
+            **opens_tools_from_reasoning,
             **ends_turn,
         },
         _Mode.BETWEEN_CALLS: {
@@ -277,6 +289,10 @@ class ChatOutputParser:
         self._is_segment_start = True
         if action is _Action.OPEN_REASONING:
             self._mode = _Mode.REASONING
+            if self._reasoning_parts:
+                # A second block: its text goes on the reasoning a paragraph below the first's,
+                # once some comes (an empty block adds nothing).
+                self._pending_space = [_REASONING_BLOCK_SEPARATOR]
         elif action is _Action.CLOSE_REASONING:
             self._mode = _Mode.CONTENT
         elif action is _Action.OPEN_BLOCK:

@@ -20,7 +20,8 @@ deviations seen from these models: `<function=...>` without `<tool_call>`, a mis
 `</function>` or `</tool_call>`, and the older Hermes form
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Inside a parameter value only
 `</function>` ends the call: a `</tool_call>` there is the value's text (an agent writing a file
-about this very format), as in vLLM's qwen3 parser.
+about this very format), as in vLLM's qwen3 parser. Inside the reasoning only `<tool_call>` starts
+a call; a bare `<function=...>` there is the reasoning's text, as vLLM reads it.
 """
 
 from __future__ import annotations
@@ -103,4 +104,5 @@ QWEN3_XML_FORMAT = ToolCallFormat(
     value_starts=(PARAMETER_START,),
     value_ends=(PARAMETER_END,),
     call_ends_outside_values=(CALL_END,),
+    starts_ending_reasoning=(CALL_START,),
 )

@@ -8,10 +8,13 @@ All three families use the same tags; they differ in who writes `<think>`:
 So the parser starts in the reasoning when the prompt ended with `<think>` (`thinking=True`),
 and a `<think>` written by the model opens the reasoning in either case, as long as no content
 came before it (after content it is the answer's own text, say about these very tags; vLLM's
-qwen3 parser keeps it too). A `</think>` with no open reasoning (the model closing a block the
-prompt opened, or a chat-mode slip) is dropped; a duplicate `<think>` inside the reasoning is
-dropped; a tool call that starts inside the reasoning ends it. The terminators are each
-family's end-of-turn special tokens.
+qwen3 parser keeps it too). A second block after the first (only whitespace between) continues
+the reasoning after a blank line, where vLLM runs the two texts together (glm45, deepseek_v4) or
+makes the second block content, tag included (qwen3). A `</think>` with no open reasoning (the
+model closing a block the prompt opened, or a chat-mode slip) is dropped; a duplicate `<think>`
+inside the reasoning is dropped; the wrapper of tool calls (`<tool_call>`, the DSML block)
+starting inside the reasoning ends it, while other tool markup there is the reasoning's text,
+as in vLLM. The terminators are each family's end-of-turn special tokens.
 """
 
 from __future__ import annotations
