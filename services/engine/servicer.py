@@ -13,14 +13,11 @@ from backport.v1 import common_pb2, engine_pb2_grpc
 from backport.v1 import engine_pb2 as pb
 from services.engine.kv_events import KvEventCollector, WatchEnded, block_hash_u64
 from services.engine.metrics import EngineMetrics
-from services.engine.vllm_engine import (ChoiceUpdate, InvalidConstraintError, InvalidRequestError,
+from services.engine.vllm_engine import (ChoiceUpdate, InvalidRequestError,
                                          OutputConstraint, RequestFailedError, SamplingRequest,
                                          TokenLogprob, VllmEngine)
 
 logger = logging.getLogger(__name__)
-
-# GenerateError.field of an output constraint the engine cannot compile.
-STRUCTURED_OUTPUT_FIELD = "sampling.structured_output"
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -71,8 +68,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     yield _complete(update)
         except InvalidRequestError as error:
             settle("invalid")
-            yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error),
-                         field=STRUCTURED_OUTPUT_FIELD if isinstance(error, InvalidConstraintError) else "")
+            yield _error(common_pb2.ERROR_CODE_INVALID_ARGUMENT, str(error), field=error.field)
         except RequestFailedError as error:
             settle("failed")
             # The engine core has logged the cause with its traceback.
@@ -159,7 +155,8 @@ def sampling_request_from_proto(p: pb.SamplingParams) -> SamplingRequest:
         repetition_penalty=opt("repetition_penalty"), logit_bias=dict(p.logit_bias),
         constraint=_constraint_from_proto(p.structured_output),
         # Empty is unset: vLLM refuses an empty list, and the gateway before it.
-        allowed_token_ids=list(p.allowed_token_ids) or None, bad_words=list(p.bad_words))
+        allowed_token_ids=list(p.allowed_token_ids) or None, bad_words=list(p.bad_words),
+        thinking_token_budget=opt("thinking_token_budget"))
 
 
 def _constraint_from_proto(p: pb.StructuredOutput) -> OutputConstraint | None:

@@ -53,11 +53,19 @@ CONSTRAINT_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object cons
 
 
 class InvalidRequestError(ValueError):
-    """The request cannot be served as given; the message is safe to show the client."""
+    """The request cannot be served as given; the message is safe to show the client. `field`
+    is the GenerateRequest field at fault, as a path, where it is known."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class InvalidConstraintError(InvalidRequestError):
     """The request's output constraint is what cannot be served."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="sampling.structured_output")
 
 
 class RequestFailedError(RuntimeError):
@@ -92,6 +100,8 @@ class SamplingRequest:
     allowed_token_ids: list[int] | None = None
     # Words never generated, tokenized by vLLM.
     bad_words: list[str] = field(default_factory=list)
+    # Set: the reasoning is ended for the model after this many tokens.
+    thinking_token_budget: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +437,11 @@ class VllmEngine:
             ("min_p", s.min_p), ("repetition_penalty", s.repetition_penalty)) if value is not None}
         defaults = {k: v for k, v in self._defaults.items()
                     if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        if s.thinking_token_budget is not None and not self.settings.reasoning_parser:
+            raise InvalidRequestError(
+                "thinking_token_budget needs the engine's reasoning parser, which sees where the "
+                "reasoning starts and ends (`backport engine --reasoning-parser`)",
+                field="sampling.thinking_token_budget")
         try:
             return SamplingParams(
                 **(defaults | chosen), n=s.n, seed=s.seed,
@@ -436,6 +451,7 @@ class VllmEngine:
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 logit_bias=_bounded_logit_bias(s.logit_bias) or None,
                 allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words or None,
+                thinking_token_budget=s.thinking_token_budget,
                 structured_outputs=s.constraint.params() if s.constraint is not None else None,
                 # Detokenization and stop strings belong to the tokenizer service and gateway.
                 detokenize=False, output_kind=RequestOutputKind.DELTA)

@@ -30,6 +30,7 @@ MIN_LOGPROB = -9999.0
 
 # The engine's GenerateError.field for an output constraint it cannot compile.
 ENGINE_CONSTRAINT_FIELD = "sampling.structured_output"
+ENGINE_SAMPLING_PREFIX = "sampling."
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -410,6 +411,10 @@ def _request_error(error: pb.GenerateError, constraint_param: str | None) -> Exc
         if error.field == ENGINE_CONSTRAINT_FIELD and constraint_param is not None:
             # The client wrote the field that asked for the constraint, not the engine's.
             return InvalidRequestError(f"{constraint_param}: {error.message}", param=constraint_param)
+        if error.field.startswith(ENGINE_SAMPLING_PREFIX):
+            # The engine's other sampling fields bear the names of the request's.
+            return InvalidRequestError(error.message,
+                                       param=error.field.removeprefix(ENGINE_SAMPLING_PREFIX))
         return InvalidRequestError(error.message)
     if error.code == common_pb2.ERROR_CODE_UNAVAILABLE:
         return ServiceUnavailableError(error.message)

@@ -147,6 +147,8 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, reque
         sampling.logprobs = num_logprobs
     if body.num_prompt_logprobs is not None:
         sampling.prompt_logprobs = body.num_prompt_logprobs
+    if body.thinking_token_budget not in (None, -1):
+        sampling.thinking_token_budget = body.thinking_token_budget
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint.engine_form)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,

@@ -145,13 +145,11 @@ class SamplingFields(BaseModel):
 
     # vLLM's fields that change its output and that are not served here, each with the values
     # that ask for nothing (which pass): ignored, they would answer another request than the
-    # one sent: beam search, logprobs of named tokens, a reasoning budget (vLLM's own server
-    # refuses it without a reasoning parser), repetition detection, and the arguments of
-    # custom logits processors.
+    # one sent: beam search, logprobs of named tokens, repetition detection, and the arguments
+    # of custom logits processors.
     unserved_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (None, False), "logprob_token_ids": (None, []),
-        "thinking_token_budget": (None,), "repetition_detection": (None,),
-        "vllm_xargs": (None, {})}
+        "repetition_detection": (None,), "vllm_xargs": (None, {})}
 
     @model_validator(mode="before")
     @classmethod
@@ -204,6 +202,9 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     # vLLM's: the prompt's cached KV is shared only with requests of the same salt.
     cache_salt: CacheSalt | None = None
+    # vLLM's: the model reasons for at most this many tokens (-1: no limit); a whole number,
+    # as vLLM takes it.
+    thinking_token_budget: Annotated[int, Field(strict=True, ge=-1, le=MAX_UINT32)] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -290,3 +290,17 @@ def test_include_reasoning_false_leaves_the_reasoning_and_its_tokens_out(client:
     assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
     assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == CONTENT
+
+
+def test_a_thinking_token_budget_ends_the_reasoning_for_the_model(
+        client: openai.OpenAI, model_folder: Path) -> None:
+    """vLLM's `thinking_token_budget`, kept by the engine's reasoning parser: after 3 tokens of
+    reasoning the engine writes `</think>` for the model (the script would have gone on)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    first_tokens = tokenizer.decode(tokenizer.encode(REASONING, add_special_tokens=False)[:3])
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                           max_tokens=60, extra_body={"thinking_token_budget": 3})
+    assert reply.choices[0].message.model_extra.get("reasoning_content") == first_tokens.strip()
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 3
