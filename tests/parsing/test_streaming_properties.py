@@ -146,32 +146,41 @@ def test_any_split_gives_the_rendered_message(
         assert_openai_delta_shape(deltas)
 
 
-@PROPERTY_SETTINGS
-@given(
+# An output cut after `cut` characters, streamed in pieces cut at `cuts`.
+_OUTPUTS_CUT_ANYWHERE = given(
     family=st.sampled_from(FAMILIES),
     expected=_messages(),
     think_style=st.sampled_from(THINK_STYLES),
     cut=st.integers(min_value=0, max_value=2000),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8),
 )
+
+
+@PROPERTY_SETTINGS
+@_OUTPUTS_CUT_ANYWHERE
 def test_output_cut_anywhere_gives_a_prefix_and_only_whole_calls(
     family: str, expected: ExpectedMessage, think_style: str, cut: int, cuts: list[int]
 ) -> None:
     expected = _fit_to_style(expected, think_style)
-    text = render_output(family, expected, think_style=think_style)[:cut]
-    tools = tools_for(expected.calls)
-
-    whole = parse_output(
-        text, make_call_id=sequential_ids(), **_options(family, tools, think_style)
-    )
-    deltas, streamed = stream(split_at(text, cuts), **_options(family, tools, think_style))
-    assert streamed == whole
-    assert_openai_delta_shape(deltas)
-    _assert_no_markup(whole)
-    got = _as_expected(whole)
+    got = _as_expected(_parsed_cut(family, expected, think_style, cut, cuts, model_stopped=False))
     assert (expected.reasoning or "").startswith(got.reasoning or "")
     assert (expected.content or "").startswith(got.content or "")
     assert got.calls == expected.calls[: len(got.calls)]
+
+
+def _parsed_cut(family: str, expected: ExpectedMessage, think_style: str, cut: int,
+                cuts: list[int], *, model_stopped: bool) -> AssistantMessage:
+    """The message of the output cut after `cut` characters, parsed whole and streamed in
+    pieces cut at `cuts`; both ways must agree, in OpenAI's delta shape, with no markup."""
+    text = render_output(family, expected, think_style=think_style)[:cut]
+    options = _options(family, tools_for(expected.calls), think_style)
+    whole = parse_output(text, make_call_id=sequential_ids(), model_stopped=model_stopped,
+                         **options)
+    deltas, streamed = stream(split_at(text, cuts), model_stopped=model_stopped, **options)
+    assert streamed == whole
+    assert_openai_delta_shape(deltas)
+    _assert_no_markup(whole)
+    return whole
 
 
 def _is_argument_prefix(got: ExpectedCall, expected: ExpectedCall) -> bool:
@@ -181,35 +190,15 @@ def _is_argument_prefix(got: ExpectedCall, expected: ExpectedCall) -> bool:
 
 
 @PROPERTY_SETTINGS
-@given(
-    family=st.sampled_from(FAMILIES),
-    expected=_messages(),
-    think_style=st.sampled_from(THINK_STYLES),
-    cut=st.integers(min_value=0, max_value=2000),
-    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8),
-)
+@_OUTPUTS_CUT_ANYWHERE
 def test_output_the_model_stopped_anywhere_gives_whole_calls_and_a_last_one_between_arguments(
     family: str, expected: ExpectedMessage, think_style: str, cut: int, cuts: list[int]
 ) -> None:
     # A stop string can end the output anywhere. A call it ends between two arguments is sent
     # with the arguments written so far; one it ends inside an argument is not.
     expected = _fit_to_style(expected, think_style)
-    text = render_output(family, expected, think_style=think_style)[:cut]
-    tools = tools_for(expected.calls)
-
-    whole = parse_output(
-        text,
-        make_call_id=sequential_ids(),
-        model_stopped=True,
-        **_options(family, tools, think_style),
-    )
-    deltas, streamed = stream(
-        split_at(text, cuts), model_stopped=True, **_options(family, tools, think_style)
-    )
-    assert streamed == whole
-    assert_openai_delta_shape(deltas)
-    _assert_no_markup(whole)
-    got = _as_expected(whole).calls
+    got = _as_expected(_parsed_cut(family, expected, think_style, cut, cuts,
+                                   model_stopped=True)).calls
     if got:
         assert got[:-1] == expected.calls[: len(got) - 1]
         assert _is_argument_prefix(got[-1], expected.calls[len(got) - 1])
