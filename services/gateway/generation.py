@@ -411,7 +411,7 @@ def _request_error(error: pb.GenerateError, constraint_param: str | None) -> Exc
         if error.field == ENGINE_CONSTRAINT_FIELD and constraint_param is not None:
             # The client wrote the field that asked for the constraint, not the engine's.
             return InvalidRequestError(f"{constraint_param}: {error.message}", param=constraint_param)
-        if error.field.startswith(ENGINE_SAMPLING_PREFIX):
+        if error.field.startswith(ENGINE_SAMPLING_PREFIX) and error.field != ENGINE_CONSTRAINT_FIELD:
             # The engine's other sampling fields bear the names of the request's.
             return InvalidRequestError(error.message,
                                        param=error.field.removeprefix(ENGINE_SAMPLING_PREFIX))
