@@ -119,6 +119,16 @@ def test_continue_final_message_with_add_generation_prompt_sent_true_is_400(
     assert httpx.post(f"{root_of(mesh)}{path}", json=body, timeout=60).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_a_chat_template_in_the_request_is_400_on_tokenize_as_on_chat(mesh: RunningMesh, path: str) -> None:
+    """As vLLM: counting with the model's template instead would answer for another prompt than
+    the one asked about (/tokenize ignored it, a 200)."""
+    reply = httpx.post(f"{root_of(mesh)}{path}", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct-bf16", "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "max_tokens": 1})
+    assert openai_error(reply, 400)["param"] == "chat_template"
+
+
 @pytest.mark.parametrize(("path", "content_type"), [
     ("/v1/chat/completions", "text/plain"),
     ("/v1/completions", "application/x-www-form-urlencoded"),  # curl -d without -H

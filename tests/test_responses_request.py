@@ -11,7 +11,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from services.gateway.errors import RequestFieldError
+from services.gateway.errors import InvalidRequestError, RequestFieldError
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.responses import OutputItems
@@ -180,3 +180,55 @@ def test_streamed_events_accumulate_in_the_openai_client_to_the_output_items() -
     assert text_deltas[-1].snapshot == "Calling tools."
     assert fired[-1].type == "response.completed"
     assert [item.model_dump(exclude_none=True) for item in fired[-1].response.output] == output.items
+
+def test_vllms_sampling_fields_reach_the_chat_request() -> None:
+    """vLLM's Responses API takes these as its chat API does; they were silently ignored."""
+    chat = request(stop=["Paris"], seed=7, top_k=20, min_p=0.05, repetition_penalty=1.2,
+                   presence_penalty=0.5, frequency_penalty=0.25, stop_token_ids=[2], ignore_eos=True,
+                   logit_bias={"504": 5}, include_stop_str_in_output=True, skip_special_tokens=False,
+                   include_reasoning=False, chat_template_kwargs={"enable_thinking": False}
+                   ).chat_request()
+    assert (chat.stop, chat.seed, chat.top_k, chat.min_p, chat.repetition_penalty) == (
+        ["Paris"], 7, 20, 0.05, 1.2)
+    assert (chat.presence_penalty, chat.frequency_penalty, chat.stop_token_ids, chat.ignore_eos) == (
+        0.5, 0.25, [2], True)
+    assert chat.logit_bias == {"504": 5} and chat.include_stop_str_in_output is True
+    assert chat.skip_special_tokens is False and chat.include_reasoning is False
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"stop": [""]}, "stop"), ({"top_k": -2}, "top_k"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs")])
+def test_a_bad_vllm_sampling_field_is_refused_by_name(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        request(**fields).chat_request()
+    assert caught.value.param == param
+
+
+def test_a_null_text_or_format_means_plain_text() -> None:
+    """vLLM takes both as unset; they were a 400."""
+    assert request(text=None).chat_request().response_format is None
+    assert request(text={"format": None}).chat_request().response_format is None
+
+
+def test_an_unfinished_last_assistant_message_is_continued_as_vllm_does() -> None:
+    """vLLM's partial completion: the model goes on with the message instead of starting another."""
+    said = [{"role": "user", "content": "Capital of France?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                  "text": "The capital is"}]}]
+    for status in ("incomplete", "in_progress"):
+        said[-1]["status"] = status
+        assert request(input=said).chat_request().continue_final_message is True
+    said[-1]["status"] = "completed"
+    assert request(input=said).chat_request().continue_final_message is False
+    unfinished_user = [{"role": "user", "content": "Capital of", "status": "incomplete"}]
+    assert request(input=unfinished_user).chat_request().continue_final_message is False
+
+
+def test_include_reasoning_false_leaves_the_reasoning_item_out() -> None:
+    """vLLM's `include_reasoning: false` on the Responses API: the answer without its reasoning."""
+    output = OutputItems(includes_reasoning=False)
+    events = output.add(MessageDelta(reasoning_content="Think.", content="Paris."))
+    events += output.close("completed")
+    assert [item["type"] for item in output.items] == ["message"]
+    assert not any(event["type"].startswith("response.reasoning") for event in events)

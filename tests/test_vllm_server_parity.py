@@ -345,6 +345,13 @@ RESPONSES_CASES: dict[str, dict[str, Any]] = {
                                  {"role": "assistant", "content": "Hello!"},
                                  {"role": "user", "content": "Capital of France?"}],
                           max_output_tokens=20),
+    "vLLM's stop field": dict(input="What is the capital of France?", max_output_tokens=30,
+                              extra_body={"stop": ["Paris"]}),
+    "an unfinished assistant message continued": dict(
+        input=[{"role": "user", "content": "Capital of France?"},
+               {"type": "message", "role": "assistant", "status": "incomplete",
+                "content": [{"type": "output_text", "text": "The capital of France is", "annotations": []}]}],
+        max_output_tokens=10),
 }
 
 

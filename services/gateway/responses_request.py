@@ -5,7 +5,9 @@ items become chat messages (`instructions` a system message first), flat functio
 chat tools, `text.format` becomes `response_format`, `reasoning.effort` `reasoning_effort`.
 Conversion follows vLLM's: a `reasoning` item opens an assistant message (its text as the
 message's reasoning), a following assistant message or `function_call` item joins it (text only
-before calls), and a `function_call_output` item is a tool message.
+before calls), and a `function_call_output` item is a tool message. As in vLLM, a last assistant
+message or reasoning item marked `in_progress` or `incomplete` is continued rather than answered,
+and vLLM's sampling fields (`stop`, `seed`, `top_k`, ...) are read as on the chat path.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ _UNMADE_INCLUDES = frozenset({
 
 
 # Fields OpenAI's Responses API lets a client send as null for their default.
-_NULL_MEANS_UNSET = frozenset({"parallel_tool_calls", "stream"})
+_NULL_MEANS_UNSET = frozenset({"parallel_tool_calls", "stream", "text"})
+# vLLM's fields that its Responses API takes as its chat API does: carried onto the chat request,
+# which checks them (`vllm_xargs`, not served, is a 400 there, as on chat).
+_VLLM_CHAT_FIELDS = frozenset({
+    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
+    "include_reasoning", "chat_template_kwargs", "structured_outputs", "vllm_xargs"})
 # Chat request fields an error's message may name besides its param ("cannot be combined with
 # response_format"); `messages` is left out, being an ordinary word too.
 _CHAT_FIELD_WORDS = re.compile(r"\b(?:max_tokens|response_format|reasoning_effort)\b")
@@ -78,10 +86,17 @@ class RefusalPart(_Item):
     refusal: str
 
 
+InputItemStatus = Literal["in_progress", "completed", "incomplete"]
+# The statuses of an item the client marks unfinished (vLLM continues such a last
+# assistant item).
+_UNFINISHED = ("in_progress", "incomplete")
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: list[TextPart | RefusalPart] | str
+    status: InputItemStatus | None = None
 
     def text_content(self) -> str | list[dict[str, str]]:
         if isinstance(self.content, str):
@@ -116,6 +131,7 @@ class ReasoningItem(_Item):
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
+    status: InputItemStatus | None = None
 
     def text(self) -> str:
         # The content is the reasoning itself; the summary stands in for it when absent.
@@ -177,6 +193,12 @@ class TextFormat(_Item):
 class TextConfig(_Item):
     format: TextFormat = Field(default_factory=TextFormat)
 
+    # vLLM takes a null format as none given.
+    @model_validator(mode="before")
+    @classmethod
+    def _null_format_means_text(cls, body: Any) -> Any:
+        return without_nulls(body, {"format"})
+
 
 class ReasoningConfig(_Item):
     effort: RequestedEffort | None = None
@@ -184,10 +206,11 @@ class ReasoningConfig(_Item):
 
 
 class ResponsesRequest(BaseModel):
-    """`POST /v1/responses`; unknown fields are ignored, as on the chat path."""
+    """`POST /v1/responses`; unknown fields are ignored, as on the chat path (kept as extras,
+    where vLLM's sampling fields are read from)."""
 
     # Python's JSON reads NaN, Infinity and 1e999; refused as what they are, not as out of range.
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
 
     model: str
     input: str | list[InputItem]
@@ -315,10 +338,23 @@ class ResponsesRequest(BaseModel):
                 messages.append(message)
         return messages
 
+    def _continues_final_message(self) -> bool:
+        """vLLM's partial completion: the model goes on with a last assistant message or reasoning
+        the client marks unfinished (a response cut short, replayed), instead of answering it."""
+        if isinstance(self.input, str):
+            return False
+        last = self.input[-1]
+        if isinstance(last, MessageItem) and last.role != "assistant":
+            return False
+        return isinstance(last, MessageItem | ReasoningItem) and last.status in _UNFINISHED
+
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion request this response is generated as; errors name our fields."""
         fields: dict[str, Any] = {
+            **{name: value for name, value in (self.model_extra or {}).items()
+               if name in _VLLM_CHAT_FIELDS},
             "model": self.model, "messages": self.chat_messages(), "stream": self.stream,
+            "continue_final_message": self._continues_final_message(),
             "max_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "user": self.user, "prompt_cache_key": self.prompt_cache_key,
             "cache_salt": self.cache_salt, "parallel_tool_calls": self.parallel_tool_calls}

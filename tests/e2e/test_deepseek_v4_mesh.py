@@ -290,6 +290,12 @@ def test_include_reasoning_false_leaves_the_reasoning_and_its_tokens_out(client:
     assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
     assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == CONTENT
+    response = client.responses.create(
+        model=MODEL, input="What's the weather in Paris?", max_output_tokens=400,
+        tools=[{"type": "function", **tool["function"]} for tool in TOOLS],
+        extra_body={"include_reasoning": False})
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
 
 
 def test_a_thinking_token_budget_ends_the_reasoning_for_the_model(

@@ -54,14 +54,14 @@ ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", 
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | EventStreamResponse:
     try:
-        started = await start_chat_generation(body.chat_request(), request,
-                                              request_id=_new_id("resp"))
+        chat = body.chat_request()
+        started = await start_chat_generation(chat, request, request_id=_new_id("resp"))
     except InvalidRequestError as error:
         # The chat path names its own fields; the client wrote ours.
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
         raise type(error)(responses_message(message), param=param) from error
-    response = _Response(body, started)
+    response = _Response(body, started, includes_reasoning=chat.include_reasoning)
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
@@ -78,14 +78,16 @@ class OutputItems:
     response drops them, so both ways of answering build their items the same way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, includes_reasoning: bool = True) -> None:
+        # vLLM's `include_reasoning: false`: the reasoning is generated (and counted), not shown.
+        self.includes_reasoning = includes_reasoning
         self.items: list[dict[str, Any]] = []
         self._open_index: int | None = None  # the item that text or arguments deltas extend
         self._output_index_by_call: dict[int, int] = {}
 
     def add(self, delta: MessageDelta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if delta.reasoning_content:
+        if delta.reasoning_content and self.includes_reasoning:
             events += self._add_text("reasoning", delta.reasoning_content)
         if delta.content:
             events += self._add_text("message", delta.content)
@@ -178,8 +180,10 @@ class OutputItems:
 class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
-    def __init__(self, body: ResponsesRequest, started: StartedChatGeneration) -> None:
+    def __init__(self, body: ResponsesRequest, started: StartedChatGeneration, *,
+                 includes_reasoning: bool) -> None:
         self.id = started.request_id
+        self.includes_reasoning = includes_reasoning
         self.created_at = now()
         self.body = body
         self.model_name = started.model_name
@@ -188,7 +192,7 @@ class _Response:
 
     async def whole(self) -> dict[str, Any]:
         choice = (await self.generation.collect())[0]
-        output = OutputItems()
+        output = OutputItems(includes_reasoning=self.includes_reasoning)
         output.add(parse_choice_delta(self.parser, ChoiceDelta(0, choice.text,
                                                                 finish_reason=choice.finish_reason)))
         status = _status(choice.finish_reason)
@@ -211,7 +215,7 @@ class _Response:
             # The client went before the deltas were read, which leaves the engine call started.
             self.generation.cancel()
             raise
-        output = OutputItems()
+        output = OutputItems(includes_reasoning=self.includes_reasoning)
         finish_reason: str | None = None
         failure: dict[str, Any] | None = None  # the `error` event, when the stream fails
         try:
