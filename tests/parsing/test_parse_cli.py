@@ -109,3 +109,21 @@ def test_bad_options_exit_with_status_2(arguments: list[str]) -> None:
 
     assert result.returncode == 2
     assert result.stderr
+
+
+@pytest.mark.parametrize(("cut_short", "calls"), [([], ["write"]), (["--cut-short"], [])])
+def test_a_call_left_open_is_released_unless_the_output_was_cut_short(
+    tmp_path: Path, cut_short: list[str], calls: list[str]
+) -> None:
+    from tests.parsing.test_parser_parity_gaps import UNCLOSED_CALLS, WRITE_TOOL
+
+    tools = tmp_path / "write.json"
+    tools.write_text(json.dumps(WRITE_TOOL), encoding="utf-8")
+    result = _run_parse(
+        ["--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4",
+         "--tools", str(tools), *cut_short],
+        UNCLOSED_CALLS["deepseek_v4"][0],
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    printed = json.loads(result.stdout)
+    assert [call["function"]["name"] for call in printed.get("tool_calls", [])] == calls
