@@ -9,13 +9,13 @@ import json
 import math
 
 from services.gateway.generation import TokenLogprob, TopLogprob
-from services.gateway.routes.chat import _chat_logprobs
+from services.gateway.routes.chat import chat_logprobs
 
 
 def test_an_infinite_logprob_is_written_as_vllm_writes_it() -> None:
     entries = [TokenLogprob(7042, "Paris", -0.25,
                             [TopLogprob(7042, "Paris", -0.25), TopLogprob(55, "Lyon", -math.inf)])]
-    shaped = json.loads(json.dumps(_chat_logprobs(entries, shows_token_ids=False), allow_nan=False))
+    shaped = json.loads(json.dumps(chat_logprobs(entries, shows_token_ids=False), allow_nan=False))
     [entry] = shaped["content"]
     assert entry["logprob"] == -0.25
     assert [(top["token"], top["logprob"]) for top in entry["top_logprobs"]] == [

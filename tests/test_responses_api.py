@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from services.engine.client import EngineClient
+from tests.cluster.processes import gateway_over
 from tests.conftest import RunningMesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -167,7 +169,9 @@ def test_the_response_and_its_events_validate_as_the_client_types(mesh: RunningM
     ({"conversation": {"id": "conv_123"}}, "conversation", "not stored"),
     ({"background": True}, "background", "nothing is stored"),
     ({"prompt": {"id": "pmpt_123"}}, "prompt", "stored prompts"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "logprobs are not supported"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs",
+     "less than or equal to 20"),
+    ({"top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
     ({"include": ["reasoning.everything"]}, "include", "unknown value 'reasoning.everything'"),
     ({"truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice",
@@ -230,3 +234,99 @@ async def _abort(engine_address: str, request_id: str) -> None:
         await engine.abort(request_id)
     finally:
         await engine.close()
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def text_logprobs(response: Response) -> list[dict[str, Any]]:
+    return [entry.model_dump() for item in response.output if item.type == "message"
+            for part in item.content if part.type == "output_text" for entry in part.logprobs or []]
+
+
+def streamed_logprobs(events: list[ResponseStreamEvent]) -> list[dict[str, Any]]:
+    return [entry.model_dump() for event in events if event.type == "response.output_text.delta"
+            for entry in event.logprobs]
+
+
+def without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output_text part's entries in the stream's shape, which has no `bytes`."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
+
+
+def test_include_of_logprobs_gives_the_output_texts_as_chat_gives_them(client: openai.OpenAI) -> None:
+    """vLLM's Responses logprobs: each token of the output (the EOS that ends it last) with its
+    `top_logprobs` alternatives, the same as chat's for the same prompt; was a 400."""
+    asked: dict[str, Any] = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 24}
+    response = client.responses.create(**asked, include=[LOGPROBS], top_logprobs=2)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          temperature=0, max_tokens=24, logprobs=True, top_logprobs=2)
+    assert response.status == "completed" and response.top_logprobs == 2
+    entries = text_logprobs(response)
+    assert entries == chat.choices[0].logprobs.model_dump()["content"]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in entries)
+    assert "".join(entry["token"] for entry in entries[:-1]) == response.output_text
+
+    events = list(client.responses.create(**asked, include=[LOGPROBS], top_logprobs=2, stream=True))
+    assert streamed_logprobs(events) == without_bytes(entries)
+    assert text_logprobs(events[-1].response) == entries
+    [part_done] = [e for e in events if e.type == "response.content_part.done"]
+    assert [entry.model_dump() for entry in part_done.part.logprobs] == entries
+
+    plain = client.responses.create(**asked, top_logprobs=2)
+    assert text_logprobs(plain) == [] and plain.top_logprobs is None
+    plain_events = list(client.responses.create(**asked, stream=True))
+    assert streamed_logprobs(plain_events) == [] and text_logprobs(plain_events[-1].response) == []
+
+
+def test_a_call_alone_has_no_logprobs_to_show(client: openai.OpenAI) -> None:
+    """As in vLLM: logprobs belong to output text, and a forced call writes none."""
+    asked: dict[str, Any] = {
+        "model": MODEL, "input": "What is the weather in Paris?", "temperature": 0,
+        "max_output_tokens": 48, "tools": [WEATHER_TOOL], "tool_choice": "required",
+        "include": [LOGPROBS], "top_logprobs": 1}
+    response = client.responses.create(**asked)
+    assert [item.type for item in response.output] == ["function_call"]
+    events = list(client.responses.create(**asked, stream=True))
+    assert [item.type for item in events[-1].response.output] == ["function_call"]
+    assert not [e for e in events if e.type.startswith("response.output_text")]
+
+
+# A reasoning block the output opens itself, which a gateway with a reasoning parser reads as
+# reasoning: the embedded model has no reasoning of its own.
+REASONED = {"structured_outputs": {"regex": "<think>[a-z]{2,8}</think>Paris[.]"}}
+
+
+@pytest.fixture(scope="module")
+def reasoning_gateway(mesh: RunningMesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    with gateway_over(mesh, tmp_path_factory.mktemp("reasoning-gateway"),
+                      "--reasoning-parser", "qwen3") as base_url:
+        yield openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_reasoning_tokens_logprobs_show_as_vllm_shows_them(reasoning_gateway: openai.OpenAI) -> None:
+    """vLLM's: a whole response lists every token of the output on its message's text, the
+    reasoning's too; a stream gives each text delta the tokens that wrote it, so its reasoning
+    shows none. With `include_reasoning: false` neither shows any, as they would spell it out."""
+    asked: dict[str, Any] = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 24,
+                             "include": [LOGPROBS], "extra_body": REASONED}
+    response = reasoning_gateway.responses.create(**asked)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output_text == "Paris."
+    reasoning = response.output[0].content[0].text
+    tokens = "".join(entry["token"] for entry in text_logprobs(response))
+    assert tokens.startswith(f"<think>{reasoning}</think>Paris.")
+
+    events = list(reasoning_gateway.responses.create(**asked, stream=True))
+    streamed = "".join(entry["token"] for entry in streamed_logprobs(events))
+    assert tokens.endswith(streamed) and "Paris." in streamed
+    assert tokens.removesuffix(streamed).startswith(f"<think>{reasoning}")
+    assert "".join(e["token"] for e in text_logprobs(events[-1].response)) == streamed
+
+    hidden = {**asked, "extra_body": REASONED | {"include_reasoning": False}}
+    response = reasoning_gateway.responses.create(**hidden)
+    assert response.output_text == "Paris." and text_logprobs(response) == []
+    events = list(reasoning_gateway.responses.create(**hidden, stream=True))
+    assert streamed_logprobs(events) == [] and text_logprobs(events[-1].response) == []

@@ -232,3 +232,64 @@ def test_include_reasoning_false_leaves_the_reasoning_item_out() -> None:
     events += output.close("completed")
     assert [item["type"] for item in output.items] == ["message"]
     assert not any(event["type"].startswith("response.reasoning") for event in events)
+
+
+def test_include_of_logprobs_asks_the_chat_request_for_them() -> None:
+    """vLLM's rule: `top_logprobs` counts only where `include` asks for logprobs; null is 0."""
+    chat = request(include=["message.output_text.logprobs"], top_logprobs=3).chat_request()
+    assert (chat.logprobs, chat.top_logprobs) == (True, 3)
+    chat = request(include=["message.output_text.logprobs"], top_logprobs=None).chat_request()
+    assert (chat.logprobs, chat.top_logprobs) == (True, 0)
+    chat = request(top_logprobs=3).chat_request()
+    assert chat.logprobs is False and chat.num_logprobs is None
+
+
+@pytest.mark.parametrize("top_logprobs", [21, -1, 2.5])
+def test_top_logprobs_outside_0_to_20_is_refused_by_name(top_logprobs: float) -> None:
+    """OpenAI's bounds, and vLLM's default --max-logprobs; with or without `include`."""
+    for include in (None, ["message.output_text.logprobs"]):
+        with pytest.raises(ValidationError) as caught:
+            request(include=include, top_logprobs=top_logprobs)
+        assert caught.value.errors()[0]["loc"] == ("top_logprobs",)
+
+
+def token(text: str) -> dict[str, Any]:
+    """A logprob entry of the output_text part's shape."""
+    return {"token": text, "logprob": -0.5, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": text, "logprob": -0.5, "bytes": list(text.encode())}]}
+
+
+def test_logprobs_go_with_the_text_their_tokens_wrote() -> None:
+    """vLLM's streamed rule: a chunk's logprobs ride on the message text it adds; a chunk that
+    writes reasoning or a call shows none. Tokens that write nothing yet (a character's first
+    byte, a marker the parser holds) go with the next text, and those left at the end (the EOS)
+    close the message on an empty delta, so the deltas add up to the part's list."""
+    output = OutputItems()
+    events = output.add(MessageDelta(reasoning_content="Hm"), [token("<think>Hm")])
+    events += output.add(MessageDelta(), [token("</think>")])
+    events += output.add(MessageDelta(content="Par"), [token("Par")])
+    events += output.add(MessageDelta(), [token("\xe6")])
+    events += output.add(MessageDelta(content="is東"), [token("is東")])
+    events += output.add(MessageDelta(), [token("<|im_end|>")])
+    events += output.close("completed")
+    [message] = [item for item in output.items if item["type"] == "message"]
+    part_logprobs = message["content"][0]["logprobs"]
+    assert [entry["token"] for entry in part_logprobs] == ["</think>", "Par", "\xe6", "is東", "<|im_end|>"]
+    text_deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert [(event["delta"], [entry["token"] for entry in event["logprobs"]]) for event in text_deltas] == [
+        ("Par", ["</think>", "Par"]), ("is東", ["\xe6", "is東"]), ("", ["<|im_end|>"])]
+    # A delta event's entries are OpenAI's stream shape, without bytes.
+    assert text_deltas[0]["logprobs"][1] == {"token": "Par", "logprob": -0.5,
+                                             "top_logprobs": [{"token": "Par", "logprob": -0.5}]}
+    for event in events:
+        STREAM_EVENT.validate_python(event | {"sequence_number": 0})
+
+
+def test_a_call_or_reasoning_after_the_text_takes_its_own_tokens() -> None:
+    output = OutputItems()
+    output.add(MessageDelta(content="Checking."), [token("Checking.")])
+    output.add(MessageDelta(), [token("<tool_call>")])
+    output.add(MessageDelta(tool_calls=[ToolCallDelta(0, "call_a", "function", "f", "{}")]), [token("{}")])
+    output.add(MessageDelta(), [token("<|im_end|>")])
+    output.close("completed")
+    assert [entry["token"] for entry in output.items[0]["content"][0]["logprobs"]] == ["Checking."]

@@ -352,21 +352,29 @@ RESPONSES_CASES: dict[str, dict[str, Any]] = {
                {"type": "message", "role": "assistant", "status": "incomplete",
                 "content": [{"type": "output_text", "text": "The capital of France is", "annotations": []}]}],
         max_output_tokens=10),
+    # Every token's logprob with its alternatives, the EOS that ends the answer last.
+    "logprobs of the output text": dict(input="What is the capital of France?", max_output_tokens=24,
+                                        include=["message.output_text.logprobs"], top_logprobs=2),
 }
 
 
 @pytest.mark.parametrize("case", list(RESPONSES_CASES))
 def test_a_response_reads_as_vllm_serves_it(clients: tuple[openai.OpenAI, openai.OpenAI],
                                             case: str) -> None:
-    """The Responses API's output and usage (the prompt's token count shows the input items
-    became the same prompt). vLLM's usage adds per-turn details of its own, not compared."""
+    """The Responses API's output, its logprobs and usage (the prompt's token count shows the
+    input items became the same prompt). vLLM's usage adds per-turn details of its own, not
+    compared. Output text without logprobs asked for: `[]` here, as OpenAI writes it; vLLM null."""
     def response(client: openai.OpenAI) -> dict[str, Any]:
         made = client.responses.create(model=MODEL, temperature=0, **RESPONSES_CASES[case])
         assert made.usage is not None
         return {"status": made.status, "incomplete_details": comparable(made.model_dump()).get(
                     "incomplete_details"),
                 "output": [(item.type, getattr(item, "role", None)) for item in made.output],
-                "output_text": made.output_text, "input_tokens": made.usage.input_tokens,
+                "output_text": made.output_text, "top_logprobs": made.top_logprobs, "logprobs": [
+                    comparable(entry.model_dump()) for item in made.output if item.type == "message"
+                    for part in item.content if part.type == "output_text"
+                    for entry in part.logprobs or []],
+                "input_tokens": made.usage.input_tokens,
                 "output_tokens": made.usage.output_tokens, "total_tokens": made.usage.total_tokens}
 
     ours, vllms = (response(client) for client in clients)

@@ -8,6 +8,8 @@ message's reasoning), a following assistant message or `function_call` item join
 before calls), and a `function_call_output` item is a tool message. As in vLLM, a last assistant
 message or reasoning item marked `in_progress` or `incomplete` is continued rather than answered,
 and vLLM's sampling fields (`stop`, `seed`, `top_k`, ...) are read as on the chat path.
+`include` of `message.output_text.logprobs` asks the chat request for logprobs, `top_logprobs`
+alternatives each; without it `top_logprobs` asks for nothing, as in vLLM.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _STATEFUL_FIELDS = {
     "background": "background responses are stored to be polled, and nothing is stored here",
     "prompt": "stored prompts are not supported; send instructions and input",
 }
+# The `include` value that asks for the output text's logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # `include` values OpenAI defines for output this server never makes (built-in tool results,
 # image urls, encrypted reasoning): asking for them changes nothing, as for a model without them.
 _UNMADE_INCLUDES = frozenset({
@@ -230,6 +234,8 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     cache_salt: CacheSalt | None = None
     include: list[str] | None = None
+    # OpenAI's bounds, vLLM's default --max-logprobs; checked whether or not `include` asks.
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
 
     @model_validator(mode="before")
@@ -306,9 +312,7 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _makeable_includes(cls, values: list[str] | None) -> list[str] | None:
         for index, value in enumerate(values or []):
-            if value == "message.output_text.logprobs":
-                raise RequestFieldError("include", f"include[{index}]: logprobs are not supported")
-            if value not in _UNMADE_INCLUDES:
+            if value != LOGPROBS_INCLUDE and value not in _UNMADE_INCLUDES:
                 raise RequestFieldError("include", f"include[{index}]: unknown value {value!r}")
         return values
 
@@ -325,6 +329,10 @@ class ResponsesRequest(BaseModel):
         if self.text.format.type == "json_schema" and self.text.format.schema_ is None:
             raise RequestFieldError("text", "format json_schema needs a schema")
         return self
+
+    @property
+    def includes_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
 
     def chat_messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -358,6 +366,8 @@ class ResponsesRequest(BaseModel):
             "max_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "user": self.user, "prompt_cache_key": self.prompt_cache_key,
             "cache_salt": self.cache_salt, "parallel_tool_calls": self.parallel_tool_calls}
+        if self.includes_logprobs:
+            fields |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools:
             fields["tools"] = [tool.chat_tool() for tool in self.tools]
             fields["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str) else

@@ -214,7 +214,7 @@ class _ChatCompletion:
                         continue
                     chunk = self._chunk([{
                         "index": delta.index, "delta": message.to_dict(),
-                        "logprobs": (_chat_logprobs(logprobs, self.shows_token_ids)
+                        "logprobs": (chat_logprobs(logprobs, self.shows_token_ids)
                                      if logprobs else None),
                         "finish_reason": self._finish_reason(delta.index, delta.finish_reason),
                         "stop_reason": delta.stop_reason}])
@@ -245,7 +245,7 @@ class _ChatCompletion:
             choices.append({"index": index, "message": message,
                             "finish_reason": self._finish_reason(index, choice.finish_reason),
                             "stop_reason": choice.stop_reason,
-                            "logprobs": (_chat_logprobs(choice.logprobs, self.shows_token_ids)
+                            "logprobs": (chat_logprobs(choice.logprobs, self.shows_token_ids)
                                          if choice.logprobs and self._shows_tokens(index)
                                          else None)})
         response = {"id": self.id, "object": "chat.completion", "created": self.created,
@@ -279,7 +279,7 @@ def _join(first: str | None, second: str | None) -> str | None:
     return None if first is None and second is None else (first or "") + (second or "")
 
 
-def _chat_logprobs(entries: list[TokenLogprob], shows_token_ids: bool) -> dict[str, Any]:
+def chat_logprobs(entries: list[TokenLogprob], shows_token_ids: bool) -> dict[str, Any]:
     """Each token and its top alternatives as vLLM's server lists them: the sampled token
     leads the alternatives, which are cut to the number asked for, so a token sampled below
     the top ones shows in place of the last of them. -inf has no JSON spelling: written as

@@ -12,14 +12,20 @@ aborted (its `Abort` call) ends with status `cancelled`, as in vLLM; streamed, i
 begun closes the item it was writing, then sends an `error` event and `response.failed` with the
 output so far. An item a response ended before it was finished has status `incomplete`.
 
+Logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs` alternatives) follow vLLM:
+each generation delta's tokens go with the message text it adds, on its `output_text.delta` and
+in the `output_text` part. A whole response is one delta, so its message lists every token of the
+output, reasoning and call markup included; a stream's reasoning and calls show none. Tokens
+that write nothing yet go with the next text, and those left when the message ends (the EOS)
+close it on an empty delta. A call alone, or `include_reasoning: false` with a parser, shows none.
+
 Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`,
 `conversation`, `background` and stored `prompt`s are a 400, and there is no GET, DELETE or cancel
 of a response), `truncation: "auto"` (an input beyond the context is a 400 either way), built-in
 and custom tools (web search, file search, code interpreter, computer use, MCP, custom; only
 function tools), input parts other than text (images, files, audio), encrypted reasoning,
 reasoning summaries (the reasoning comes as `reasoning_text` content, `summary` stays empty),
-logprobs (`include` asking for them is a 400; values naming output never made here are
-accepted), and more than one output choice.
+and more than one output choice (`include` values naming output never made here are accepted).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import copy
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -36,10 +42,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from services.gateway.errors import GatewayError, InvalidRequestError
-from services.gateway.generation import ChoiceDelta, UsageCounts
+from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
-from services.gateway.routes.chat import StartedChatGeneration, parse_choice_delta, start_chat_generation
+from services.gateway.routes.chat import (StartedChatGeneration, chat_logprobs, parse_choice_delta,
+                                          start_chat_generation)
 from services.gateway.schemas import now
 from services.gateway.sse import EventStreamResponse, sse_event
 
@@ -84,20 +91,33 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._open_index: int | None = None  # the item that text or arguments deltas extend
         self._output_index_by_call: dict[int, int] = {}
+        # Logprobs of tokens that have written nothing yet: they go with the text that follows.
+        self._pending_logprobs: list[dict[str, Any]] = []
 
-    def add(self, delta: MessageDelta) -> list[dict[str, Any]]:
+    def add(self, delta: MessageDelta, logprobs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """`logprobs` are the entries (the `output_text` part's shape) of the tokens that wrote
+        `delta`: they go with the message text it adds; reasoning and calls show none."""
         events: list[dict[str, Any]] = []
-        if delta.reasoning_content and self.includes_reasoning:
-            events += self._add_text("reasoning", delta.reasoning_content)
+        shown_reasoning = delta.reasoning_content if self.includes_reasoning else None
+        text_logprobs: list[dict[str, Any]] = []
         if delta.content:
-            events += self._add_text("message", delta.content)
+            text_logprobs, self._pending_logprobs = [*self._pending_logprobs, *logprobs], []
+        elif shown_reasoning or delta.tool_calls:
+            self._pending_logprobs = []
+        else:
+            self._pending_logprobs += logprobs
+        if shown_reasoning:
+            events += self._add_text("reasoning", shown_reasoning)
+        if delta.content:
+            events += self._add_text("message", delta.content, text_logprobs)
         for call in delta.tool_calls:
             events += self._add_call(call)
         return events
 
     def close(self, status: ItemStatus) -> list[dict[str, Any]]:
         """Ends the open item with `status`: the response's own, or `incomplete` where the
-        response did not complete."""
+        response did not complete; a message takes the logprobs still held."""
+        pending_logprobs, self._pending_logprobs = self._pending_logprobs, []
         if self._open_index is None:
             return []
         index, self._open_index = self._open_index, None
@@ -110,8 +130,9 @@ class OutputItems:
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                events = [{"type": "response.output_text.done", **where, "content_index": 0,
-                           "text": part["text"], "logprobs": []}]
+                events = [self._message_delta(index, "", pending_logprobs)] if pending_logprobs else []
+                events.append({"type": "response.output_text.done", **where, "content_index": 0,
+                               "text": part["text"], "logprobs": []})
             else:
                 events = [{"type": "response.reasoning_text.done", **where, "content_index": 0,
                            "text": part["text"]}]
@@ -121,21 +142,36 @@ class OutputItems:
                        "item": copy.deepcopy(item)})
         return events
 
-    def _add_text(self, kind: Literal["reasoning", "message"], text: str) -> list[dict[str, Any]]:
+    def _add_text(self, kind: Literal["reasoning", "message"], text: str,
+                  logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._open_index is None or self.items[self._open_index]["type"] != kind:
             events += self.close("completed")
             events += self._open_text_item(kind)
         index = self._open_index
         assert index is not None
+        if kind == "message":
+            events.append(self._message_delta(index, text, logprobs or []))
+            return events
         item = self.items[index]
         item["content"][0]["text"] += text
-        where = {"item_id": item["id"], "output_index": index, "content_index": 0, "delta": text}
-        if kind == "message":
-            events.append({"type": "response.output_text.delta", **where, "logprobs": []})
-        else:
-            events.append({"type": "response.reasoning_text.delta", **where})
+        events.append({"type": "response.reasoning_text.delta", "item_id": item["id"],
+                       "output_index": index, "content_index": 0, "delta": text})
         return events
+
+    def _message_delta(self, index: int, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Adds `text` and its tokens' `logprobs` to the message at `index`; the event saying so,
+        its entries in the stream's shape, which has no `bytes` (OpenAI's, vLLM's)."""
+        item = self.items[index]
+        part = item["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        return {"type": "response.output_text.delta", "item_id": item["id"], "output_index": index,
+                "content_index": 0, "delta": text, "logprobs": [
+                    {"token": entry["token"], "logprob": entry["logprob"],
+                     "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]}
+                                      for top in entry["top_logprobs"]]}
+                    for entry in logprobs]}
 
     def _open_text_item(self, kind: Literal["reasoning", "message"]) -> list[dict[str, Any]]:
         if kind == "message":
@@ -189,12 +225,16 @@ class _Response:
         self.model_name = started.model_name
         self.generation = started.generation
         self.parser = started.parsers[0]
+        # Not where they would spell out the reasoning `include_reasoning: false` leaves out
+        # (vLLM drops them wherever a parser reads the output), as on chat.
+        self.shows_logprobs = body.includes_logprobs and (includes_reasoning or self.parser is None)
 
     async def whole(self) -> dict[str, Any]:
         choice = (await self.generation.collect())[0]
         output = OutputItems(includes_reasoning=self.includes_reasoning)
         output.add(parse_choice_delta(self.parser, ChoiceDelta(0, choice.text,
-                                                                finish_reason=choice.finish_reason)))
+                                                                finish_reason=choice.finish_reason)),
+                   self._logprobs(choice.logprobs))
         status = _status(choice.finish_reason)
         output.close(_item_status(status))
         return self._shape(status, output.items, self.generation.usage)
@@ -222,7 +262,8 @@ class _Response:
             # Closed as soon as the stream ends or the client goes: that aborts the engine request.
             async with aclosing(self.generation.deltas()) as deltas:
                 async for delta in deltas:
-                    for event in output.add(parse_choice_delta(self.parser, delta)):
+                    for event in output.add(parse_choice_delta(self.parser, delta),
+                                            self._logprobs(delta.logprobs)):
                         yield sse(event)
                     finish_reason = delta.finish_reason or finish_reason
         except GatewayError as error:
@@ -250,6 +291,13 @@ class _Response:
         yield sse({"type": event_type,
                    "response": self._shape(status, output.items, self.generation.usage)})
 
+    def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """The entries of an `output_text` part (chat's, as vLLM's Responses server writes them
+        too), where the request asked for them."""
+        if not (self.shows_logprobs and entries):
+            return []
+        return chat_logprobs(entries, shows_token_ids=False)["content"]
+
     def _shape(self, status: ResponseStatus, output: list[dict[str, Any]], usage: UsageCounts | None,
                *, error: dict[str, str] | None = None) -> dict[str, Any]:
         body = self.body
@@ -263,6 +311,8 @@ class _Response:
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str)
                             else body.tool_choice.model_dump()),
             "temperature": body.temperature, "top_p": body.top_p,
+            # vLLM's: the number of alternatives served, none where logprobs were not asked for.
+            "top_logprobs": (body.top_logprobs or 0) if body.includes_logprobs else None,
             "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls,
             "text": body.text.model_dump(by_alias=True, exclude_none=True),
