@@ -48,11 +48,13 @@ def generate_requests_served(metrics_port: int) -> float:
 
 def test_kv_cache_is_refused_before_anything_starts(embedded_model_path: Path) -> None:
     """Without LMCache, or with a chunk size that splits the model's KV blocks, `backport up
-    --kv-cache` stops at once with a message that says what to do."""
+    --kv-cache` stops at once with a message that says what to do. Every port is a test port:
+    `up` checks them first, and a default one (50052) may be a client's ephemeral port."""
     refused = subprocess.run(
         [sys.executable, "-m", "services.cli", "up", "--model", str(embedded_model_path),
          "--kv-cache", "--kv-cache-port", str(free_port()), "--kv-cache-http-port", str(free_port()),
-         "--kv-chunk-size-tokens", "200", "--port", str(free_port())],
+         "--kv-chunk-size-tokens", "200", "--port", str(free_port()),
+         "--engine-port", str(free_port()), "--tokenizer-port", str(free_port())],
         capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1
     if HAS_LMCACHE:
