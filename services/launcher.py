@@ -22,6 +22,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
 from services.engine.kv_transfer import KvTransferConfigError, choose_chunk_size
+from services.engine.settings import SchedulingPolicy
 from services.gateway.routing import RoutingPolicy
 from services.gateway.settings import PASSED_ON_CHECKS, check_passed_on_field
 from services.gpu_placement import VISIBLE_DEVICES_ENV, split_gpus, visible_gpus
@@ -72,6 +73,10 @@ class UpSettings(ServiceSettings):
                              description="first engine's gRPC port; more engines count up "
                                          "(past the mesh's other ports)")
     max_model_len: int | None = Field(None, gt=0, description="context length")
+    max_num_seqs: int | None = Field(None, gt=0, description="most sequences an engine "
+                                                          "schedules at once")
+    scheduling_policy: SchedulingPolicy = Field("fcfs", description="engines' order of service: "
+                                                "fcfs | priority (by each request's `priority`)")
     enforce_eager: bool = Field(False, description="engines skip torch.compile (faster start)")
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
     reasoning_parser: str | None = Field(None, description="deepseek_v4 | glm45 | qwen3")
@@ -353,6 +358,9 @@ class Mesh:
             args += ["--served-model-name", s.served_model_name]
         if s.max_model_len:
             args += ["--max-model-len", str(s.max_model_len)]
+        if s.max_num_seqs:
+            args += ["--max-num-seqs", str(s.max_num_seqs)]
+        args += ["--scheduling-policy", s.scheduling_policy]
         if s.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
         if s.enforce_eager:

@@ -41,7 +41,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return
         sampling = sampling_request_from_proto(request.sampling)
         updates = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
-                                       cache_salt=request.cache_salt or None)
+                                       cache_salt=request.cache_salt or None,
+                                       priority=request.priority)
         self.metrics.requests_in_flight.inc()
         settled = False
 

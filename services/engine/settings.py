@@ -1,4 +1,4 @@
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, Json, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -13,6 +13,10 @@ from services.engine.kv_transfer import (
 from services.mesh.settings import ServiceSettings, check_redis_url
 
 
+# vLLM's scheduler policies, by their names in vLLM.
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
 class EngineSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="BACKPORT_ENGINE_", extra="forbid")
 
@@ -22,6 +26,9 @@ class EngineSettings(ServiceSettings):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     max_model_len: int | None = Field(None, gt=0, description="context length (default: the model's)")
     max_num_seqs: int | None = Field(None, gt=0, description="most sequences scheduled at once")
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs", description="fcfs: in order of arrival | priority: by each request's `priority`, "
+                            "lower first, then arrival")
     dtype: str = Field("auto", description="weight and activation dtype")
     enforce_eager: bool = Field(False, description="skip torch.compile and graph capture (faster start)")
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching")

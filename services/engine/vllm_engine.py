@@ -191,7 +191,7 @@ def vllm_engine_args(settings: EngineSettings) -> AsyncEngineArgs:
         kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
     ours = dict(
         model=s.model, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
-        max_num_seqs=s.max_num_seqs, dtype=s.dtype, enforce_eager=s.enforce_eager,
+        max_num_seqs=s.max_num_seqs, scheduling_policy=s.scheduling_policy, dtype=s.dtype, enforce_eager=s.enforce_eager,
         enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
         gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
@@ -320,8 +320,10 @@ class VllmEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingRequest, *,
-                       cache_salt: str | None = None) -> AsyncIterator[ChoiceUpdate]:
-        """`cache_salt`: the prompt's cached KV is shared only with requests of the same salt."""
+                       cache_salt: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[ChoiceUpdate]:
+        """`cache_salt`: the prompt's cached KV is shared only with requests of the same salt.
+        `priority` counts under the priority scheduling policy only, as in vLLM."""
         assert self.info is not None
         if not prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids is empty")
@@ -355,7 +357,7 @@ class VllmEngine:
         try:
             # Closed on the way out: a choice that failed ends the call, and vLLM aborts the
             # other choices only when its stream is closed.
-            async with aclosing(self.llm.generate(prompt, params, request_id,
+            async with aclosing(self.llm.generate(prompt, params, request_id, priority=priority,
                                                   reasoning_ended=reasoning_ended)) as stream:
                 async for output in stream:
                     if output.finished:

@@ -126,8 +126,28 @@ def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | Non
     return RequestedConstraint(asked[0], form)
 
 
+# vLLM's header: a router may set a request's priority without rewriting its body.
+PRIORITY_HEADER = "X-Vllm-Priority"
+
+
+def request_priority(body: SamplingFields, request: Request) -> int:
+    """The body's `priority`, or the header's where it is sent, as in vLLM. vLLM ignores a
+    header that is not a whole number; here it is a 400, as a bad body field is."""
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is None:
+        return body.priority
+    try:
+        priority = int(header)
+    except ValueError:
+        priority = None
+    if priority is None or not -(2**63) <= priority < 2**63:
+        raise InvalidRequestError(f"the {PRIORITY_HEADER} header must be a 64-bit whole number, "
+                                  f"not {header!r}", param=PRIORITY_HEADER)
+    return priority
+
+
 def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, request_id: str,
-                     token_limit: int | None, num_logprobs: int | None,
+                     priority: int, token_limit: int | None, num_logprobs: int | None,
                      constraint: RequestedConstraint | None = None) -> pb.GenerateRequest:
     """`request_id` is the id the client sees (as vLLM's server does), so an operator's logs
     and the engine's `Abort` take the id a client reports."""
@@ -152,4 +172,5 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, reque
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint.engine_form)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                              sampling=sampling, cache_salt=body.cache_salt or "")
+                              sampling=sampling, cache_salt=body.cache_salt or "",
+                              priority=priority)

@@ -54,7 +54,7 @@ _NULL_MEANS_UNSET = frozenset({"parallel_tool_calls", "stream", "text"})
 _VLLM_CHAT_FIELDS = frozenset({
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
-    "include_reasoning", "chat_template_kwargs", "structured_outputs", "vllm_xargs"})
+    "include_reasoning", "chat_template_kwargs", "structured_outputs", "priority", "vllm_xargs"})
 # Chat request fields an error's message may name besides its param ("cannot be combined with
 # response_format"); `messages` is left out, being an ordinary word too.
 _CHAT_FIELD_WORDS = re.compile(r"\b(?:max_tokens|response_format|reasoning_effort)\b")

@@ -202,6 +202,9 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     # vLLM's: the prompt's cached KV is shared only with requests of the same salt.
     cache_salt: CacheSalt | None = None
+    # vLLM's: lower is served first where the engines schedule by priority (`backport up
+    # --scheduling-policy priority`); else ignored, as vLLM ignores it.
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
     # vLLM's: the model reasons for at most this many tokens (-1: no limit); a whole number,
     # as vLLM takes it.
     thinking_token_budget: Annotated[int, Field(strict=True, ge=-1, le=MAX_UINT32)] | None = None

@@ -23,7 +23,8 @@ from services.gateway.reasoning_effort import (EffortRequestError, passthrough_t
                                                 requested_effort, resolve_session_effort, session_key)
 from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
-                                       generate_request, output_constraint, truncated_prompt)
+                                       generate_request, output_constraint, request_priority,
+                                       truncated_prompt)
 from services.gateway.schemas import ChatCompletionRequest, new_id, now
 from services.gateway.sse import EventStreamResponse, sse_event, sse_stream, usage_dict
 
@@ -70,7 +71,8 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
     generation = Generation(
         backend.pick_engine(prompt_cache_key=body.prompt_cache_key, user=body.user),
         backend.tokenizer,
-        generate_request(body, prompt_ids, request_id=request_id, token_limit=body.token_limit,
+        generate_request(body, prompt_ids, request_id=request_id,
+                         priority=request_priority(body, request), token_limit=body.token_limit,
                          num_logprobs=body.num_logprobs, constraint=constraint),
         stop_strings=body.stop_strings, include_stop_str=body.include_stop_str_in_output,
         # Parsers read markup that tokenizers often mark special.

@@ -13,7 +13,8 @@ from services.gateway.errors import InvalidRequestError
 from services.gateway.generation import (Generation, PromptTokenLogprobs, TokenLogprob, UsageCounts,
                                          finite_logprob, prompt_logprobs_json, shown_token)
 from services.gateway.requests import (backend_of, check_context, check_model, check_token_ids,
-                                       generate_request, output_constraint, truncated_prompt)
+                                       generate_request, output_constraint, request_priority,
+                                       truncated_prompt)
 from services.gateway.schemas import CompletionRequest, new_id, now
 from services.gateway.sse import EventStreamResponse, sse_event, sse_stream, usage_dict
 
@@ -29,6 +30,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     prompts = await _prompt_token_ids(backend, body.prompt, body.add_special_tokens)
     check_token_ids(model, body, prompts)
     constraint = output_constraint(body)
+    priority = request_priority(body, request)
     completion_id = new_id("cmpl")
     generations = []
     for index, whole_prompt_ids in enumerate(prompts):
@@ -39,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
             backend.pick_engine(user=body.user), backend.tokenizer,
             # One engine request a prompt, numbered as vLLM's server numbers them.
             generate_request(body, prompt_ids, request_id=f"{completion_id}-{index}",
-                             token_limit=body.token_limit, num_logprobs=body.num_logprobs,
+                             priority=priority, token_limit=body.token_limit, num_logprobs=body.num_logprobs,
                              constraint=constraint),
             stop_strings=body.stop_strings, skip_special_tokens=body.skip_special_tokens,
             include_stop_str=body.include_stop_str_in_output,
