@@ -75,6 +75,12 @@ def test_null_parallel_tool_calls_and_stream_mean_their_defaults(client: openai.
     assert response.status == "incomplete" and response.parallel_tool_calls is True
 
 
+def test_unset_temperature_and_top_p_are_echoed_as_sampled_with(client: openai.OpenAI) -> None:
+    """vLLM's 1.0 each, the embedded model setting no defaults of its own; they were null."""
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    assert (response.temperature, response.top_p) == (1.0, 1.0)
+
+
 def test_max_output_tokens_makes_the_response_incomplete(client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)
     assert response.status == "incomplete"

@@ -139,6 +139,9 @@ CASES: dict[str, Call] = {
         extra_body={"min_tokens": 5, "stop_token_ids": [28]}),
     "chat, ignore_eos": lambda c: c.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40, extra_body={"ignore_eos": True}),
+    # Both servers schedule first come first served here, where a priority is taken and ignored.
+    "chat, priority under first come first served": lambda c: c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5, extra_body={"priority": 3}),
     "chat, max_completion_tokens": lambda c: c.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=5),
     "chat, logit_bias": lambda c: c.chat.completions.create(
@@ -362,15 +365,16 @@ RESPONSES_CASES: dict[str, dict[str, Any]] = {
 def test_a_response_reads_as_vllm_serves_it(clients: tuple[openai.OpenAI, openai.OpenAI],
                                             case: str) -> None:
     """The Responses API's output, its logprobs and usage (the prompt's token count shows the
-    input items became the same prompt). vLLM's usage adds per-turn details of its own, not
-    compared. Output text without logprobs asked for: `[]` here, as OpenAI writes it; vLLM null."""
+    input items became the same prompt), and the temperature and top_p echoed. vLLM's usage adds
+    per-turn details of its own, not compared. Output text without logprobs asked for: `[]` here, as OpenAI writes it; vLLM null."""
     def response(client: openai.OpenAI) -> dict[str, Any]:
         made = client.responses.create(model=MODEL, temperature=0, **RESPONSES_CASES[case])
         assert made.usage is not None
         return {"status": made.status, "incomplete_details": comparable(made.model_dump()).get(
                     "incomplete_details"),
                 "output": [(item.type, getattr(item, "role", None)) for item in made.output],
-                "output_text": made.output_text, "top_logprobs": made.top_logprobs, "logprobs": [
+                "output_text": made.output_text, "top_logprobs": made.top_logprobs,
+                "temperature": made.temperature, "top_p": made.top_p, "logprobs": [
                     comparable(entry.model_dump()) for item in made.output if item.type == "message"
                     for part in item.content if part.type == "output_text"
                     for entry in part.logprobs or []],

@@ -100,7 +100,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         assert info is not None
         return pb.ModelInfo(served_model_name=info.served_model_name, max_model_len=info.max_model_len,
                             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-                            tokenizer=info.tokenizer, architecture=info.architecture)
+                            tokenizer=info.tokenizer, architecture=info.architecture,
+                            default_temperature=info.default_temperature,
+                            default_top_p=info.default_top_p)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.Loads:
         loads = self.engine.loads()

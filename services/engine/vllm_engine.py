@@ -159,6 +159,9 @@ class ModelInfo:
     eos_token_ids: list[int]
     tokenizer: str
     architecture: str
+    # The model's generation_config defaults; None where it sets none.
+    default_temperature: float | None = None
+    default_top_p: float | None = None
 
 
 @dataclass(slots=True)
@@ -273,7 +276,9 @@ class VllmEngine:
             vocab_size=model_config.get_vocab_size(),
             eos_token_ids=sorted(i for i in eos_ids if i is not None),
             tokenizer=str(model_config.tokenizer),
-            architecture=(model_config.architectures or ["unknown"])[0])
+            architecture=(model_config.architectures or ["unknown"])[0],
+            default_temperature=self._defaults.get("temperature"),
+            default_top_p=self._defaults.get("top_p"))
 
     def shutdown(self) -> None:
         if self._llm is not None:

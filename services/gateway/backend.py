@@ -45,6 +45,9 @@ class ServedModel:
     vocab_size: int
     # Set where a reasoning parser is on and its markers are one token each.
     reasoning_markers: ReasoningMarkerIds | None = None
+    # What a request that leaves them unset samples with: the model's defaults, else vLLM's.
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
 
 
 class GatewayBackend:
@@ -106,6 +109,8 @@ class GatewayBackend:
             name=self.settings.served_model_name or model_info.served_model_name,
             max_model_len=model_info.max_model_len, chat_format=tokenizer_info.chat_format,
             architecture=model_info.architecture, vocab_size=model_info.vocab_size,
+            **{name: getattr(model_info, name) for name in ("default_temperature", "default_top_p")
+               if model_info.HasField(name)},
             reasoning_markers=(await ReasoningMarkerIds.of(reasoning_format(reasoning_parser),
                                                            self.tokenizer)
                                if reasoning_parser else None))

@@ -191,20 +191,24 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "tokenizer", "architecture")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "tokenizer", "architecture", "default_temperature", "default_top_p")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TOP_P_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokenizer: str
     architecture: str
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer: _Optional[str] = ..., architecture: _Optional[str] = ...) -> None: ...
+    default_temperature: float
+    default_top_p: float
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer: _Optional[str] = ..., architecture: _Optional[str] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ...) -> None: ...
 
 class GetLoadsRequest(_message.Message):
     __slots__ = ()

@@ -41,9 +41,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from services.gateway.backend import ServedModel
 from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.parsing import MessageDelta, ToolCallDelta
+from services.gateway.requests import backend_of
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (StartedChatGeneration, chat_logprobs, parse_choice_delta,
                                           start_chat_generation)
@@ -68,7 +70,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
         raise type(error)(responses_message(message), param=param) from error
-    response = _Response(body, started, includes_reasoning=chat.include_reasoning)
+    response = _Response(body, started, backend_of(request).served_model(),
+                         includes_reasoning=chat.include_reasoning)
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
@@ -216,13 +219,16 @@ class OutputItems:
 class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
-    def __init__(self, body: ResponsesRequest, started: StartedChatGeneration, *,
-                 includes_reasoning: bool) -> None:
+    def __init__(self, body: ResponsesRequest, started: StartedChatGeneration, model: ServedModel,
+                 *, includes_reasoning: bool) -> None:
         self.id = started.request_id
         self.includes_reasoning = includes_reasoning
         self.created_at = now()
         self.body = body
         self.model_name = started.model_name
+        # Echoed as sampled with, as vLLM and OpenAI echo them.
+        self.temperature = body.temperature if body.temperature is not None else model.default_temperature
+        self.top_p = body.top_p if body.top_p is not None else model.default_top_p
         self.generation = started.generation
         self.parser = started.parsers[0]
         # Not where they would spell out the reasoning `include_reasoning: false` leaves out
@@ -310,7 +316,7 @@ class _Response:
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str)
                             else body.tool_choice.model_dump()),
-            "temperature": body.temperature, "top_p": body.top_p,
+            "temperature": self.temperature, "top_p": self.top_p,
             # vLLM's: the number of alternatives served, none where logprobs were not asked for.
             "top_logprobs": (body.top_logprobs or 0) if body.includes_logprobs else None,
             "max_output_tokens": body.max_output_tokens,
