@@ -198,3 +198,19 @@ def shared_mesh(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def mesh(shared_mesh: SharedMesh) -> RunningMesh:
     return shared_mesh.get()
+
+
+@pytest.fixture()
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A throwaway redis-server of the test's own."""
+    from tests.cluster.processes import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (Debian package redis-server)")
+    pytest.importorskip("redis", reason="redis-py is not installed")
+    server = RedisServer(free_port(), tmp_path / "redis.log")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

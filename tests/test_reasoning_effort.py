@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,19 +144,6 @@ def test_in_memory_sessions_expire_after_idle_ttl_and_stay_bounded() -> None:
 
     assert asyncio.run(scenario()) == [MAX, MAX, MAX, LOW, CHAT]
     assert len(store) == 2
-
-
-@pytest.fixture()
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server)")
-    pytest.importorskip("redis", reason="redis-py is not installed")
-    server = RedisServer(free_port(), tmp_path / "redis.log")
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 def test_sticky_effort_across_turns_in_redis(redis_url: str) -> None:

@@ -101,7 +101,6 @@ def test_the_chat_request_carries_tools_choice_format_effort_and_limit() -> None
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "..."}]}, "input", "encrypted"),
     ({"input": []}, "input", "empty"),
     ({"tools": [{"type": "file_search"}]}, "tools", "only function tools"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice", "'other'"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"text": {"format": {"type": "json_schema"}}}, "text", "needs a schema"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,6 +22,7 @@ from services.gateway.reasoning_effort import (InMemorySessionEffortStore, Redis
                                                 SessionEffortStore, session_key)
 from services.gateway.reasoning_tokens import ReasoningMarkerIds
 from services.gateway.request_context import current_request_context
+from services.gateway.response_store import InMemoryResponseStore, RedisResponseStore, ResponseStore
 from services.gateway.routing import Router
 from services.gateway.settings import DEFAULT_ENGINE, GatewaySettings
 from services.tokenizer.client import TokenizerClient
@@ -48,6 +49,8 @@ class ServedModel:
     # What a request that leaves them unset samples with: the model's defaults, else vLLM's.
     default_temperature: float = 1.0
     default_top_p: float = 1.0
+    # When this gateway found the model served: `/v1/models` lists it as created then.
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
 class GatewayBackend:
@@ -70,6 +73,9 @@ class GatewayBackend:
                                     if settings.redis_url else None)
         self.effort_store: SessionEffortStore = (self._redis_effort_store
                                                  or InMemorySessionEffortStore())
+        self.response_store: ResponseStore = (
+            RedisResponseStore.from_url(settings.redis_url, ttl_s=settings.response_ttl_s)
+            if settings.redis_url else InMemoryResponseStore(ttl_s=settings.response_ttl_s))
         self.model: ServedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connecting: asyncio.Task[None] | None = None
@@ -176,3 +182,4 @@ class GatewayBackend:
             await self.registry.close()
         if self._redis_effort_store is not None:
             await self._redis_effort_store.aclose()
+        await self.response_store.aclose()

@@ -29,12 +29,13 @@ from services.gateway.schemas import (CacheSalt, ChatCompletionRequest, check_va
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                      "response_format": "text", "reasoning_effort": "reasoning"}
 
-# Fields that need a response or conversation stored (or a stored prompt), which a stateless
-# server cannot serve: answering without them would silently drop what they refer to.
+# Fields that need state this server does not keep (conversation objects, responses run in the
+# background to be polled, stored prompts): answering without them would silently drop what they
+# refer to.
 _STATEFUL_FIELDS = {
-    "previous_response_id": "responses are not stored here; send the whole conversation in input",
-    "conversation": "conversations are not stored here; send the whole conversation in input",
-    "background": "background responses are stored to be polled, and nothing is stored here",
+    "conversation": "conversation objects are not supported; continue a response by "
+                    "previous_response_id, or send the whole conversation in input",
+    "background": "background responses are not supported",
     "prompt": "stored prompts are not supported; send instructions and input",
 }
 # The `include` value that asks for the output text's logprobs.
@@ -230,7 +231,9 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # OpenAI's default: stored, so a later request may continue it by `previous_response_id`.
     store: bool | None = None
+    previous_response_id: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: CacheSalt | None = None
     include: list[str] | None = None
@@ -318,8 +321,9 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _servable(self) -> ResponsesRequest:
-        if isinstance(self.input, list):
-            _check_call_outputs(self.input)
+        # After a stored response, a call output may answer one of its calls (`after` checks).
+        if isinstance(self.input, list) and self.previous_response_id is None:
+            _check_call_outputs(self.input, known_call_ids=set())
         if self.tool_choice not in ("none", "auto") and not self.tools:
             raise RequestFieldError("tool_choice", "forcing a call needs tools")
         if isinstance(self.tool_choice, NamedFunctionChoice) and self.tool_choice.name not in {
@@ -333,6 +337,28 @@ class ResponsesRequest(BaseModel):
     @property
     def includes_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The request's own input as items, as a stored response keeps it."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(exclude_none=True) for item in self.input]
+
+    def after(self, history: list[dict[str, Any]]) -> ResponsesRequest:
+        """This request with a stored conversation's items (`previous_response_id`'s) before its
+        own input."""
+        earlier = [_INPUT_ITEM.validate_python(item) for item in history]
+        own = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        try:
+            _check_call_outputs(own, known_call_ids={item.call_id for item in earlier
+                                                     if isinstance(item, FunctionCallItem)})
+        except RequestFieldError as error:
+            raise InvalidRequestError(str(error), param=error.param) from None
+        return self.model_copy(update={"input": [*earlier, *own]})
 
     def chat_messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -394,11 +420,12 @@ class ResponsesRequest(BaseModel):
             raise InvalidRequestError(f"{param}: {problem}", param=param) from error
 
 
-def _check_call_outputs(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
-                        ) -> None:
-    """Each `function_call_output` answers a `function_call` item before it, as OpenAI requires:
-    a chat template would render an answer to no call, or fail on it."""
-    call_ids: set[str] = set()
+def _check_call_outputs(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
+                        *, known_call_ids: set[str]) -> None:
+    """Each `function_call_output` answers a `function_call` item before it (or one of
+    `known_call_ids`, the calls of a stored conversation before them), as OpenAI requires: a chat
+    template would render an answer to no call, or fail on it."""
+    call_ids = set(known_call_ids)
     for index, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
             call_ids.add(item.call_id)

@@ -80,8 +80,11 @@ class GatewaySettings(ServiceSettings):
                                                             "(default: the engine's)")
     tool_call_parser: str | None = Field(None, description="deepseek_v4 | glm47 | qwen3_xml")
     reasoning_parser: str | None = Field(None, description="deepseek_v4 | glm45 | qwen3")
-    redis_url: str | None = Field(None, description="Redis for shared state: sessions and the "
-                                                    "engine registry")
+    redis_url: str | None = Field(None, description="Redis for shared state: sessions, stored "
+                                                    "responses and the engine registry")
+    response_ttl_s: float = Field(3600.0, gt=0, description="how long a stored response (Responses "
+                                                            "API, `store`) may be continued or "
+                                                            "retrieved")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long open streams may finish")
     routing_policy: RoutingPolicy = Field(RoutingPolicy.PREFIX, description="prefix | session | "
                                           "least_loaded | round_robin")

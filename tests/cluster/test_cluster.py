@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 import redis
@@ -189,6 +190,18 @@ def test_a_browser_page_of_an_allowed_origin_may_call_the_api(cluster: Cluster) 
     served = httpx.get(f"{cluster.base_url}/models",
                        headers=cluster.headers() | {"Origin": "https://elsewhere.example"})
     assert served.status_code == 200 and "access-control-allow-origin" not in served.headers
+
+
+def test_a_stored_response_is_kept_in_redis_and_continued_from_there(cluster: Cluster) -> None:
+    """With `--redis-url`, every gateway replica reads the responses any of them stored."""
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    made = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+    key = f"backport:response:{made.id}"
+    assert cluster.redis.keys(key) == [key]
+    assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+    continued = client.responses.create(model=MODEL, input="Again", max_output_tokens=2,
+                                        previous_response_id=made.id)
+    assert continued.usage.input_tokens > made.usage.input_tokens + made.usage.output_tokens
 
 
 def test_repeated_shared_prefixes_land_on_the_same_engine(cluster: Cluster) -> None:

@@ -24,7 +24,7 @@ async def retrieve_model(name: str, request: Request) -> dict[str, Any]:
 
 
 def _model_object(model: ServedModel) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": 0, "owned_by": "vllm-backport",
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "vllm-backport",
             "max_model_len": model.max_model_len}
 
 

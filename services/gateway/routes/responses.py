@@ -1,4 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless, served on the chat path.
+"""/v1/responses: OpenAI's Responses API, served on the chat path.
 
 The conversation is rendered as chat messages, generated and parsed exactly as a chat
 completion is (`start_chat_generation`); the parsed message is then shaped as output items: a
@@ -19,13 +19,18 @@ output, reasoning and call markup included; a stream's reasoning and calls show 
 that write nothing yet go with the next text, and those left when the message ends (the EOS)
 close it on an empty delta. A call alone, or `include_reasoning: false` with a parser, shows none.
 
-Not supported: stored responses (`store` is accepted, nothing is stored: `previous_response_id`,
-`conversation`, `background` and stored `prompt`s are a 400, and there is no GET, DELETE or cancel
-of a response), `truncation: "auto"` (an input beyond the context is a 400 either way), built-in
-and custom tools (web search, file search, code interpreter, computer use, MCP, custom; only
-function tools), input parts other than text (images, files, audio), encrypted reasoning,
-reasoning summaries (the reasoning comes as `reasoning_text` content, `summary` stays empty),
-and more than one output choice (`include` values naming output never made here are accepted).
+Unless `store` is false, a response is stored as it was last sent
+(`services.gateway.response_store`), for GET and DELETE /v1/responses/{id} and for a later
+request's `previous_response_id`, which puts the stored conversation's items before that
+request's input.
+
+Not supported: `conversation` objects, `background` responses, stored `prompt`s (each a 400), the
+cancel and input-items endpoints, `truncation: "auto"` (an input beyond the context is a 400
+either way), built-in and custom tools (web search, file search, code interpreter, computer use,
+MCP, custom; only function tools), input parts other than text (images, files, audio),
+encrypted reasoning, reasoning summaries (the reasoning comes as `reasoning_text` content,
+`summary` stays empty), and more than one output choice (`include` values naming output never
+made here are accepted).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -46,6 +52,7 @@ from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.requests import backend_of
+from services.gateway.response_store import ResponseStore, StoredResponse, conversation_before
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (StartedChatGeneration, chat_logprobs, parse_choice_delta,
                                           start_chat_generation)
@@ -62,19 +69,68 @@ ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", 
 
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | EventStreamResponse:
+    backend = backend_of(request)
+    own_input = body.input_items()
+    conversation = body
+    if body.previous_response_id is not None:
+        conversation = body.after(await conversation_before(backend.response_store,
+                                                            body.previous_response_id))
     try:
-        chat = body.chat_request()
+        chat = conversation.chat_request()
         started = await start_chat_generation(chat, request, request_id=_new_id("resp"))
     except InvalidRequestError as error:
         # The chat path names its own fields; the client wrote ours.
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
         raise type(error)(responses_message(message), param=param) from error
-    response = _Response(body, started, backend_of(request).served_model(),
+    record = (_Record(backend.response_store, own_input, body.previous_response_id)
+              if body.stores else None)
+    response = _Response(body, started, backend.served_model(), record,
                          includes_reasoning=chat.include_reasoning)
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
+
+
+@router.get("/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    record = await backend_of(request).response_store.get(response_id)
+    if record is None:
+        raise ResponseNotFoundError(response_id)
+    return record.response
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    if not await backend_of(request).response_store.delete(response_id):
+        raise ResponseNotFoundError(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+class ResponseNotFoundError(GatewayError):
+    status, type, code = 404, "invalid_request_error", "response_not_found"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"No response with id {response_id!r} is stored here (responses are kept "
+                         "for the gateway's --response-ttl-s, and not at all with store: false).")
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """Where a response asked to be stored goes, with what it is stored with."""
+
+    store: ResponseStore
+    input_items: list[dict[str, Any]]
+    previous_response_id: str | None
+
+    async def keep(self, response: dict[str, Any]) -> None:
+        stored = StoredResponse(response, self.input_items, self.previous_response_id)
+        try:
+            await self.store.put(stored)
+        except GatewayError as error:
+            # The answer is made; losing it for want of storage would cost the client more than
+            # a later `previous_response_id` refused.
+            logger.warning("response %s not stored: %s", stored.id, error.message)
 
 
 def _new_id(prefix: str) -> str:
@@ -220,8 +276,9 @@ class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
     def __init__(self, body: ResponsesRequest, started: StartedChatGeneration, model: ServedModel,
-                 *, includes_reasoning: bool) -> None:
+                 record: _Record | None, *, includes_reasoning: bool) -> None:
         self.id = started.request_id
+        self.record = record
         self.includes_reasoning = includes_reasoning
         self.created_at = now()
         self.body = body
@@ -243,7 +300,7 @@ class _Response:
                    self._logprobs(choice.logprobs))
         status = _status(choice.finish_reason)
         output.close(_item_status(status))
-        return self._shape(status, output.items, self.generation.usage)
+        return await self._finished(self._shape(status, output.items, self.generation.usage))
 
     async def events(self) -> AsyncGenerator[str, None]:
         """The stream; an error once it has begun is an `error` event, and the stream ends."""
@@ -286,16 +343,22 @@ class _Response:
             for event in output.close("incomplete"):
                 yield sse(event)
             yield sse(failure)
-            yield sse({"type": "response.failed", "response": self._shape(
+            yield sse({"type": "response.failed", "response": await self._finished(self._shape(
                 "failed", output.items, self.generation.usage,
-                error={"code": "server_error", "message": failure["message"]})})
+                error={"code": "server_error", "message": failure["message"]}))})
             return
         status = _status(finish_reason)
         for event in output.close(_item_status(status)):
             yield sse(event)
         event_type = "response.incomplete" if status == "cancelled" else f"response.{status}"
-        yield sse({"type": event_type,
-                   "response": self._shape(status, output.items, self.generation.usage)})
+        yield sse({"type": event_type, "response": await self._finished(
+            self._shape(status, output.items, self.generation.usage))})
+
+    async def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The response as last sent, stored first where it asked to be."""
+        if self.record is not None:
+            await self.record.keep(response)
+        return response
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
         """The entries of an `output_text` part (chat's, as vLLM's Responses server writes them
@@ -324,7 +387,8 @@ class _Response:
             "text": body.text.model_dump(by_alias=True, exclude_none=True),
             "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
             "truncation": body.truncation or "disabled",
-            "metadata": body.metadata or {}, "user": body.user, "store": False,
+            "metadata": body.metadata or {}, "user": body.user, "store": self.record is not None,
+            "previous_response_id": body.previous_response_id,
         }
 
 

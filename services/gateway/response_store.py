@@ -1,0 +1,168 @@
+"""Stored responses of the Responses API: `store`, `previous_response_id`, GET and DELETE.
+
+A response is kept with its own input items and the id of the response it continued, for `ttl_s`
+from when it was made. A request naming `previous_response_id` gets the input and output items
+of that response's whole chain before its own input, oldest first; instructions are not carried
+over (OpenAI's rule). Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has
+`--redis-url`, so every replica sees every response; else in this process, the oldest dropped
+first past `max_responses`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from services.gateway.errors import InvalidRequestError, ServiceUnavailableError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 3600.0
+# A chain longer than this is read no further: a loop written into Redis by hand must not hang
+# a request.
+MAX_CHAIN = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    previous_response_id: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.response["id"]
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> StoredResponse:
+        return cls(**json.loads(text))
+
+
+class PreviousResponseNotFoundError(InvalidRequestError):
+    code = "previous_response_not_found"
+
+
+class ResponseStore(Protocol):
+    async def put(self, record: StoredResponse) -> None: ...
+
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def delete(self, response_id: str) -> bool:
+        """Whether there was such a response."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class InMemoryResponseStore:
+    """One process's responses, each kept `ttl_s`; the oldest goes first once `max_responses`
+    are held."""
+
+    def __init__(self, *, ttl_s: float = DEFAULT_TTL_S, max_responses: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0 or max_responses <= 0:
+            raise ValueError("ttl_s and max_responses must be positive")
+        self._ttl_s = ttl_s
+        self._max_responses = max_responses
+        self._clock = clock
+        self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()
+
+    async def put(self, record: StoredResponse) -> None:
+        self._records.pop(record.id, None)
+        self._records[record.id] = (record, self._clock() + self._ttl_s)
+        while len(self._records) > self._max_responses:
+            self._records.popitem(last=False)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        held = self._records.get(response_id)
+        if held is None or held[1] <= self._clock():
+            return None
+        return held[0]
+
+    async def delete(self, response_id: str) -> bool:
+        return self._records.pop(response_id, None) is not None
+
+    async def aclose(self) -> None:
+        self._records.clear()
+
+
+class RedisResponseStore:
+    """Responses shared by every gateway replica, in Redis, each for `ttl_s` from its making."""
+
+    KEY_PREFIX = "backport:response:"
+
+    def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self._redis = redis
+        self._ttl_ms = max(1, round(ttl_s * 1000))
+
+    @classmethod
+    def from_url(cls, url: str, *, ttl_s: float = DEFAULT_TTL_S) -> RedisResponseStore:
+        """Connects lazily (on first use) to the Redis at `url`."""
+        from redis.asyncio import Redis
+
+        # The session store's timeouts: a Redis that stopped answering costs a request two
+        # seconds, not its whole deadline.
+        return cls(Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), ttl_s=ttl_s)
+
+    @classmethod
+    def redis_key(cls, response_id: str) -> str:
+        return f"{cls.KEY_PREFIX}{response_id}"
+
+    async def put(self, record: StoredResponse) -> None:
+        await self._call(self._redis.set(self.redis_key(record.id), record.encode(), px=self._ttl_ms))
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        text = await self._call(self._redis.get(self.redis_key(response_id)))
+        if text is None:
+            return None
+        try:
+            return StoredResponse.decode(text)
+        except (ValueError, TypeError, KeyError):
+            logger.warning("stored response %s is not one this gateway wrote; ignored", response_id)
+            return None
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self._call(self._redis.delete(self.redis_key(response_id))))
+
+    async def _call(self, pending: Any) -> Any:
+        from redis.exceptions import RedisError
+
+        try:
+            return await pending
+        except RedisError as error:
+            raise ServiceUnavailableError(f"the response store (Redis) is unavailable: {error}") from None
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+async def conversation_before(store: ResponseStore, response_id: str) -> list[dict[str, Any]]:
+    """The input and output items of `response_id`'s chain, oldest first."""
+    records: list[StoredResponse] = []
+    next_id: str | None = response_id
+    while next_id is not None and len(records) < MAX_CHAIN:
+        record = await store.get(next_id)
+        if record is None:
+            whose = ("" if next_id == response_id
+                     else f", which response {response_id!r} continues,")
+            raise PreviousResponseNotFoundError(
+                f"previous_response_id: response {next_id!r}{whose} is not stored here "
+                "(responses are kept for the gateway's --response-ttl-s, and not at all with "
+                "store: false)", param="previous_response_id")
+        records.append(record)
+        next_id = record.previous_response_id
+    return [item for record in reversed(records)
+            for item in (*record.input_items, *record.response["output"])]

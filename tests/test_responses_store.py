@@ -1,0 +1,211 @@
+"""Stored responses (Responses API): `store`, `previous_response_id`, GET and DELETE
+/v1/responses/{id}. The stores alone (in this process, and in a real redis-server), then through
+the shared mesh with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.errors import InvalidRequestError, ServiceUnavailableError
+from services.gateway.response_store import (InMemoryResponseStore, PreviousResponseNotFoundError,
+                                             RedisResponseStore, StoredResponse, conversation_before)
+from services.gateway.responses_request import ResponsesRequest
+from tests.conftest import RunningMesh, free_port
+
+MODEL = "SmolLM2-135M-Instruct-bf16"
+
+
+def _record(response_id: str, said: str, answered: str, previous: str | None = None) -> StoredResponse:
+    output = [{"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": answered, "annotations": []}]}]
+    return StoredResponse({"id": response_id, "object": "response", "output": output,
+                           "previous_response_id": previous},
+                          [{"type": "message", "role": "user", "content": said}], previous)
+
+
+class FakeClock:
+    """Stands in for the monotonic clock, so a test can pass the TTL without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_in_process_store_keeps_a_response_its_ttl_and_the_newest_past_its_bound() -> None:
+    clock = FakeClock()
+    store = InMemoryResponseStore(ttl_s=60, max_responses=2, clock=clock)
+
+    async def scenario() -> list[Any]:
+        await store.put(_record("resp_a", "hi", "hello"))
+        seen: list[Any] = [(await store.get("resp_a")).response["id"]]
+        clock.now = 61
+        seen.append(await store.get("resp_a"))  # past its TTL
+        for name in ("resp_b", "resp_c", "resp_d"):
+            await store.put(_record(name, "hi", "hello"))
+        seen.append([await store.get(name) is not None for name in ("resp_b", "resp_c", "resp_d")])
+        seen.append((await store.delete("resp_c"), await store.delete("resp_c")))
+        return seen
+
+    assert asyncio.run(scenario()) == ["resp_a", None, [False, True, True], (True, False)]
+
+
+def test_a_chain_reads_oldest_first_and_names_a_response_no_longer_stored() -> None:
+    store = InMemoryResponseStore()
+
+    async def scenario() -> tuple[list[dict[str, Any]], str]:
+        await store.put(_record("resp_1", "one", "first"))
+        await store.put(_record("resp_2", "two", "second", previous="resp_1"))
+        await store.put(_record("resp_3", "three", "third", previous="resp_2"))
+        items = await conversation_before(store, "resp_3")
+        await store.delete("resp_1")
+        with pytest.raises(PreviousResponseNotFoundError) as caught:
+            await conversation_before(store, "resp_3")
+        return items, caught.value.message
+
+    items, refusal = asyncio.run(scenario())
+    texts = [item["content"] if item["role"] == "user" else item["content"][0]["text"] for item in items]
+    assert texts == ["one", "first", "two", "second", "three", "third"]
+    assert "'resp_1', which response 'resp_3' continues, is not stored here" in refusal
+
+
+def test_a_call_output_may_answer_a_call_of_the_stored_conversation() -> None:
+    history = [{"type": "message", "role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather",
+                "arguments": '{"city": "Paris"}', "status": "completed"}]
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    body = ResponsesRequest.model_validate({"model": MODEL, "previous_response_id": "resp_1",
+                                            "input": [answer]})
+    messages = body.after(history).chat_messages()
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["tool_calls"][0]["id"] == "call_1"
+    stray = ResponsesRequest.model_validate({"model": MODEL, "previous_response_id": "resp_1",
+                                             "input": [answer | {"call_id": "call_2"}]})
+    with pytest.raises(InvalidRequestError) as caught:
+        stray.after(history)
+    assert caught.value.param == "input" and "'call_2'" in caught.value.message
+
+
+def test_the_redis_store_shares_responses_for_their_ttl(redis_url: str) -> None:
+    async def scenario() -> tuple[Any, ...]:
+        from redis.asyncio import Redis
+
+        writer = RedisResponseStore.from_url(redis_url, ttl_s=600)
+        reader = RedisResponseStore.from_url(redis_url, ttl_s=600)
+        raw = Redis.from_url(redis_url)
+        try:
+            await writer.put(_record("resp_r", "hi", "hello"))
+            read = await reader.get("resp_r")
+            ttl_s = await raw.ttl("backport:response:resp_r")
+            await raw.set("backport:response:resp_junk", "not json")
+            junk = await reader.get("resp_junk")
+            deleted = (await reader.delete("resp_r"), await writer.get("resp_r"))
+            return read, ttl_s, junk, deleted
+        finally:
+            await raw.aclose()
+            await writer.aclose()
+            await reader.aclose()
+
+    read, ttl_s, junk, deleted = asyncio.run(scenario())
+    assert read == _record("resp_r", "hi", "hello")
+    assert 590 < ttl_s <= 600
+    assert junk is None
+    assert deleted == (True, None)
+
+
+def test_a_redis_store_that_cannot_be_reached_is_unavailable() -> None:
+    async def scenario() -> None:
+        store = RedisResponseStore.from_url(f"redis://127.0.0.1:{free_port()}/0")
+        try:
+            await store.get("resp_x")
+        finally:
+            await store.aclose()
+
+    with pytest.raises(ServiceUnavailableError, match="the response store"):
+        asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def client(mesh: RunningMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_response_is_stored_and_retrieved_as_it_was_sent(client: openai.OpenAI) -> None:
+    made = client.responses.create(model=MODEL, input="Say hello.", temperature=0, max_output_tokens=8,
+                                   metadata={"k": "v"})
+    assert made.store is True and made.previous_response_id is None
+    assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+    *_, last = client.responses.create(model=MODEL, input="Say hello.", temperature=0,
+                                       max_output_tokens=8, stream=True)
+    assert last.type == "response.incomplete"
+    assert client.responses.retrieve(last.response.id).model_dump() == last.response.model_dump()
+
+
+def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI) -> None:
+    """The continuation's prompt is the conversation sent whole: the same tokens, the same answer."""
+    first_turn = "My name is Ada and I live in Paris."
+    first = client.responses.create(model=MODEL, input=first_turn, temperature=0, max_output_tokens=12,
+                                    instructions="Answer briefly.")
+    second_turn = "What is my name?"
+    continued = client.responses.create(model=MODEL, previous_response_id=first.id, input=second_turn,
+                                        temperature=0, max_output_tokens=12)
+    whole = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=12, store=False,
+        input=[{"role": "user", "content": first_turn}, *[item.model_dump() for item in first.output],
+               {"role": "user", "content": second_turn}])
+    assert continued.previous_response_id == first.id
+    # Instructions are not carried over (OpenAI's rule), so `whole` sends none either.
+    assert continued.usage.input_tokens == whole.usage.input_tokens
+    assert continued.output_text == whole.output_text
+    third = client.responses.create(model=MODEL, previous_response_id=continued.id,
+                                    input="And where do I live?", temperature=0, max_output_tokens=4)
+    assert third.usage.input_tokens > continued.usage.input_tokens + continued.usage.output_tokens
+
+
+def test_a_call_output_answers_a_call_of_the_stored_response(client: openai.OpenAI) -> None:
+    """An agent's loop: the model calls a tool, the next request sends only the tool's output."""
+    weather = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+               "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                              "properties": {"city": {"type": "string", "maxLength": 24}}}}
+    called = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                     tools=[weather], tool_choice="required", temperature=0,
+                                     max_output_tokens=40)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    answered = client.responses.create(
+        model=MODEL, previous_response_id=called.id, tools=[weather], temperature=0,
+        max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}])
+    assert answered.status == "incomplete" and answered.output_text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model=MODEL, previous_response_id=called.id, max_output_tokens=4,
+            input=[{"type": "function_call_output", "call_id": "call_other", "output": "x"}])
+    assert caught.value.body["param"] == "input"
+
+
+def test_a_response_not_stored_cannot_be_retrieved_or_continued(client: openai.OpenAI) -> None:
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.retrieve(unstored.id)
+    assert caught.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                previous_response_id=unstored.id)
+    assert refused.value.body["param"] == "previous_response_id"
+    assert refused.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_deleted_response_is_gone(client: openai.OpenAI, mesh: RunningMesh) -> None:
+    made = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    deleted = httpx.delete(f"{mesh.base_url}/responses/{made.id}", timeout=30)
+    assert deleted.json() == {"id": made.id, "object": "response", "deleted": True}
+    assert httpx.delete(f"{mesh.base_url}/responses/{made.id}", timeout=30).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
