@@ -53,8 +53,10 @@ def vllm_server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFact
                str(embedded_model_path), "--served-model-name", MODEL, "--max-model-len", "2048",
                "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, env=engine_environment(), stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        # vLLM stores responses (for `previous_response_id`) only when told to.
+        environment = engine_environment() | {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     try:
         try:
             wait_for_http_ok(f"http://127.0.0.1:{port}/v1/models", START_TIMEOUT_S, process)
@@ -382,4 +384,21 @@ def test_a_response_reads_as_vllm_serves_it(clients: tuple[openai.OpenAI, openai
                 "output_tokens": made.usage.output_tokens, "total_tokens": made.usage.total_tokens}
 
     ours, vllms = (response(client) for client in clients)
+    assert ours == vllms
+
+
+def test_previous_response_id_continues_as_vllm_continues(
+        clients: tuple[openai.OpenAI, openai.OpenAI]) -> None:
+    """The stored turn, then the new input, under the new request's instructions alone."""
+    def continuation(client: openai.OpenAI) -> tuple[str, int]:
+        first = client.responses.create(model=MODEL, temperature=0, max_output_tokens=16,
+                                        instructions="Answer in one sentence.",
+                                        input="My name is Ada. What is the capital of France?")
+        second = client.responses.create(model=MODEL, temperature=0, max_output_tokens=16,
+                                         previous_response_id=first.id, instructions="Be brief.",
+                                         input="What is my name?")
+        assert second.usage is not None
+        return second.output_text, second.usage.input_tokens
+
+    ours, vllms = (continuation(client) for client in clients)
     assert ours == vllms
