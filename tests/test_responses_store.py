@@ -56,6 +56,19 @@ def test_the_in_process_store_keeps_a_response_its_ttl_and_the_newest_past_its_b
     assert asyncio.run(scenario()) == ["resp_a", None, [False, True, True], (True, False)]
 
 
+def test_the_in_process_store_holds_at_most_its_characters_of_json() -> None:
+    """Logprobs make a response large: a count alone would let the store grow without bound."""
+    one = len(_record("resp_0", "hi", "x" * 1000).encode())
+    store = InMemoryResponseStore(max_chars=3 * one)
+
+    async def held() -> list[bool]:
+        for index in range(5):
+            await store.put(_record(f"resp_{index}", "hi", "x" * 1000))
+        return [await store.get(f"resp_{index}") is not None for index in range(5)]
+
+    assert asyncio.run(held()) == [False, False, True, True, True]
+
+
 def test_a_chain_reads_oldest_first_and_names_a_response_no_longer_stored() -> None:
     store = InMemoryResponseStore()
 

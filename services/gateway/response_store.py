@@ -5,7 +5,7 @@ from when it was made. A request naming `previous_response_id` gets the input an
 of that response's whole chain before its own input, oldest first; instructions are not carried
 over (OpenAI's rule). Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has
 `--redis-url`, so every replica sees every response; else in this process, the oldest dropped
-first past `max_responses`.
+first past `max_responses`, or `max_chars` of JSON (logprobs make a response large).
 """
 
 from __future__ import annotations
@@ -66,35 +66,48 @@ class ResponseStore(Protocol):
 
 
 class InMemoryResponseStore:
-    """One process's responses, each kept `ttl_s`; the oldest goes first once `max_responses`
-    are held."""
+    """One process's responses, each kept `ttl_s`; the oldest go first once more than
+    `max_responses`, or `max_chars` characters of their JSON, are held. Kept encoded, as Redis
+    keeps them: what a caller later changes in the dicts it stored does not change the store."""
 
     def __init__(self, *, ttl_s: float = DEFAULT_TTL_S, max_responses: int = 4096,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if ttl_s <= 0 or max_responses <= 0:
-            raise ValueError("ttl_s and max_responses must be positive")
+                 max_chars: int = 256 * 2**20, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0 or max_responses <= 0 or max_chars <= 0:
+            raise ValueError("ttl_s, max_responses and max_chars must be positive")
         self._ttl_s = ttl_s
         self._max_responses = max_responses
+        self._max_chars = max_chars
         self._clock = clock
-        self._records: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()
+        self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._num_chars = 0
 
     async def put(self, record: StoredResponse) -> None:
-        self._records.pop(record.id, None)
-        self._records[record.id] = (record, self._clock() + self._ttl_s)
-        while len(self._records) > self._max_responses:
-            self._records.popitem(last=False)
+        self._drop(record.id)
+        encoded = record.encode()
+        self._records[record.id] = (encoded, self._clock() + self._ttl_s)
+        self._num_chars += len(encoded)
+        while len(self._records) > self._max_responses or self._num_chars > self._max_chars:
+            self._drop(next(iter(self._records)))
 
     async def get(self, response_id: str) -> StoredResponse | None:
         held = self._records.get(response_id)
         if held is None or held[1] <= self._clock():
             return None
-        return held[0]
+        return StoredResponse.decode(held[0])
 
     async def delete(self, response_id: str) -> bool:
-        return self._records.pop(response_id, None) is not None
+        return self._drop(response_id)
+
+    def _drop(self, response_id: str) -> bool:
+        held = self._records.pop(response_id, None)
+        if held is None:
+            return False
+        self._num_chars -= len(held[0])
+        return True
 
     async def aclose(self) -> None:
         self._records.clear()
+        self._num_chars = 0
 
 
 class RedisResponseStore:
