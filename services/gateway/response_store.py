@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from redis.exceptions import RedisError
+
 from services.gateway.errors import InvalidRequestError, ServiceUnavailableError
 
 if TYPE_CHECKING:
@@ -151,8 +153,6 @@ class RedisResponseStore:
         return bool(await self._call(self._redis.delete(self.redis_key(response_id))))
 
     async def _call(self, pending: Any) -> Any:
-        from redis.exceptions import RedisError
-
         try:
             return await pending
         except RedisError as error:

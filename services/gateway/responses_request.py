@@ -344,15 +344,17 @@ class ResponsesRequest(BaseModel):
 
     def input_items(self) -> list[dict[str, Any]]:
         """The request's own input as items, as a stored response keeps it."""
-        if isinstance(self.input, str):
-            return [{"type": "message", "role": "user", "content": self.input}]
-        return [item.model_dump(exclude_none=True) for item in self.input]
+        return [item.model_dump(exclude_none=True) for item in self._own_items()]
+
+    def _own_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
+        # A string input is one user message.
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
 
     def after(self, history: list[dict[str, Any]]) -> ResponsesRequest:
         """This request with a stored conversation's items (`previous_response_id`'s) before its
         own input."""
         earlier = [_INPUT_ITEM.validate_python(item) for item in history]
-        own = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        own = self._own_items()
         try:
             _check_call_outputs(own, known_call_ids={item.call_id for item in earlier
                                                      if isinstance(item, FunctionCallItem)})
