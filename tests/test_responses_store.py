@@ -20,12 +20,11 @@ from tests.conftest import RunningMesh, free_port
 MODEL = "SmolLM2-135M-Instruct-bf16"
 
 
-def _record(response_id: str, said: str, answered: str, previous: str | None = None) -> StoredResponse:
+def _record(response_id: str, said: str, answered: str) -> StoredResponse:
     output = [{"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
                "content": [{"type": "output_text", "text": answered, "annotations": []}]}]
-    return StoredResponse({"id": response_id, "object": "response", "output": output,
-                           "previous_response_id": previous},
-                          [{"type": "message", "role": "user", "content": said}], previous)
+    return StoredResponse({"id": response_id, "object": "response", "output": output},
+                          [{"type": "message", "role": "user", "content": said}])
 
 
 class FakeClock:
@@ -69,23 +68,31 @@ def test_the_in_process_store_holds_at_most_its_characters_of_json() -> None:
     assert asyncio.run(held()) == [False, False, True, True, True]
 
 
-def test_a_chain_reads_oldest_first_and_names_a_response_no_longer_stored() -> None:
+def test_a_conversation_reads_its_input_then_the_output_and_names_a_response_not_stored() -> None:
     store = InMemoryResponseStore()
 
     async def scenario() -> tuple[list[dict[str, Any]], str]:
         await store.put(_record("resp_1", "one", "first"))
-        await store.put(_record("resp_2", "two", "second", previous="resp_1"))
-        await store.put(_record("resp_3", "three", "third", previous="resp_2"))
-        items = await conversation_before(store, "resp_3")
-        await store.delete("resp_1")
+        items = await conversation_before(store, "resp_1")
         with pytest.raises(PreviousResponseNotFoundError) as caught:
-            await conversation_before(store, "resp_3")
+            await conversation_before(store, "resp_2")
         return items, caught.value.message
 
     items, refusal = asyncio.run(scenario())
-    texts = [item["content"] if item["role"] == "user" else item["content"][0]["text"] for item in items]
-    assert texts == ["one", "first", "two", "second", "three", "third"]
-    assert "'resp_1', which response 'resp_3' continues, is not stored here" in refusal
+    assert [item["role"] for item in items] == ["user", "assistant"]
+    assert "response 'resp_2' is not stored here" in refusal
+
+
+def test_a_response_past_its_ttl_is_gone_for_delete_too() -> None:
+    clock = FakeClock()
+    store = InMemoryResponseStore(ttl_s=60, clock=clock)
+
+    async def deleted() -> bool:
+        await store.put(_record("resp_old", "hi", "hello"))
+        clock.now = 61
+        return await store.delete("resp_old")
+
+    assert asyncio.run(deleted()) is False
 
 
 def test_a_call_output_may_answer_a_call_of_the_stored_conversation() -> None:
@@ -103,6 +110,11 @@ def test_a_call_output_may_answer_a_call_of_the_stored_conversation() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         stray.after(history)
     assert caught.value.param == "input" and "'call_2'" in caught.value.message
+    # A call a parser left without a name is output no request could send: a 400, not a 500.
+    nameless = [history[0], history[1] | {"name": ""}]
+    with pytest.raises(InvalidRequestError) as caught:
+        body.after(nameless)
+    assert caught.value.param == "previous_response_id"
 
 
 def test_the_redis_store_shares_responses_for_their_ttl(redis_url: str) -> None:
@@ -200,6 +212,20 @@ def test_a_call_output_answers_a_call_of_the_stored_response(client: openai.Open
             model=MODEL, previous_response_id=called.id, max_output_tokens=4,
             input=[{"type": "function_call_output", "call_id": "call_other", "output": "x"}])
     assert caught.value.body["param"] == "input"
+
+
+def test_a_response_is_continued_while_it_is_kept_whatever_became_of_those_it_continued(
+        client: openai.OpenAI, mesh: RunningMesh) -> None:
+    """Each response keeps its whole conversation: one continued while the response that began
+    the conversation has expired (here, been deleted) still has it."""
+    first = client.responses.create(model=MODEL, input="My name is Ada.", temperature=0,
+                                    max_output_tokens=4)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, temperature=0,
+                                     input="I live in Paris.", max_output_tokens=4)
+    assert httpx.delete(f"{mesh.base_url}/responses/{first.id}", timeout=30).status_code == 200
+    third = client.responses.create(model=MODEL, previous_response_id=second.id, temperature=0,
+                                    input="Where do I live?", max_output_tokens=4)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
 
 
 def test_a_response_not_stored_cannot_be_retrieved_or_continued(client: openai.OpenAI) -> None:

@@ -1,9 +1,10 @@
 """Stored responses of the Responses API: `store`, `previous_response_id`, GET and DELETE.
 
-A response is kept with its own input items and the id of the response it continued, for `ttl_s`
-from when it was made. A request naming `previous_response_id` gets the input and output items
-of that response's whole chain before its own input, oldest first; instructions are not carried
-over (OpenAI's rule). Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has
+A response is kept whole, for `ttl_s` from when it was made: with every input item of its
+conversation, those of the responses it continued included, so that it can be continued as long
+as it is kept, whatever became of them (as vLLM keeps each response's whole message list). A
+request naming `previous_response_id` gets those items and that response's output before its own
+input; instructions are not carried over (OpenAI's rule). Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has
 `--redis-url`, so every replica sees every response; else in this process, the oldest dropped
 first past `max_responses`, or `max_chars` of JSON (logprobs make a response large).
 """
@@ -28,16 +29,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 3600.0
-# A chain longer than this is read no further: a loop written into Redis by hand must not hang
-# a request.
-MAX_CHAIN = 10_000
 
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     response: dict[str, Any]
+    # The conversation's input items up to this response, oldest first.
     input_items: list[dict[str, Any]]
-    previous_response_id: str | None = None
 
     @property
     def id(self) -> str:
@@ -98,7 +96,9 @@ class InMemoryResponseStore:
         return StoredResponse.decode(held[0])
 
     async def delete(self, response_id: str) -> bool:
-        return self._drop(response_id)
+        # One past its TTL is gone, as `get` says, though not yet dropped.
+        is_kept = await self.get(response_id) is not None
+        return self._drop(response_id) and is_kept
 
     def _drop(self, response_id: str) -> bool:
         held = self._records.pop(response_id, None)
@@ -163,19 +163,11 @@ class RedisResponseStore:
 
 
 async def conversation_before(store: ResponseStore, response_id: str) -> list[dict[str, Any]]:
-    """The input and output items of `response_id`'s chain, oldest first."""
-    records: list[StoredResponse] = []
-    next_id: str | None = response_id
-    while next_id is not None and len(records) < MAX_CHAIN:
-        record = await store.get(next_id)
-        if record is None:
-            whose = ("" if next_id == response_id
-                     else f", which response {response_id!r} continues,")
-            raise PreviousResponseNotFoundError(
-                f"previous_response_id: response {next_id!r}{whose} is not stored here "
-                "(responses are kept for the gateway's --response-ttl-s, and not at all with "
-                "store: false)", param="previous_response_id")
-        records.append(record)
-        next_id = record.previous_response_id
-    return [item for record in reversed(records)
-            for item in (*record.input_items, *record.response["output"])]
+    """The input and output items of the conversation up to `response_id`, oldest first."""
+    record = await store.get(response_id)
+    if record is None:
+        raise PreviousResponseNotFoundError(
+            f"previous_response_id: response {response_id!r} is not stored here (responses are "
+            "kept for the gateway's --response-ttl-s, and not at all with store: false)",
+            param="previous_response_id")
+    return [*record.input_items, *record.response["output"]]

@@ -353,7 +353,13 @@ class ResponsesRequest(BaseModel):
     def after(self, history: list[dict[str, Any]]) -> ResponsesRequest:
         """This request with a stored conversation's items (`previous_response_id`'s) before its
         own input."""
-        earlier = [_INPUT_ITEM.validate_python(item) for item in history]
+        try:
+            earlier = [_INPUT_ITEM.validate_python(item) for item in history]
+        except ValidationError as error:
+            # An output item no request could send (a call with an empty name, from a parser).
+            raise InvalidRequestError(f"previous_response_id: the stored conversation cannot be "
+                                      f"continued: {error.errors()[0]['msg']}",
+                                      param="previous_response_id") from None
         own = self._own_items()
         try:
             _check_call_outputs(own, known_call_ids={item.call_id for item in earlier

@@ -70,11 +70,11 @@ ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", 
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | EventStreamResponse:
     backend = backend_of(request)
-    own_input = body.input_items()
+    history: list[dict[str, Any]] = []
     conversation = body
     if body.previous_response_id is not None:
-        conversation = body.after(await conversation_before(backend.response_store,
-                                                            body.previous_response_id))
+        history = await conversation_before(backend.response_store, body.previous_response_id)
+        conversation = body.after(history)
     try:
         chat = conversation.chat_request()
         started = await start_chat_generation(chat, request, request_id=_new_id("resp"))
@@ -83,8 +83,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
         raise type(error)(responses_message(message), param=param) from error
-    record = (_Record(backend.response_store, own_input, body.previous_response_id)
-              if body.stores else None)
+    record = _Record(backend.response_store, [*history, *body.input_items()]) if body.stores else None
     response = _Response(body, started, backend.served_model(), record,
                          includes_reasoning=chat.include_reasoning)
     if body.stream:
@@ -117,14 +116,13 @@ class ResponseNotFoundError(GatewayError):
 
 @dataclass(frozen=True, slots=True)
 class _Record:
-    """Where a response asked to be stored goes, with what it is stored with."""
+    """Where a response asked to be stored goes, with its conversation's input items."""
 
     store: ResponseStore
     input_items: list[dict[str, Any]]
-    previous_response_id: str | None
 
     async def keep(self, response: dict[str, Any]) -> None:
-        stored = StoredResponse(response, self.input_items, self.previous_response_id)
+        stored = StoredResponse(response, self.input_items)
         try:
             await self.store.put(stored)
         except GatewayError as error:
