@@ -4,9 +4,11 @@ A response is kept whole, for `ttl_s` from when it was made: with every input it
 conversation, those of the responses it continued included, so that it can be continued as long
 as it is kept, whatever became of them (as vLLM keeps each response's whole message list). A
 request naming `previous_response_id` gets those items and that response's output before its own
-input; instructions are not carried over (OpenAI's rule). Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has
-`--redis-url`, so every replica sees every response; else in this process, the oldest dropped
-first past `max_responses`, or `max_chars` of JSON (logprobs make a response large).
+input; instructions are not carried over (OpenAI's rule).
+
+Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has `--redis-url`, so every
+replica sees every response; else in this process, the oldest dropped first past
+`max_responses`, or `max_chars` of JSON (logprobs make a response large).
 """
 
 from __future__ import annotations
