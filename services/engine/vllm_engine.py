@@ -194,7 +194,8 @@ def vllm_engine_args(settings: EngineSettings) -> AsyncEngineArgs:
         kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
     ours = dict(
         model=s.model, served_model_name=s.served_model_name, max_model_len=s.max_model_len,
-        max_num_seqs=s.max_num_seqs, scheduling_policy=s.scheduling_policy, dtype=s.dtype, enforce_eager=s.enforce_eager,
+        max_num_seqs=s.max_num_seqs, scheduling_policy=s.scheduling_policy, dtype=s.dtype,
+        enforce_eager=s.enforce_eager,
         enable_prefix_caching=s.enable_prefix_caching, tensor_parallel_size=s.tensor_parallel_size,
         gpu_memory_utilization=s.gpu_memory_utilization, trust_remote_code=s.trust_remote_code,
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,

@@ -66,14 +66,15 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
                   limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     forced_tools = ForcedToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = output_constraint(body, forced_tools, after_reasoning=is_thinking)
+    priority = request_priority(body, request)
     has_parser = bool(backend.settings.tool_call_parser or backend.settings.reasoning_parser)
     markers = model.reasoning_markers
     generation = Generation(
         backend.pick_engine(prompt_cache_key=body.prompt_cache_key, user=body.user),
         backend.tokenizer,
-        generate_request(body, prompt_ids, request_id=request_id,
-                         priority=request_priority(body, request), token_limit=body.token_limit,
-                         num_logprobs=body.num_logprobs, constraint=constraint),
+        generate_request(body, prompt_ids, request_id=request_id, priority=priority,
+                         token_limit=body.token_limit, num_logprobs=body.num_logprobs,
+                         constraint=constraint),
         stop_strings=body.stop_strings, include_stop_str=body.include_stop_str_in_output,
         # Parsers read markup that tokenizers often mark special.
         skip_special_tokens=body.skip_special_tokens and not has_parser,
