@@ -92,15 +92,16 @@ class InMemoryResponseStore:
             self._drop(next(iter(self._records)))
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        held = self._records.get(response_id)
-        if held is None or held[1] <= self._clock():
-            return None
-        return StoredResponse.decode(held[0])
+        return StoredResponse.decode(self._records[response_id][0]) if self._is_kept(response_id) else None
 
     async def delete(self, response_id: str) -> bool:
         # One past its TTL is gone, as `get` says, though not yet dropped.
-        is_kept = await self.get(response_id) is not None
+        is_kept = self._is_kept(response_id)
         return self._drop(response_id) and is_kept
+
+    def _is_kept(self, response_id: str) -> bool:
+        held = self._records.get(response_id)
+        return held is not None and held[1] > self._clock()
 
     def _drop(self, response_id: str) -> bool:
         held = self._records.pop(response_id, None)
