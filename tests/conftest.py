@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,42 @@ def wait_for_grpc_serving(address: str, timeout_s: float, process: subprocess.Po
             raise ProcessExitedError(f"{process.args!r} exited with {process.returncode}{log_tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{address} did not serve in {timeout_s} s{log_tail()}")
+
+
+def background_response_polled_to_its_end(client: Any, response_id: str,
+                                          timeout_s: float = 120.0) -> Any:
+    """The background response `response_id`, retrieved by the openai `client` until it is
+    neither queued nor in progress."""
+    deadline = time.monotonic() + timeout_s
+    seen = client.responses.retrieve(response_id)
+    while seen.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {seen.status}"
+        time.sleep(0.2)
+        seen = client.responses.retrieve(response_id)
+    return seen
+
+
+def engines_idle_within(addresses: list[str], timeout_s: float) -> bool:
+    """Whether every engine at `addresses` has nothing running or waiting within `timeout_s`."""
+    import asyncio
+
+    from services.engine.client import EngineClient
+
+    async def idle() -> bool:
+        engines = [EngineClient(address) for address in addresses]
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                loads = [await engine.loads(timeout_s=timeout_s) for engine in engines]
+                if not any(load.num_running + load.num_waiting for load in loads):
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    return asyncio.run(idle())
 
 
 def stop_mesh(mesh: RunningMesh, timeout_s: float = 60.0) -> None:

@@ -5,6 +5,7 @@ the shared mesh with the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -15,7 +16,8 @@ from services.gateway.errors import InvalidRequestError, ServiceUnavailableError
 from services.gateway.response_store import (InMemoryResponseStore, PreviousResponseNotFoundError,
                                              RedisResponseStore, StoredResponse, conversation_before)
 from services.gateway.responses_request import ResponsesRequest
-from tests.conftest import RunningMesh, free_port
+from tests.conftest import (RunningMesh, background_response_polled_to_its_end, engines_idle_within,
+                            free_port)
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 
@@ -248,3 +250,72 @@ def test_a_deleted_response_is_gone(client: openai.OpenAI, mesh: RunningMesh) ->
     assert httpx.delete(f"{mesh.base_url}/responses/{made.id}", timeout=30).status_code == 404
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
+
+
+# Background responses (`background: true`): answered `queued`, generated after, polled by GET.
+# Far more than the wait below lets the engine make: a generation not stopped outlasts it.
+LONG_TOKENS = 2000
+
+
+def _long_background_response_running(client: openai.OpenAI) -> Any:
+    """A background response the engine runs (its engine call starts after the answer)."""
+    queued = client.responses.create(model=MODEL, input="Tell a long story.", background=True,
+                                     max_output_tokens=LONG_TOKENS, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while client.responses.retrieve(queued.id).status == "queued":
+        assert time.monotonic() < deadline, "the engine never ran the background response"
+        time.sleep(0.1)
+    return queued
+
+
+def test_a_background_response_is_answered_queued_and_polled_to_what_it_would_have_been(
+        client: openai.OpenAI) -> None:
+    asked = {"model": MODEL, "input": "Name three colours.", "temperature": 0, "max_output_tokens": 12}
+    queued = client.responses.create(**asked, background=True)
+    assert (queued.status, queued.background, queued.output, queued.usage) == ("queued", True, [], None)
+    made = background_response_polled_to_its_end(client, queued.id)
+    at_once = client.responses.create(**asked)
+    assert made.status == at_once.status == "incomplete"
+    assert made.output_text == at_once.output_text and made.output_text
+    assert made.usage.model_dump() == at_once.usage.model_dump()
+    assert (made.id, made.created_at, made.background) == (queued.id, queued.created_at, True)
+    continued = client.responses.create(model=MODEL, input="And three more.", max_output_tokens=2,
+                                        previous_response_id=made.id)
+    assert continued.usage.input_tokens > made.usage.input_tokens + made.usage.output_tokens
+
+
+def test_a_background_response_cancelled_stops_its_generation(client: openai.OpenAI,
+                                                               mesh: RunningMesh) -> None:
+    queued = _long_background_response_running(client)
+    cancelled = client.responses.cancel(queued.id)
+    assert (cancelled.id, cancelled.status) == (queued.id, "cancelled")
+    assert engines_idle_within([mesh.engine_address], 10), "the engine still generates the cancelled response"
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"  # again: the same answer
+
+
+def test_a_background_response_deleted_is_stopped_and_not_stored_again(client: openai.OpenAI,
+                                                                        mesh: RunningMesh) -> None:
+    queued = _long_background_response_running(client)
+    assert httpx.delete(f"{mesh.base_url}/responses/{queued.id}", timeout=30).status_code == 200
+    assert engines_idle_within([mesh.engine_address], 10), "the engine still generates the deleted response"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(queued.id)
+
+
+def test_a_background_response_the_engine_refuses_is_polled_as_failed(client: openai.OpenAI) -> None:
+    """The engine call starts after the answer: its refusal is the stored response's error."""
+    queued = client.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=4,
+                                     extra_body={"structured_outputs": {"regex": "("}})
+    failed = background_response_polled_to_its_end(client, queued.id)
+    assert failed.status == "failed" and failed.output == []
+    assert failed.error.code == "server_error" and "structured_outputs" in failed.error.message
+
+
+def test_only_a_running_background_response_can_be_cancelled(client: openai.OpenAI) -> None:
+    made = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.cancel(made.id)
+    assert refused.value.body["param"] == "response_id" and "incomplete" in refused.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")

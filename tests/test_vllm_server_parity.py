@@ -22,7 +22,8 @@ import openai
 import pytest
 
 from tests.cluster.processes import stop_service
-from tests.conftest import (RunningMesh, engine_environment, free_port, wait_for_http_ok)
+from tests.conftest import (RunningMesh, background_response_polled_to_its_end, engine_environment,
+                            free_port, wait_for_http_ok)
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 START_TIMEOUT_S = 300.0
@@ -401,4 +402,21 @@ def test_previous_response_id_continues_as_vllm_continues(
         return second.output_text, second.usage.input_tokens
 
     ours, vllms = (continuation(client) for client in clients)
+    assert ours == vllms
+
+
+def test_a_background_response_is_queued_made_and_cancelled_as_vllm_does(
+        clients: tuple[openai.OpenAI, openai.OpenAI]) -> None:
+    def lifecycle(client: openai.OpenAI) -> dict[str, Any]:
+        queued = client.responses.create(model=MODEL, temperature=0, max_output_tokens=16,
+                                         input="What is the capital of France?", background=True)
+        made = background_response_polled_to_its_end(client, queued.id)
+        long = client.responses.create(model=MODEL, input="Tell me a long story.", background=True,
+                                       max_output_tokens=500, extra_body={"ignore_eos": True})
+        cancelled = client.responses.cancel(long.id)
+        return {"queued": (queued.status, queued.background, queued.output),
+                "made": (made.status, made.output_text, made.background),
+                "cancelled": (cancelled.status, cancelled.output)}
+
+    ours, vllms = (lifecycle(client) for client in clients)
     assert ours == vllms

@@ -12,6 +12,7 @@ import grpc
 from backport.v1 import engine_pb2 as pb
 from backport.v1 import tokenizer_pb2
 
+from services.gateway.background_responses import BackgroundResponses
 from services.gateway.dispatch import EngineRoute
 from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_registry import RegistryWatcher
@@ -76,6 +77,7 @@ class GatewayBackend:
         self.response_store: ResponseStore = (
             RedisResponseStore.from_url(settings.redis_url, ttl_s=settings.response_ttl_s)
             if settings.redis_url else InMemoryResponseStore(ttl_s=settings.response_ttl_s))
+        self.background_responses = BackgroundResponses(self.response_store)
         self.model: ServedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connecting: asyncio.Task[None] | None = None
@@ -175,6 +177,8 @@ class GatewayBackend:
         return EngineRoute(self.pool, self.router, self.metrics, self.settings, session)
 
     async def close(self) -> None:
+        # First: what they store as they stop goes through the store, closed below.
+        await self.background_responses.aclose()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(self.tokenizer.close(), self.pool.close())

@@ -9,6 +9,10 @@ input; instructions are not carried over (OpenAI's rule).
 Kept in Redis (key `backport:response:<id>`, JSON) where the gateway has `--redis-url`, so every
 replica sees every response; else in this process, the oldest dropped first past
 `max_responses`, or `max_chars` of JSON (logprobs make a response large).
+
+A background response is stopped through the store too (`request_stop`, key
+`backport:response-stop:<id>`): the replica generating it looks there, whichever replica was
+asked to cancel or delete it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from redis.exceptions import RedisError
 
@@ -31,6 +35,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 3600.0
+
+# Why a background response was stopped: what its generator writes then.
+StopReason = Literal["cancelled", "deleted"]
+STOP_REASONS: tuple[StopReason, ...] = ("cancelled", "deleted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,10 @@ class ResponseStore(Protocol):
         """Whether there was such a response."""
         ...
 
+    async def request_stop(self, response_id: str, reason: StopReason) -> None: ...
+
+    async def stop_requested(self, response_id: str) -> StopReason | None: ...
+
     async def aclose(self) -> None: ...
 
 
@@ -82,6 +94,8 @@ class InMemoryResponseStore:
         self._clock = clock
         self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._num_chars = 0
+        # Kept past a DELETE of their response, whose generator looks for them; each for `ttl_s`.
+        self._stops: dict[str, tuple[StopReason, float]] = {}
 
     async def put(self, record: StoredResponse) -> None:
         self._drop(record.id)
@@ -99,6 +113,15 @@ class InMemoryResponseStore:
         is_kept = self._is_kept(response_id)
         return self._drop(response_id) and is_kept
 
+    async def request_stop(self, response_id: str, reason: StopReason) -> None:
+        now = self._clock()
+        self._stops = {id_: stop for id_, stop in self._stops.items() if stop[1] > now}
+        self._stops[response_id] = (reason, now + self._ttl_s)
+
+    async def stop_requested(self, response_id: str) -> StopReason | None:
+        stop = self._stops.get(response_id)
+        return stop[0] if stop is not None and stop[1] > self._clock() else None
+
     def _is_kept(self, response_id: str) -> bool:
         held = self._records.get(response_id)
         return held is not None and held[1] > self._clock()
@@ -112,6 +135,7 @@ class InMemoryResponseStore:
 
     async def aclose(self) -> None:
         self._records.clear()
+        self._stops.clear()
         self._num_chars = 0
 
 
@@ -119,6 +143,7 @@ class RedisResponseStore:
     """Responses shared by every gateway replica, in Redis, each for `ttl_s` from its making."""
 
     KEY_PREFIX = "backport:response:"
+    STOP_KEY_PREFIX = "backport:response-stop:"
 
     def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
         if ttl_s <= 0:
@@ -154,6 +179,13 @@ class RedisResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return bool(await self._call(self._redis.delete(self.redis_key(response_id))))
+
+    async def request_stop(self, response_id: str, reason: StopReason) -> None:
+        await self._call(self._redis.set(f"{self.STOP_KEY_PREFIX}{response_id}", reason, px=self._ttl_ms))
+
+    async def stop_requested(self, response_id: str) -> StopReason | None:
+        stored = await self._call(self._redis.get(f"{self.STOP_KEY_PREFIX}{response_id}"))
+        return next((reason for reason in STOP_REASONS if stored == reason.encode()), None)
 
     async def _call(self, pending: Any) -> Any:
         try:

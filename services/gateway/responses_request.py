@@ -29,13 +29,11 @@ from services.gateway.schemas import (CacheSalt, ChatCompletionRequest, check_va
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                      "response_format": "text", "reasoning_effort": "reasoning"}
 
-# Fields that need state this server does not keep (conversation objects, responses run in the
-# background to be polled, stored prompts): answering without them would silently drop what they
-# refer to.
+# Fields that need state this server does not keep (conversation objects, stored prompts):
+# answering without them would silently drop what they refer to.
 _STATEFUL_FIELDS = {
     "conversation": "conversation objects are not supported; continue a response by "
                     "previous_response_id, or send the whole conversation in input",
-    "background": "background responses are not supported",
     "prompt": "stored prompts are not supported; send instructions and input",
 }
 # The `include` value that asks for the output text's logprobs.
@@ -49,7 +47,7 @@ _UNMADE_INCLUDES = frozenset({
 
 
 # Fields OpenAI's Responses API lets a client send as null for their default.
-_NULL_MEANS_UNSET = frozenset({"parallel_tool_calls", "stream", "text"})
+_NULL_MEANS_UNSET = frozenset({"background", "parallel_tool_calls", "stream", "text"})
 # vLLM's fields that its Responses API takes as its chat API does: carried onto the chat request,
 # which checks them (`vllm_xargs`, not served, is a 400 there, as on chat).
 _VLLM_CHAT_FIELDS = frozenset({
@@ -229,6 +227,8 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningConfig | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     stream: bool = False
+    # Answered at once, `queued`, and generated after: polled by GET, stopped by cancel.
+    background: bool = False
     user: str | None = None
     metadata: dict[str, str] | None = None
     # OpenAI's default: stored, so a later request may continue it by `previous_response_id`.
@@ -332,6 +332,12 @@ class ResponsesRequest(BaseModel):
                                     f"names {self.tool_choice.name!r}, which is not among the tools")
         if self.text.format.type == "json_schema" and self.text.format.schema_ is None:
             raise RequestFieldError("text", "format json_schema needs a schema")
+        if self.background and self.store is False:
+            raise RequestFieldError("background", "a background response is stored to be polled; "
+                                                  "it cannot have store: false")
+        if self.background and self.stream:
+            raise RequestFieldError("stream", "a background response cannot be streamed here; poll "
+                                              "GET /v1/responses/{id} until its status is final")
         return self
 
     @property

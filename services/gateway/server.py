@@ -1,7 +1,8 @@
 """Entry point of the gateway: uvicorn until SIGTERM, then a drain before it stops.
 
 On SIGTERM (or Ctrl-C) the gateway keeps listening but answers new API requests 503 and
-`/health` 503, lets open requests finish (at most `drain_timeout_s`), then exits. A second
+`/health` 503, lets open requests and background responses finish (at most `drain_timeout_s`),
+then exits. A second
 signal stops at once. A signal while the gateway still waits for the mesh to answer stops it
 at once too: there is nothing to drain yet.
 """
@@ -62,15 +63,21 @@ class DrainingServer(uvicorn.Server):
         self.app.state.draining = True  # `/health` answers 503 from now on
         if not self.started:
             await self._stop_startup()
-        logger.info("draining %d open request(s)", self.traffic.num_in_flight)
+        logger.info("draining %d open request(s), %d background response(s)",
+                    self.traffic.num_in_flight, self._num_background_responses())
         deadline = time.monotonic() + self.drain_timeout_s
-        while self.traffic.num_in_flight and time.monotonic() < deadline:
+        while ((self.traffic.num_in_flight or self._num_background_responses())
+               and time.monotonic() < deadline):
             await asyncio.sleep(DRAIN_POLL_S)
         logger.info("drained; stopping")
         # uvicorn's graceful shutdown would wait for what is still open as long again: it gets
         # what is left of the drain (a second when the drain ran out), then cancels it.
         self.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
         self.should_exit = True
+
+    def _num_background_responses(self) -> int:
+        backend: GatewayBackend | None = getattr(self.app.state, "backend", None)
+        return backend.background_responses.num_running if backend is not None else 0
 
     async def _stop_startup(self) -> None:
         """Stops the lifespan's wait for the mesh: uvicorn looks at `should_exit` only once

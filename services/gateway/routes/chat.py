@@ -43,8 +43,8 @@ async def create_chat_completion(body: ChatCompletionRequest,
 
 
 @dataclass(frozen=True, slots=True)
-class StartedChatGeneration:
-    """A chat request's generation, started, and the output parser of each of its choices."""
+class ChatGeneration:
+    """A chat request's generation and the output parser of each of its choices."""
 
     request_id: str
     model_name: str
@@ -53,9 +53,17 @@ class StartedChatGeneration:
 
 
 async def start_chat_generation(body: ChatCompletionRequest, request: Request, *,
-                                request_id: str) -> StartedChatGeneration:
+                                request_id: str) -> ChatGeneration:
     """Renders, checks and starts a chat request; the Responses API is served through it too.
     `request_id` is the engine request's id, the one the client's response carries."""
+    prepared = await prepare_chat_generation(body, request, request_id=request_id)
+    await prepared.generation.start()
+    return prepared
+
+
+async def prepare_chat_generation(body: ChatCompletionRequest, request: Request, *,
+                                  request_id: str) -> ChatGeneration:
+    """Renders and checks a chat request; its generation starts on `start()` or when read."""
     backend = backend_of(request)
     model = check_model(backend, body.model)
     check_token_ids(model, body)
@@ -84,8 +92,7 @@ async def start_chat_generation(body: ChatCompletionRequest, request: Request, *
     parsers = [forced_tools.parser(backend.settings.reasoning_parser if is_thinking else None)
                if forced_tools else _output_parser(backend, body, is_thinking)
                for _ in range(body.n)]
-    await generation.start()
-    return StartedChatGeneration(request_id, model.name, generation, parsers)
+    return ChatGeneration(request_id, model.name, generation, parsers)
 
 
 async def render_chat_prompt(backend: GatewayBackend, model: ServedModel, body: ChatCompletionRequest,
@@ -164,7 +171,7 @@ def _output_parser(backend: GatewayBackend, body: ChatCompletionRequest,
 class _ChatCompletion:
     """Shapes one generation's deltas as chat.completion(.chunk) objects."""
 
-    def __init__(self, started: StartedChatGeneration, body: ChatCompletionRequest) -> None:
+    def __init__(self, started: ChatGeneration, body: ChatCompletionRequest) -> None:
         self.id = started.request_id
         self.created = now()
         self.model_name = started.model_name

@@ -22,10 +22,12 @@ close it on an empty delta. A call alone, or `include_reasoning: false` with a p
 Unless `store` is false, a response is stored as it was last sent
 (`services.gateway.response_store`), for GET and DELETE /v1/responses/{id} and for a later
 request's `previous_response_id`, which puts the stored conversation's items before that
-request's input.
+request's input. A `background` response is answered `queued` before its engine call starts and
+generated whole after (`services.gateway.background_responses`), stored `in_progress` once the
+engine runs it, then as it ended; POST /v1/responses/{id}/cancel stops it, `cancelled`.
 
-Not supported: `conversation` objects, `background` responses, stored `prompt`s (each a 400), the
-cancel and input-items endpoints, `truncation: "auto"` (an input beyond the context is a 400
+Not supported: `conversation` objects, stored `prompt`s (each a 400), streamed background
+responses, the input-items endpoint, `truncation: "auto"` (an input beyond the context is a 400
 either way), built-in and custom tools (web search, file search, code interpreter, computer use,
 MCP, custom; only function tools), input parts other than text (images, files, audio),
 encrypted reasoning, reasoning summaries (the reasoning comes as `reasoning_text` content,
@@ -47,6 +49,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from services.gateway.background_responses import BackgroundResponses, EarlyEnd
 from services.gateway.backend import ServedModel
 from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
@@ -54,8 +57,8 @@ from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.requests import backend_of
 from services.gateway.response_store import ResponseStore, StoredResponse, conversation_before
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
-from services.gateway.routes.chat import (StartedChatGeneration, chat_logprobs, parse_choice_delta,
-                                          start_chat_generation)
+from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
+                                          prepare_chat_generation, start_chat_generation)
 from services.gateway.schemas import now
 from services.gateway.sse import EventStreamResponse, sse_event
 
@@ -64,7 +67,9 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 ItemStatus = Literal["completed", "incomplete"]
-ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
+ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
+# The statuses of a background response still being generated.
+RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 
 
 @router.post("/responses", response_model=None)
@@ -77,7 +82,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         conversation = body.after(history)
     try:
         chat = conversation.chat_request()
-        started = await start_chat_generation(chat, request, request_id=_new_id("resp"))
+        # A background response's engine call starts after its answer; a refusal then fails it.
+        begin = prepare_chat_generation if body.background else start_chat_generation
+        started = await begin(chat, request, request_id=_new_id("resp"))
     except InvalidRequestError as error:
         # The chat path names its own fields; the client wrote ours.
         param = responses_param(error.param)
@@ -86,6 +93,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     record = _Record(backend.response_store, [*history, *body.input_items()]) if body.stores else None
     response = _Response(body, started, backend.served_model(), record,
                          includes_reasoning=chat.include_reasoning)
+    if body.background:
+        return JSONResponse(await response.in_background(backend.background_responses))
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
@@ -101,9 +110,35 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
 
 @router.delete("/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    if not await backend_of(request).response_store.delete(response_id):
+    backend = backend_of(request)
+    record = await backend.response_store.get(response_id)
+    if record is not None and record.response["status"] in RUNNING_STATUSES:
+        # Else its generator would store it again as it goes on.
+        await backend.background_responses.stop(response_id, "deleted")
+    if not await backend.response_store.delete(response_id):
         raise ResponseNotFoundError(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
+    """Stops a background response, which keeps what it was when stopped, `cancelled` (as in
+    vLLM: `queued` or `in_progress` ones have no output yet). Cancelling again answers the same."""
+    backend = backend_of(request)
+    record = await backend.response_store.get(response_id)
+    if record is None:
+        raise ResponseNotFoundError(response_id)
+    status = record.response["status"]
+    if status == "cancelled":
+        return record.response
+    if status not in RUNNING_STATUSES:
+        raise InvalidRequestError(f"response {response_id!r} is {status}: only a background "
+                                  "response still queued or in progress can be cancelled",
+                                  param="response_id")
+    cancelled = {**record.response, "status": "cancelled"}
+    await backend.response_store.put(StoredResponse(cancelled, record.input_items))
+    await backend.background_responses.stop(response_id, "cancelled")
+    return cancelled
 
 
 class ResponseNotFoundError(GatewayError):
@@ -273,7 +308,7 @@ class OutputItems:
 class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
-    def __init__(self, body: ResponsesRequest, started: StartedChatGeneration, model: ServedModel,
+    def __init__(self, body: ResponsesRequest, started: ChatGeneration, model: ServedModel,
                  record: _Record | None, *, includes_reasoning: bool) -> None:
         self.id = started.request_id
         self.record = record
@@ -289,6 +324,41 @@ class _Response:
         # Not where they would spell out the reasoning `include_reasoning: false` leaves out
         # (vLLM drops them wherever a parser reads the output), as on chat.
         self.shows_logprobs = body.includes_logprobs and (includes_reasoning or self.parser is None)
+
+    async def in_background(self, background: BackgroundResponses) -> dict[str, Any]:
+        """Stores the response `queued` and answers with it; `background` generates it after,
+        storing it as it goes (`in_progress` once the engine runs it) and as it ends."""
+        assert self.record is not None  # a background response is stored: the request says so
+        queued = self._shape("queued", [], None)
+        # Unlike a finished answer's, this write must not fail quietly: it is all there is to poll.
+        await self.record.store.put(StoredResponse(queued, self.record.input_items))
+        background.start(self.id, self._generate_in_background(), self._stopped_early)
+        return queued
+
+    async def _generate_in_background(self) -> None:
+        try:
+            await self.generation.start()
+            await self._finished(self._shape("in_progress", [], None))
+            await self.whole()
+            return
+        except GatewayError as error:
+            failure = error.message
+        except Exception:
+            logger.exception("background response %s failed", self.id)
+            failure = "internal error while generating"
+        await self._finished(self._shape("failed", [], None,
+                                         error={"code": "server_error", "message": failure}))
+
+    async def _stopped_early(self, end: EarlyEnd) -> None:
+        assert self.record is not None
+        if end == "deleted":
+            # What it was storing as it was deleted goes too.
+            await self.record.store.delete(self.id)
+        elif end == "cancelled":
+            await self._finished(self._shape("cancelled", [], None))
+        else:
+            await self._finished(self._shape("failed", [], None, error={
+                "code": "server_error", "message": "the gateway stopped before the response was made"}))
 
     async def whole(self) -> dict[str, Any]:
         choice = (await self.generation.collect())[0]
@@ -386,7 +456,7 @@ class _Response:
             "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
             "truncation": body.truncation or "disabled",
             "metadata": body.metadata or {}, "user": body.user, "store": self.record is not None,
-            "previous_response_id": body.previous_response_id,
+            "background": body.background, "previous_response_id": body.previous_response_id,
         }
 
 

@@ -1,0 +1,133 @@
+"""`BackgroundResponses`, alone: a generation runs to its end unless stopped here, on another
+replica (seen through the shared store), or by the gateway stopping; each early end is
+recorded once the generation is gone. The mesh's own tests are in tests/test_responses_store.py
+and tests/cluster/test_gateway_sessions_and_signals.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from services.gateway.background_responses import BackgroundResponses, EarlyEnd
+from services.gateway.response_store import InMemoryResponseStore, RedisResponseStore, StoredResponse
+
+POLL_S = 0.02
+
+
+class CountingWork:
+    """A generation of `steps` steps, counted; the engine's part is what the mesh tests run."""
+
+    def __init__(self, steps: int = 1000) -> None:
+        self.steps = steps
+        self.made = 0
+        self.was_cancelled = False
+        self.ends: list[EarlyEnd] = []
+        self.made_when_ended: int | None = None
+
+    async def generate(self) -> None:
+        try:
+            for _ in range(self.steps):
+                await asyncio.sleep(POLL_S / 4)
+                self.made += 1
+        except asyncio.CancelledError:
+            self.was_cancelled = True
+            raise
+
+    async def stopped(self, end: EarlyEnd) -> None:
+        self.made_when_ended = self.made
+        self.ends.append(end)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(POLL_S / 4)
+
+
+async def _stored(store: InMemoryResponseStore, response_id: str) -> None:
+    await store.put(StoredResponse({"id": response_id, "status": "queued", "output": []}, []))
+
+
+def test_a_generation_runs_to_its_end_and_records_no_early_end() -> None:
+    async def scenario() -> CountingWork:
+        store = InMemoryResponseStore()
+        background = BackgroundResponses(store, stop_poll_s=POLL_S)
+        generation = CountingWork(steps=10)
+        background.start("resp_a", generation.generate(), generation.stopped)
+        assert background.num_running == 1
+        await _until(lambda: background.num_running == 0)
+        return generation
+
+    generation = asyncio.run(scenario())
+    assert (generation.made, generation.was_cancelled, generation.ends) == (10, False, [])
+
+
+@pytest.mark.parametrize("reason", ["cancelled", "deleted"])
+def test_a_stop_here_ends_the_generation_before_recording_it(reason: EarlyEnd) -> None:
+    async def scenario() -> CountingWork:
+        store = InMemoryResponseStore()
+        await _stored(store, "resp_a")
+        background = BackgroundResponses(store, stop_poll_s=60)  # no poll: the stop is direct
+        generation = CountingWork()
+        background.start("resp_a", generation.generate(), generation.stopped)
+        await _until(lambda: generation.made > 2)
+        await background.stop("resp_a", reason)  # type: ignore[arg-type]
+        await _until(lambda: background.num_running == 0)
+        return generation
+
+    generation = asyncio.run(scenario())
+    assert generation.was_cancelled and generation.ends == [reason]
+    assert generation.made_when_ended == generation.made < 1000
+
+
+def test_a_stop_on_another_replica_reaches_the_generation_through_the_store() -> None:
+    async def scenario() -> CountingWork:
+        store = InMemoryResponseStore()
+        await _stored(store, "resp_a")
+        running_here = BackgroundResponses(store, stop_poll_s=POLL_S)
+        elsewhere = BackgroundResponses(store, stop_poll_s=POLL_S)
+        generation = CountingWork()
+        running_here.start("resp_a", generation.generate(), generation.stopped)
+        await _until(lambda: generation.made > 2)
+        await elsewhere.stop("resp_a", "cancelled")
+        await _until(lambda: running_here.num_running == 0)
+        return generation
+
+    generation = asyncio.run(scenario())
+    assert generation.was_cancelled and generation.ends == ["cancelled"]
+
+
+def test_a_gateway_that_closes_stops_what_runs_and_records_why() -> None:
+    async def scenario() -> list[CountingWork]:
+        background = BackgroundResponses(InMemoryResponseStore(), stop_poll_s=60)
+        generations = [CountingWork(), CountingWork()]
+        for index, generation in enumerate(generations):
+            background.start(f"resp_{index}", generation.generate(), generation.stopped)
+        await _until(lambda: all(generation.made for generation in generations))
+        await background.aclose()
+        assert background.num_running == 0
+        return generations
+
+    for generation in asyncio.run(scenario()):
+        assert generation.was_cancelled and generation.ends == ["gateway_stopped"]
+
+
+def test_the_stores_keep_a_stop_past_the_response_deleted(redis_url: str) -> None:
+    """A DELETE removes the response before its generator, on whichever replica, looks."""
+    async def scenario(store: InMemoryResponseStore | RedisResponseStore) -> list[object]:
+        try:
+            await store.put(StoredResponse({"id": "resp_s", "status": "queued", "output": []}, []))
+            seen: list[object] = [await store.stop_requested("resp_s")]
+            await store.request_stop("resp_s", "deleted")
+            await store.delete("resp_s")
+            seen.append(await store.stop_requested("resp_s"))
+            await store.request_stop("resp_s", "cancelled")
+            seen.append(await store.stop_requested("resp_s"))
+            return seen
+        finally:
+            await store.aclose()
+
+    for store in (InMemoryResponseStore(), RedisResponseStore.from_url(redis_url)):
+        assert asyncio.run(scenario(store)) == [None, "deleted", "cancelled"]
