@@ -131,3 +131,48 @@ def test_the_stores_keep_a_stop_past_the_response_deleted(redis_url: str) -> Non
 
     for store in (InMemoryResponseStore(), RedisResponseStore.from_url(redis_url)):
         assert asyncio.run(scenario(store)) == [None, "deleted", "cancelled"]
+
+
+def test_the_stores_give_a_stream_s_events_after_any_number_as_they_come(redis_url: str) -> None:
+    """A reader that came first waits for each event; one that came later starts after the
+    number it names; a delete ends both."""
+    async def scenario(store: InMemoryResponseStore | RedisResponseStore) -> list[object]:
+        try:
+            await store.put(StoredResponse({"id": "resp_e", "status": "queued", "output": []}, []))
+            assert not await store.has_events("resp_e")
+            await store.append_event("resp_e", 0, "zero")
+
+            async def read(after: int, response_id: str = "resp_e") -> list[str]:
+                return [event async for event in store.events_after(response_id, after)]
+
+            from_the_start = asyncio.ensure_future(read(-1))
+            await asyncio.sleep(POLL_S)
+            await store.append_event("resp_e", 1, "one")
+            await store.append_event("resp_e", 2, "two")
+            await store.end_events("resp_e", 3)
+            whole = [await from_the_start, await read(0), await read(2), await store.has_events("resp_e")]
+            await store.append_event("resp_f", 0, "f-zero")
+            waiting = asyncio.ensure_future(read(-1, "resp_f"))
+            await asyncio.sleep(POLL_S)
+            await store.delete("resp_f")
+            whole.append(await asyncio.wait_for(waiting, 5))
+            return whole
+        finally:
+            await store.aclose()
+
+    for store in (InMemoryResponseStore(), RedisResponseStore.from_url(redis_url)):
+        assert asyncio.run(scenario(store)) == [["zero", "one", "two"], ["one", "two"], [], True,
+                                                ["f-zero"]]
+
+
+def test_the_in_process_store_holds_at_most_its_characters_of_events() -> None:
+    """A stream's events (each delta a whole event) outweigh its response: they count too."""
+    store = InMemoryResponseStore(max_chars=250)
+
+    async def held() -> list[bool]:
+        for index in range(4):
+            for number in range(2):
+                await store.append_event(f"resp_{index}", number, "x" * 50)
+        return [await store.has_events(f"resp_{index}") for index in range(4)]
+
+    assert asyncio.run(held()) == [False, False, True, True]

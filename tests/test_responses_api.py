@@ -174,7 +174,6 @@ def test_the_response_and_its_events_validate_as_the_client_types(mesh: RunningM
     ({"conversation": "conv_123"}, "conversation", "not supported"),
     ({"conversation": {"id": "conv_123"}}, "conversation", "not supported"),
     ({"background": True, "store": False}, "background", "cannot have store: false"),
-    ({"background": True, "stream": True}, "stream", "cannot be streamed"),
     ({"prompt": {"id": "pmpt_123"}}, "prompt", "stored prompts"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs",
      "less than or equal to 20"),

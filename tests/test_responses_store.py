@@ -319,3 +319,47 @@ def test_only_a_running_background_response_can_be_cancelled(client: openai.Open
     assert refused.value.body["param"] == "response_id" and "incomplete" in refused.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_unknown")
+
+
+def test_a_background_stream_outlives_its_client_and_is_read_again_from_any_event(
+        client: openai.OpenAI) -> None:
+    asked = {"model": MODEL, "input": "Name three colours.", "temperature": 0, "max_output_tokens": 12}
+    stream = client.responses.create(**asked, background=True, stream=True)
+    first_three = [event for _, event in zip(range(3), stream, strict=False)]
+    stream.close()  # the client goes; the response is still made
+    response_id = first_three[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    events = [*first_three, *rest]
+    assert (events[0].type, events[0].response.status) == ("response.created", "queued")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"
+    assert [event.model_dump() for event in client.responses.retrieve(response_id, stream=True)] == [
+        event.model_dump() for event in events]
+    assert client.responses.retrieve(response_id).model_dump() == events[-1].response.model_dump()
+    at_once = [event.type for event in client.responses.create(**asked, stream=True)]
+    assert [event.type for event in events[1:]] == at_once[1:]
+    assert events[-1].response.output_text == client.responses.create(**asked).output_text
+
+
+def test_a_background_stream_cancelled_ends_as_an_aborted_stream_does(client: openai.OpenAI,
+                                                                       mesh: RunningMesh) -> None:
+    stream = client.responses.create(model=MODEL, input="Tell a long story.", background=True,
+                                     stream=True, max_output_tokens=LONG_TOKENS,
+                                     extra_body={"ignore_eos": True})
+    events: list[Any] = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta" and events[-2].type != event.type:
+            client.responses.cancel(events[0].response.id)  # at its first text
+    assert (events[-1].type, events[-1].response.status) == ("response.incomplete", "cancelled")
+    assert engines_idle_within([mesh.engine_address], 10)
+
+
+def test_only_a_background_stream_is_streamed_again(client: openai.OpenAI) -> None:
+    made = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, background=True)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.retrieve(made.id, stream=True)
+    assert refused.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.retrieve(made.id, stream=True, starting_after=-1)
+    assert refused.value.body["param"] == "starting_after"

@@ -414,9 +414,18 @@ def test_a_background_response_is_queued_made_and_cancelled_as_vllm_does(
         long = client.responses.create(model=MODEL, input="Tell me a long story.", background=True,
                                        max_output_tokens=500, extra_body={"ignore_eos": True})
         cancelled = client.responses.cancel(long.id)
+        streamed = list(client.responses.create(model=MODEL, temperature=0, max_output_tokens=16,
+                                                input="What is the capital of France?",
+                                                background=True, stream=True))
+        again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=3))
         return {"queued": (queued.status, queued.background, queued.output),
                 "made": (made.status, made.output_text, made.background),
-                "cancelled": (cancelled.status, cancelled.output)}
+                "cancelled": (cancelled.status, cancelled.output),
+                "streamed": [(event.type, event.sequence_number) for event in streamed],
+                # The first event's response is `queued` here, as it is stored and retrieved (in
+                # both) and as OpenAI's begin; vLLM's stream says `in_progress`.
+                "streamed text": streamed[-1].response.output_text,
+                "streamed again": [event.sequence_number for event in again]}
 
     ours, vllms = (lifecycle(client) for client in clients)
     assert ours == vllms

@@ -208,9 +208,9 @@ _UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "none"}
 
 
 def field_path(location: tuple[int | str, ...] | list[int | str]) -> list[int | str]:
-    """A validation error's location as the client's fields: without the leading `body` and the
-    names of union members tried."""
-    parts = list(location)[1:] if location and location[0] == "body" else list(location)
+    """A validation error's location as the client's fields: without the leading `body` (or
+    `query`, for a query parameter) and the names of union members tried."""
+    parts = list(location)[1:] if location and location[0] in ("body", "query") else list(location)
     return [part for part in parts if isinstance(part, int) or not (
         part[:1].isupper() or "[" in part or part in _UNION_MEMBER_NAMES)]
 

@@ -12,17 +12,20 @@ replica sees every response; else in this process, the oldest dropped first past
 
 A background response is stopped through the store too (`request_stop`, key
 `backport:response-stop:<id>`): the replica generating it looks there, whichever replica was
-asked to cancel or delete it.
+asked to cancel or delete it. A streamed one's events are kept there as well, for as long as the
+response, so that any replica can stream them again (`events_after`; a Redis stream
+`backport:response-events:<id>`, entry `n+1-0` holding event `n`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from redis.exceptions import RedisError
@@ -76,12 +79,36 @@ class ResponseStore(Protocol):
 
     async def stop_requested(self, response_id: str) -> StopReason | None: ...
 
+    async def append_event(self, response_id: str, number: int, event: str) -> None:
+        """Adds event `number` (0, 1, ... in order) of a background response's stream."""
+        ...
+
+    async def end_events(self, response_id: str, number: int) -> None:
+        """Ends the stream, whose last event was `number - 1`."""
+        ...
+
+    async def has_events(self, response_id: str) -> bool: ...
+
+    def events_after(self, response_id: str, number: int) -> AsyncGenerator[str, None]:
+        """The stream's events after event `number` (-1: all), each as it is added, until the
+        stream ends or is deleted with its response."""
+        ...
+
     async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _EventLog:
+    events: list[str] = field(default_factory=list)
+    num_chars: int = 0
+    has_ended: bool = False
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
 
 class InMemoryResponseStore:
     """One process's responses, each kept `ttl_s`; the oldest go first once more than
-    `max_responses`, or `max_chars` characters of their JSON, are held. Kept encoded, as Redis
+    `max_responses`, or `max_chars` characters of their JSON, are held (background streams'
+    events likewise, apart). Kept encoded, as Redis
     keeps them: what a caller later changes in the dicts it stored does not change the store."""
 
     def __init__(self, *, ttl_s: float = DEFAULT_TTL_S, max_responses: int = 4096,
@@ -96,6 +123,10 @@ class InMemoryResponseStore:
         self._num_chars = 0
         # Kept past a DELETE of their response, whose generator looks for them; each for `ttl_s`.
         self._stops: dict[str, tuple[StopReason, float]] = {}
+        # Each for `ttl_s` from its first event; the oldest go first past `max_responses` of
+        # them, or `max_chars` characters of events.
+        self._event_logs: OrderedDict[str, tuple[_EventLog, float]] = OrderedDict()
+        self._num_event_chars = 0
 
     async def put(self, record: StoredResponse) -> None:
         self._drop(record.id)
@@ -111,6 +142,7 @@ class InMemoryResponseStore:
     async def delete(self, response_id: str) -> bool:
         # One past its TTL is gone, as `get` says, though not yet dropped.
         is_kept = self._is_kept(response_id)
+        await self._drop_events(response_id)
         return self._drop(response_id) and is_kept
 
     async def request_stop(self, response_id: str, reason: StopReason) -> None:
@@ -121,6 +153,63 @@ class InMemoryResponseStore:
     async def stop_requested(self, response_id: str) -> StopReason | None:
         stop = self._stops.get(response_id)
         return stop[0] if stop is not None and stop[1] > self._clock() else None
+
+    async def append_event(self, response_id: str, number: int, event: str) -> None:
+        log = self._event_log(response_id)
+        if log is None:
+            if number:
+                return  # deleted (or dropped) while it was being written
+            now = self._clock()
+            while self._event_logs and (len(self._event_logs) >= self._max_responses
+                                        or next(iter(self._event_logs.values()))[1] <= now):
+                await self._drop_events(next(iter(self._event_logs)))
+            log = _EventLog()
+            self._event_logs[response_id] = (log, now + self._ttl_s)
+        async with log.changed:
+            log.events.append(event)
+            log.num_chars += len(event)
+            log.changed.notify_all()
+        self._num_event_chars += len(event)
+        while self._num_event_chars > self._max_chars and next(iter(self._event_logs)) != response_id:
+            await self._drop_events(next(iter(self._event_logs)))
+
+    async def end_events(self, response_id: str, number: int) -> None:
+        log = self._event_log(response_id)
+        if log is not None:
+            await self._end(log)
+
+    async def has_events(self, response_id: str) -> bool:
+        return self._event_log(response_id) is not None
+
+    async def events_after(self, response_id: str, number: int) -> AsyncGenerator[str, None]:
+        log = self._event_log(response_id)
+        if log is None:
+            return
+        index = number + 1
+        while True:
+            async with log.changed:
+                await log.changed.wait_for(lambda: len(log.events) > index or log.has_ended)
+            while index < len(log.events):
+                yield log.events[index]
+                index += 1
+            if log.has_ended:
+                return
+
+    def _event_log(self, response_id: str) -> _EventLog | None:
+        held = self._event_logs.get(response_id)
+        return held[0] if held is not None and held[1] > self._clock() else None
+
+    async def _drop_events(self, response_id: str) -> None:
+        held = self._event_logs.pop(response_id, None)
+        if held is not None:
+            self._num_event_chars -= held[0].num_chars
+            await self._end(held[0])  # its readers stop
+
+    @staticmethod
+    async def _end(log: _EventLog) -> None:
+        async with log.changed:
+            log.has_ended = True
+            log.changed.notify_all()
 
     def _is_kept(self, response_id: str) -> bool:
         held = self._records.get(response_id)
@@ -134,6 +223,8 @@ class InMemoryResponseStore:
         return True
 
     async def aclose(self) -> None:
+        for response_id in list(self._event_logs):
+            await self._drop_events(response_id)
         self._records.clear()
         self._stops.clear()
         self._num_chars = 0
@@ -144,6 +235,10 @@ class RedisResponseStore:
 
     KEY_PREFIX = "backport:response:"
     STOP_KEY_PREFIX = "backport:response-stop:"
+    EVENTS_KEY_PREFIX = "backport:response-events:"
+    # How long a reader's XREAD waits for the next event before it looks whether the stream is
+    # still there: under the client's 2 s socket timeout.
+    EVENTS_WAIT_MS = 1000
 
     def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
         if ttl_s <= 0:
@@ -178,6 +273,7 @@ class RedisResponseStore:
             return None
 
     async def delete(self, response_id: str) -> bool:
+        await self._call(self._redis.delete(self._events_key(response_id)))
         return bool(await self._call(self._redis.delete(self.redis_key(response_id))))
 
     async def request_stop(self, response_id: str, reason: StopReason) -> None:
@@ -186,6 +282,41 @@ class RedisResponseStore:
     async def stop_requested(self, response_id: str) -> StopReason | None:
         stored = await self._call(self._redis.get(f"{self.STOP_KEY_PREFIX}{response_id}"))
         return next((reason for reason in STOP_REASONS if stored == reason.encode()), None)
+
+    async def append_event(self, response_id: str, number: int, event: str) -> None:
+        await self._add_entry(response_id, number, {"event": event})
+
+    async def end_events(self, response_id: str, number: int) -> None:
+        await self._add_entry(response_id, number, {"end": "1"})
+
+    async def has_events(self, response_id: str) -> bool:
+        return bool(await self._call(self._redis.exists(self._events_key(response_id))))
+
+    async def events_after(self, response_id: str, number: int) -> AsyncGenerator[str, None]:
+        key = self._events_key(response_id)
+        last_id = f"{number + 1}-0"
+        while True:
+            read = await self._call(self._redis.xread({key: last_id}, count=256,
+                                                      block=self.EVENTS_WAIT_MS))
+            if not read:
+                if not await self._call(self._redis.exists(key)):
+                    return  # deleted with its response, or expired
+                continue
+            for entry_id, entry in read[0][1]:
+                if b"end" in entry:
+                    return
+                yield entry[b"event"].decode()
+                last_id = entry_id
+
+    async def _add_entry(self, response_id: str, number: int, entry: dict[str, str]) -> None:
+        key = self._events_key(response_id)
+        async with self._redis.pipeline(transaction=False) as pipeline:
+            pipeline.xadd(key, entry, id=f"{number + 1}-0")
+            pipeline.pexpire(key, self._ttl_ms)
+            await self._call(pipeline.execute())
+
+    def _events_key(self, response_id: str) -> str:
+        return f"{self.EVENTS_KEY_PREFIX}{response_id}"
 
     async def _call(self, pending: Any) -> Any:
         try:

@@ -335,9 +335,6 @@ class ResponsesRequest(BaseModel):
         if self.background and self.store is False:
             raise RequestFieldError("background", "a background response is stored to be polled; "
                                                   "it cannot have store: false")
-        if self.background and self.stream:
-            raise RequestFieldError("stream", "a background response cannot be streamed here; poll "
-                                              "GET /v1/responses/{id} until its status is final")
         return self
 
     @property

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from services.mesh.channels import wait_until_serving
@@ -230,3 +231,18 @@ def test_a_gateway_drains_its_background_responses_then_records_those_left_as_fa
     assert seen["status"] == "failed"
     assert seen["error"] == {"code": "server_error",
                              "message": "the gateway stopped before the response was made"}
+
+
+def test_a_background_stream_is_read_again_on_another_replica(start_gateway: StartGateway,
+                                                              redis_url: str) -> None:
+    """Its events are in Redis: a client that lost the stream resumes it on any replica."""
+    generating, other = (start_gateway("--redis-url", redis_url) for _ in range(2))
+    stream = openai.OpenAI(base_url=generating.base_url, api_key="unused", max_retries=0).responses.create(
+        model=MODEL, input="Tell a long story.", background=True, stream=True, max_output_tokens=8)
+    first_two = [event for _, event in zip(range(2), stream, strict=False)]
+    stream.close()
+    on_other = openai.OpenAI(base_url=other.base_url, api_key="unused", max_retries=0)
+    rest = list(on_other.responses.retrieve(first_two[0].response.id, stream=True, starting_after=1))
+    events = [*first_two, *rest]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text

@@ -23,16 +23,17 @@ Unless `store` is false, a response is stored as it was last sent
 (`services.gateway.response_store`), for GET and DELETE /v1/responses/{id} and for a later
 request's `previous_response_id`, which puts the stored conversation's items before that
 request's input. A `background` response is answered `queued` before its engine call starts and
-generated whole after (`services.gateway.background_responses`), stored `in_progress` once the
-engine runs it, then as it ended; POST /v1/responses/{id}/cancel stops it, `cancelled`.
+generated after (`services.gateway.background_responses`), stored `in_progress` once the engine
+runs it, then as it ended; POST /v1/responses/{id}/cancel stops it, `cancelled`. Streamed, its
+events go to the store as they are made, and the client reads them from there: GET
+/v1/responses/{id}?stream=true (`starting_after`) reads them again, on any replica.
 
-Not supported: `conversation` objects, stored `prompt`s (each a 400), streamed background
-responses, the input-items endpoint, `truncation: "auto"` (an input beyond the context is a 400
-either way), built-in and custom tools (web search, file search, code interpreter, computer use,
-MCP, custom; only function tools), input parts other than text (images, files, audio),
-encrypted reasoning, reasoning summaries (the reasoning comes as `reasoning_text` content,
-`summary` stays empty), and more than one output choice (`include` values naming output never
-made here are accepted).
+Not supported: `conversation` objects, stored `prompt`s (each a 400), the input-items endpoint,
+`truncation: "auto"` (an input beyond the context is a 400 either way), built-in and custom
+tools (web search, file search, code interpreter, computer use, MCP, custom; only function
+tools), input parts other than text (images, files, audio), encrypted reasoning, reasoning
+summaries (the reasoning comes as `reasoning_text` content, `summary` stays empty), and more than
+one output choice (`include` values naming output never made here are accepted).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
@@ -94,18 +95,32 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     response = _Response(body, started, backend.served_model(), record,
                          includes_reasoning=chat.include_reasoning)
     if body.background:
-        return JSONResponse(await response.in_background(backend.background_responses))
+        queued = await response.in_background(backend.background_responses)
+        if body.stream:
+            return EventStreamResponse(backend.response_store.events_after(response.id, -1))
+        return JSONResponse(queued)
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
 
 
-@router.get("/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-    record = await backend_of(request).response_store.get(response_id)
+@router.get("/responses/{response_id}", response_model=None)
+async def retrieve_response(response_id: str, request: Request, stream: bool = False,
+                            starting_after: Annotated[int | None, Query(ge=0)] = None,
+                            ) -> dict[str, Any] | EventStreamResponse:
+    """The response as last stored; or, `stream`ed, a background stream's events again, those
+    after event `starting_after` (all without it), then each as it is made."""
+    store = backend_of(request).response_store
+    record = await store.get(response_id)
     if record is None:
         raise ResponseNotFoundError(response_id)
-    return record.response
+    if not stream:
+        return record.response
+    if not await store.has_events(response_id):
+        raise InvalidRequestError(f"response {response_id!r} was not streamed in the background; "
+                                  "retrieve it without stream", param="stream")
+    return EventStreamResponse(store.events_after(
+        response_id, starting_after if starting_after is not None else -1))
 
 
 @router.delete("/responses/{response_id}")
@@ -305,6 +320,22 @@ class OutputItems:
         return self._open_index
 
 
+class _StoredEvents:
+    """A streamed background response's events, numbered as they go to the store."""
+
+    def __init__(self, store: ResponseStore, response_id: str) -> None:
+        self.store = store
+        self.response_id = response_id
+        self.next_number = 0
+
+    async def append(self, event: dict[str, Any]) -> None:
+        await self.store.append_event(self.response_id, self.next_number, _sse(event, self.next_number))
+        self.next_number += 1
+
+    async def end(self) -> None:
+        await self.store.end_events(self.response_id, self.next_number)
+
+
 class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
@@ -324,41 +355,66 @@ class _Response:
         # Not where they would spell out the reasoning `include_reasoning: false` leaves out
         # (vLLM drops them wherever a parser reads the output), as on chat.
         self.shows_logprobs = body.includes_logprobs and (includes_reasoning or self.parser is None)
+        # Where a streamed background response's events go.
+        self._log: _StoredEvents | None = None
 
     async def in_background(self, background: BackgroundResponses) -> dict[str, Any]:
         """Stores the response `queued` and answers with it; `background` generates it after,
-        storing it as it goes (`in_progress` once the engine runs it) and as it ends."""
+        storing it as it goes (`in_progress` once the engine runs it) and as it ends. Streamed,
+        its events go to the store, `response.created` first, for `events_after` to read."""
         assert self.record is not None  # a background response is stored: the request says so
         queued = self._shape("queued", [], None)
-        # Unlike a finished answer's, this write must not fail quietly: it is all there is to poll.
+        # Unlike a finished answer's, these writes must not fail quietly: they are all there is.
         await self.record.store.put(StoredResponse(queued, self.record.input_items))
+        if self.body.stream:
+            self._log = _StoredEvents(self.record.store, self.id)
+            await self._log.append({"type": "response.created", "response": queued})
         background.start(self.id, self._generate_in_background(), self._stopped_early)
         return queued
 
     async def _generate_in_background(self) -> None:
+        log = self._log
         try:
             await self.generation.start()
             await self._finished(self._shape("in_progress", [], None))
-            await self.whole()
-            return
+            if log is None:
+                await self.whole()
+                return
         except GatewayError as error:
-            failure = error.message
+            await self._fail_in_background(_error_event(error))
+            return
         except Exception:
             logger.exception("background response %s failed", self.id)
-            failure = "internal error while generating"
-        await self._finished(self._shape("failed", [], None,
-                                         error={"code": "server_error", "message": failure}))
+            await self._fail_in_background(_internal_error_event())
+            return
+        # The stream makes its own failure events.
+        async with aclosing(self._stream(announces_creation=False)) as events:
+            async for event in events:
+                await log.append(event)
+        await log.end()
+
+    async def _fail_in_background(self, failure: dict[str, Any]) -> None:
+        events = await self._failure(OutputItems(), failure)
+        if self._log is not None:
+            for event in events:
+                await self._log.append(event)
+            await self._log.end()
 
     async def _stopped_early(self, end: EarlyEnd) -> None:
         assert self.record is not None
         if end == "deleted":
             # What it was storing as it was deleted goes too.
             await self.record.store.delete(self.id)
-        elif end == "cancelled":
-            await self._finished(self._shape("cancelled", [], None))
-        else:
-            await self._finished(self._shape("failed", [], None, error={
-                "code": "server_error", "message": "the gateway stopped before the response was made"}))
+            return
+        if end == "gateway_stopped":
+            await self._fail_in_background({"type": "error", "code": "server_error", "param": None,
+                                            "message": "the gateway stopped before the response was made"})
+            return
+        cancelled = await self._finished(self._shape("cancelled", [], None))
+        if self._log is not None:
+            # A cancelled stream ends as one the engine aborted does.
+            await self._log.append({"type": "response.incomplete", "response": cancelled})
+            await self._log.end()
 
     async def whole(self) -> dict[str, Any]:
         choice = (await self.generation.collect())[0]
@@ -372,16 +428,18 @@ class _Response:
 
     async def events(self) -> AsyncGenerator[str, None]:
         """The stream; an error once it has begun is an `error` event, and the stream ends."""
-        sequence_numbers = itertools.count()
+        numbers = itertools.count()
+        async with aclosing(self._stream()) as events:
+            async for event in events:
+                yield _sse(event, next(numbers))
 
-        def sse(event: dict[str, Any]) -> str:
-            event["sequence_number"] = next(sequence_numbers)
-            return f"event: {event['type']}\n{sse_event(event)}"
-
+    async def _stream(self, *, announces_creation: bool = True) -> AsyncGenerator[dict[str, Any], None]:
+        """The stream's events, not yet numbered."""
         opening = self._shape("in_progress", [], None)
         try:
-            yield sse({"type": "response.created", "response": opening})
-            yield sse({"type": "response.in_progress", "response": opening})
+            if announces_creation:
+                yield {"type": "response.created", "response": opening}
+            yield {"type": "response.in_progress", "response": opening}
         except GeneratorExit:
             # The client went before the deltas were read, which leaves the engine call started.
             self.generation.cancel()
@@ -395,32 +453,33 @@ class _Response:
                 async for delta in deltas:
                     for event in output.add(parse_choice_delta(self.parser, delta),
                                             self._logprobs(delta.logprobs)):
-                        yield sse(event)
+                        yield event
                     finish_reason = delta.finish_reason or finish_reason
         except GatewayError as error:
-            failure = {"type": "error", "code": error.code or error.type, "message": error.message,
-                       "param": error.param}
+            failure = _error_event(error)
         except Exception:
             logger.exception("response stream failed")
-            failure = {"type": "error", "code": "internal_error",
-                       "message": "internal error while streaming", "param": None}
+            failure = _internal_error_event()
         if failure is not None:
-            # The item being written will never be finished: it ends `incomplete`, not left
-            # `in_progress`. The `error` event says what went wrong; `response.failed` ends the
-            # response's lifecycle, as a stream's last event must, with what was generated.
-            for event in output.close("incomplete"):
-                yield sse(event)
-            yield sse(failure)
-            yield sse({"type": "response.failed", "response": await self._finished(self._shape(
-                "failed", output.items, self.generation.usage,
-                error={"code": "server_error", "message": failure["message"]}))})
+            for event in await self._failure(output, failure):
+                yield event
             return
         status = _status(finish_reason)
         for event in output.close(_item_status(status)):
-            yield sse(event)
+            yield event
         event_type = "response.incomplete" if status == "cancelled" else f"response.{status}"
-        yield sse({"type": event_type, "response": await self._finished(
-            self._shape(status, output.items, self.generation.usage))})
+        yield {"type": event_type, "response": await self._finished(
+            self._shape(status, output.items, self.generation.usage))}
+
+    async def _failure(self, output: OutputItems, failure: dict[str, Any]) -> list[dict[str, Any]]:
+        """The last events of a stream that failed. The item being written will never be
+        finished: it ends `incomplete`, not left `in_progress`. The `error` event says what went
+        wrong; `response.failed` ends the response's lifecycle, as a stream's last event must,
+        with what was generated."""
+        events = [*output.close("incomplete"), failure]
+        failed = await self._finished(self._shape("failed", output.items, self.generation.usage, error={
+            "code": "server_error", "message": failure["message"]}))
+        return [*events, {"type": "response.failed", "response": failed}]
 
     async def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
         """The response as last sent, stored first where it asked to be."""
@@ -458,6 +517,21 @@ class _Response:
             "metadata": body.metadata or {}, "user": body.user, "store": self.record is not None,
             "background": body.background, "previous_response_id": body.previous_response_id,
         }
+
+
+def _sse(event: dict[str, Any], number: int) -> str:
+    event["sequence_number"] = number
+    return f"event: {event['type']}\n{sse_event(event)}"
+
+
+def _error_event(error: GatewayError) -> dict[str, Any]:
+    return {"type": "error", "code": error.code or error.type, "message": error.message,
+            "param": error.param}
+
+
+def _internal_error_event() -> dict[str, Any]:
+    return {"type": "error", "code": "internal_error", "message": "internal error while streaming",
+            "param": None}
 
 
 def _status(finish_reason: str | None) -> ResponseStatus:
