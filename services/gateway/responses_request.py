@@ -15,6 +15,7 @@ alternatives each; without it `top_logprobs` asks for nothing, as in vLLM.
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
@@ -95,7 +96,12 @@ InputItemStatus = Literal["in_progress", "completed", "incomplete"]
 _UNFINISHED = ("in_progress", "incomplete")
 
 
-class MessageItem(_Item):
+class _InputItem(_Item):
+    # Kept as given, or made when the item is stored (`input_items`), for the items listing.
+    id: str | None = None
+
+
+class MessageItem(_InputItem):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: list[TextPart | RefusalPart] | str
@@ -108,14 +114,14 @@ class MessageItem(_Item):
                 else {"type": "refusal", "refusal": part.refusal} for part in self.content]
 
 
-class FunctionCallItem(_Item):
+class FunctionCallItem(_InputItem):
     type: Literal["function_call"]
     call_id: str
     name: str = Field(min_length=1)
     arguments: str
 
 
-class FunctionCallOutputItem(_Item):
+class FunctionCallOutputItem(_InputItem):
     type: Literal["function_call_output"]
     call_id: str
     output: list[TextPart] | str
@@ -129,7 +135,7 @@ class ReasoningText(_Item):
     text: str
 
 
-class ReasoningItem(_Item):
+class ReasoningItem(_InputItem):
     type: Literal["reasoning"]
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
@@ -143,6 +149,9 @@ class ReasoningItem(_Item):
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+# The prefix of the id each type of input item is stored with where the client gave none.
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                     "reasoning": "rs"}
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
@@ -346,8 +355,10 @@ class ResponsesRequest(BaseModel):
         return self.store is not False
 
     def input_items(self) -> list[dict[str, Any]]:
-        """The request's own input as items, as a stored response keeps it."""
-        return [item.model_dump(exclude_none=True) for item in self._own_items()]
+        """The request's own input as items, as a stored response keeps it: each with an `id`,
+        a new one where the client gave none."""
+        return [{"id": f"{_ITEM_ID_PREFIXES[item.type]}_{uuid.uuid4().hex}",
+                 **item.model_dump(exclude_none=True)} for item in self._own_items()]
 
     def _own_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         # A string input is one user message.

@@ -28,12 +28,14 @@ runs it, then as it ended; POST /v1/responses/{id}/cancel stops it, `cancelled`.
 events go to the store as they are made, and the client reads them from there: GET
 /v1/responses/{id}?stream=true (`starting_after`) reads them again, on any replica.
 
-Not supported: `conversation` objects, stored `prompt`s (each a 400), the input-items endpoint,
-`truncation: "auto"` (an input beyond the context is a 400 either way), built-in and custom
-tools (web search, file search, code interpreter, computer use, MCP, custom; only function
-tools), input parts other than text (images, files, audio), encrypted reasoning, reasoning
-summaries (the reasoning comes as `reasoning_text` content, `summary` stays empty), and more than
-one output choice (`include` values naming output never made here are accepted).
+GET /v1/responses/{id}/input_items lists the items a stored response was made from.
+
+Not supported: `conversation` objects, stored `prompt`s (each a 400), `truncation: "auto"` (an
+input beyond the context is a 400 either way), built-in and custom tools (web search, file
+search, code interpreter, computer use, MCP, custom; only function tools), input parts other
+than text (images, files, audio), encrypted reasoning, reasoning summaries (the reasoning comes
+as `reasoning_text` content, `summary` stays empty), and more than one output choice (`include`
+values naming output never made here are accepted).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from services.gateway.background_responses import BackgroundResponses, EarlyEnd
 from services.gateway.backend import ServedModel
 from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
+from services.gateway.input_items import Order, input_items_page
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.requests import backend_of
 from services.gateway.response_store import ResponseStore, StoredResponse, conversation_before
@@ -121,6 +124,18 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
                                   "retrieve it without stream", param="stream")
     return EventStreamResponse(store.events_after(
         response_id, starting_after if starting_after is not None else -1))
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Order = "desc",
+                           after: str | None = None, before: str | None = None) -> dict[str, Any]:
+    """The items the response was made from (`services.gateway.input_items`); `include` asks
+    for nothing this server makes, and is not read."""
+    record = await backend_of(request).response_store.get(response_id)
+    if record is None:
+        raise ResponseNotFoundError(response_id)
+    return input_items_page(record.input_items, order=order, limit=limit, after=after, before=before)
 
 
 @router.delete("/responses/{response_id}")
