@@ -176,3 +176,57 @@ def test_the_in_process_store_holds_at_most_its_characters_of_events() -> None:
         return [await store.has_events(f"resp_{index}") for index in range(4)]
 
     assert asyncio.run(held()) == [False, False, True, True]
+
+
+def test_a_generation_that_ends_with_a_stop_pending_is_recorded_as_stopped() -> None:
+    """Its last writes were refused by the store; its end must still be recorded."""
+    async def scenario() -> CountingWork:
+        store = InMemoryResponseStore()
+        await _stored(store, "resp_a")
+        running_here = BackgroundResponses(store, stop_poll_s=60)  # never polls before the end
+        generation = CountingWork(steps=20)
+        running_here.start("resp_a", generation.generate(), generation.stopped)
+        await _until(lambda: generation.made > 2)
+        await BackgroundResponses(store).stop("resp_a", "cancelled")  # another replica
+        await _until(lambda: running_here.num_running == 0)
+        return generation
+
+    generation = asyncio.run(scenario())
+    assert generation.made == 20 and generation.ends == ["cancelled"]
+
+
+def test_a_stop_before_the_generation_s_first_step_still_records_its_end() -> None:
+    async def scenario() -> CountingWork:
+        background = BackgroundResponses(InMemoryResponseStore(), stop_poll_s=60)
+        generation = CountingWork()
+        background.start("resp_a", generation.generate(), generation.stopped)
+        await background.stop("resp_a", "deleted")  # no step of the task has run yet
+        await _until(lambda: background.num_running == 0)
+        return generation
+
+    assert asyncio.run(scenario()).ends == ["deleted"]
+
+
+def test_the_stores_refuse_a_stopped_response_s_own_writes_but_not_its_end(redis_url: str) -> None:
+    async def scenario(store: InMemoryResponseStore | RedisResponseStore) -> list[object]:
+        record = StoredResponse({"id": "resp_w", "status": "in_progress", "output": []}, [])
+        try:
+            seen: list[object] = [await store.put(record, unless_stopped=True),
+                                  await store.append_event("resp_w", 0, "zero", unless_stopped=True)]
+            await store.request_stop("resp_w", "cancelled")
+            completed = StoredResponse({**record.response, "status": "completed"}, [])
+            seen += [await store.put(completed, unless_stopped=True),
+                     await store.append_event("resp_w", 1, "one", unless_stopped=True)]
+            await store.end_events("resp_w", 1, unless_stopped=True)
+            seen.append((await store.get("resp_w")).response["status"])
+            cancelled = StoredResponse({**record.response, "status": "cancelled"}, [])
+            seen += [await store.put(cancelled), await store.append_event("resp_w", 1, "last")]
+            await store.end_events("resp_w", 2)
+            seen.append([event async for event in store.events_after("resp_w", -1)])
+            return seen
+        finally:
+            await store.aclose()
+
+    for store in (InMemoryResponseStore(), RedisResponseStore.from_url(redis_url)):
+        assert asyncio.run(scenario(store)) == [True, True, False, False, "in_progress", True, True,
+                                                ["zero", "last"]]

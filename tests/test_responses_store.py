@@ -284,6 +284,19 @@ def test_a_background_response_is_answered_queued_and_polled_to_what_it_would_ha
     assert continued.usage.input_tokens > made.usage.input_tokens + made.usage.output_tokens
 
 
+def test_a_background_response_still_running_cannot_be_continued(client: openai.OpenAI) -> None:
+    """Its output is not there yet: the new response would go on without it."""
+    running = _long_background_response_running(client)
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input="And then?", max_output_tokens=2,
+                                    previous_response_id=running.id)
+        assert refused.value.body["param"] == "previous_response_id"
+        assert "in_progress" in refused.value.body["message"]
+    finally:
+        client.responses.cancel(running.id)
+
+
 def test_a_background_response_cancelled_stops_its_generation(client: openai.OpenAI,
                                                                mesh: RunningMesh) -> None:
     queued = _long_background_response_running(client)

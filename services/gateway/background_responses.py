@@ -2,8 +2,9 @@
 
 Each runs as a task of the gateway that took its request, to its end, whatever became of the
 client. It stops early when it is cancelled or deleted: on this replica at once, on another
-through the response store (`request_stop`), which its task looks at every `stop_poll_s`. A
-gateway that stops waits for them as for open requests (its drain), then stops those left.
+through the response store (`request_stop`), which its task looks at every `stop_poll_s`, and
+which refuses its writes from the moment the stop is asked. A gateway that stops waits for them
+as for open requests (its drain), then stops those left.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.gateway.errors import GatewayError
@@ -26,25 +28,34 @@ CLOSE_TIMEOUT_S = 5.0
 EarlyEnd = Literal["cancelled", "deleted", "gateway_stopped"]
 
 
+@dataclass(slots=True)
+class _Running:
+    task: asyncio.Task[None] | None = None
+    # Set, with `stop_signal`, by a stop on this replica or by the gateway closing.
+    early_end: EarlyEnd | None = None
+    stop_signal: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class BackgroundResponses:
     def __init__(self, store: ResponseStore, *, stop_poll_s: float = STOP_POLL_S) -> None:
         self._store = store
         self._stop_poll_s = stop_poll_s
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._early_ends: dict[str, EarlyEnd] = {}
+        self._running: dict[str, _Running] = {}
 
     @property
     def num_running(self) -> int:
-        return len(self._tasks)
+        return len(self._running)
 
     def start(self, response_id: str, generate: Coroutine[Any, Any, None],
               stopped: Callable[[EarlyEnd], Awaitable[None]]) -> None:
-        """Runs `generate`, which stores the response as it goes and as it ends; `stopped`
-        stores it as it ended when it was stopped before that."""
-        task = asyncio.create_task(self._run(response_id, generate, stopped),
-                                   name=f"background response {response_id}")
-        self._tasks[response_id] = task
-        task.add_done_callback(lambda _: self._forget(response_id))
+        """Runs `generate`, which stores the response as it goes and as it ends, its writes
+        refused once a stop is requested (`unless_stopped`); `stopped` stores it as it ended
+        when it was stopped before that."""
+        running = _Running()
+        running.task = asyncio.create_task(self._run(response_id, generate, stopped, running),
+                                           name=f"background response {response_id}")
+        self._running[response_id] = running
+        running.task.add_done_callback(lambda _: self._running.pop(response_id, None))
 
     async def stop(self, response_id: str, reason: StopReason) -> None:
         """Stops the response wherever it runs: here at once, elsewhere within `stop_poll_s`."""
@@ -52,39 +63,44 @@ class BackgroundResponses:
         self._stop_here(response_id, reason)
 
     async def aclose(self) -> None:
-        for response_id in list(self._tasks):
+        for response_id in list(self._running):
             self._stop_here(response_id, "gateway_stopped")
-        if self._tasks:
-            await asyncio.wait(list(self._tasks.values()), timeout=CLOSE_TIMEOUT_S)
-
-    def _forget(self, response_id: str) -> None:
-        self._tasks.pop(response_id, None)
-        self._early_ends.pop(response_id, None)
+        tasks = [running.task for running in self._running.values() if running.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
 
     def _stop_here(self, response_id: str, end: EarlyEnd) -> None:
-        task = self._tasks.get(response_id)
-        if task is not None and response_id not in self._early_ends:
-            self._early_ends[response_id] = end
-            task.cancel()
+        running = self._running.get(response_id)
+        if running is not None and running.early_end is None:
+            running.early_end = end
+            running.stop_signal.set()
 
     async def _run(self, response_id: str, generate: Coroutine[Any, Any, None],
-                   stopped: Callable[[EarlyEnd], Awaitable[None]]) -> None:
+                   stopped: Callable[[EarlyEnd], Awaitable[None]], running: _Running) -> None:
+        # Signalled rather than cancelled: a task cancelled before its first step would never
+        # run `generate` nor record how the response ended.
         work = asyncio.ensure_future(generate)
+        signalled = asyncio.ensure_future(running.stop_signal.wait())
         end: EarlyEnd | None = None
         try:
             while end is None and not work.done():
-                await asyncio.wait({work}, timeout=self._stop_poll_s)
-                if not work.done():
+                await asyncio.wait({work, signalled}, timeout=self._stop_poll_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                end = running.early_end
+                if end is None and not work.done():
                     end = await self._stop_requested(response_id)
-        except asyncio.CancelledError:
-            end = self._early_ends.get(response_id, "gateway_stopped")
+            if end is None:
+                # A stop may have come as it ended: its last writes were refused then.
+                end = await self._stop_requested(response_id)
+        finally:
+            signalled.cancel()
         if end is None:
             try:
                 work.result()
             except Exception:
                 logger.exception("background response %s failed", response_id)
             return
-        # Written once the generation is gone, so that nothing it was storing lands after.
+        # Recorded once the generation is gone, so that nothing it was storing lands after.
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         try:

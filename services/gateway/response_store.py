@@ -12,7 +12,8 @@ replica sees every response; else in this process, the oldest dropped first past
 
 A background response is stopped through the store too (`request_stop`, key
 `backport:response-stop:<id>`): the replica generating it looks there, whichever replica was
-asked to cancel or delete it. A streamed one's events are kept there as well, for as long as the
+asked to cancel or delete it, and its writes (`unless_stopped`) are refused from then on, in the
+same step as the check (a Lua script in Redis), so that none lands after the cancel or delete. A streamed one's events are kept there as well, for as long as the
 response, so that any replica can stream them again (`events_after`; a Redis stream
 `backport:response-events:<id>`, entry `n+1-0` holding event `n`).
 """
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 3600.0
 
+# The statuses of a background response still being generated.
+RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 # Why a background response was stopped: what its generator writes then.
 StopReason = Literal["cancelled", "deleted"]
 STOP_REASONS: tuple[StopReason, ...] = ("cancelled", "deleted")
@@ -67,7 +70,9 @@ class PreviousResponseNotFoundError(InvalidRequestError):
 
 
 class ResponseStore(Protocol):
-    async def put(self, record: StoredResponse) -> None: ...
+    async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
+        """Whether it was written: not where `unless_stopped` and a stop was requested."""
+        ...
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
@@ -79,11 +84,13 @@ class ResponseStore(Protocol):
 
     async def stop_requested(self, response_id: str) -> StopReason | None: ...
 
-    async def append_event(self, response_id: str, number: int, event: str) -> None:
-        """Adds event `number` (0, 1, ... in order) of a background response's stream."""
+    async def append_event(self, response_id: str, number: int, event: str, *,
+                           unless_stopped: bool = False) -> bool:
+        """Adds event `number` (0, 1, ... in order) of a background response's stream; whether
+        it was, as for `put`."""
         ...
 
-    async def end_events(self, response_id: str, number: int) -> None:
+    async def end_events(self, response_id: str, number: int, *, unless_stopped: bool = False) -> None:
         """Ends the stream, whose last event was `number - 1`."""
         ...
 
@@ -128,13 +135,16 @@ class InMemoryResponseStore:
         self._event_logs: OrderedDict[str, tuple[_EventLog, float]] = OrderedDict()
         self._num_event_chars = 0
 
-    async def put(self, record: StoredResponse) -> None:
+    async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
+        if unless_stopped and await self.stop_requested(record.id):
+            return False
         self._drop(record.id)
         encoded = record.encode()
         self._records[record.id] = (encoded, self._clock() + self._ttl_s)
         self._num_chars += len(encoded)
         while len(self._records) > self._max_responses or self._num_chars > self._max_chars:
             self._drop(next(iter(self._records)))
+        return True
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return StoredResponse.decode(self._records[response_id][0]) if self._is_kept(response_id) else None
@@ -154,11 +164,14 @@ class InMemoryResponseStore:
         stop = self._stops.get(response_id)
         return stop[0] if stop is not None and stop[1] > self._clock() else None
 
-    async def append_event(self, response_id: str, number: int, event: str) -> None:
+    async def append_event(self, response_id: str, number: int, event: str, *,
+                           unless_stopped: bool = False) -> bool:
+        if unless_stopped and await self.stop_requested(response_id):
+            return False
         log = self._event_log(response_id)
         if log is None:
             if number:
-                return  # deleted (or dropped) while it was being written
+                return False  # dropped while it was being written
             now = self._clock()
             while self._event_logs and (len(self._event_logs) >= self._max_responses
                                         or next(iter(self._event_logs.values()))[1] <= now):
@@ -172,10 +185,11 @@ class InMemoryResponseStore:
         self._num_event_chars += len(event)
         while self._num_event_chars > self._max_chars and next(iter(self._event_logs)) != response_id:
             await self._drop_events(next(iter(self._event_logs)))
+        return True
 
-    async def end_events(self, response_id: str, number: int) -> None:
+    async def end_events(self, response_id: str, number: int, *, unless_stopped: bool = False) -> None:
         log = self._event_log(response_id)
-        if log is not None:
+        if log is not None and not (unless_stopped and await self.stop_requested(response_id)):
             await self._end(log)
 
     async def has_events(self, response_id: str) -> bool:
@@ -230,6 +244,22 @@ class InMemoryResponseStore:
         self._num_chars = 0
 
 
+# KEYS: the response, its stop. ARGV: the JSON, the TTL in ms. 1 where written.
+_SET_UNLESS_STOPPED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# KEYS: the events' stream, the response's stop. ARGV: the entry id, its field and value, the
+# TTL in ms, 1 to refuse it once stopped. 1 where added.
+_ADD_ENTRY_UNLESS_STOPPED = """
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('XADD', KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
 class RedisResponseStore:
     """Responses shared by every gateway replica, in Redis, each for `ttl_s` from its making."""
 
@@ -245,6 +275,8 @@ class RedisResponseStore:
             raise ValueError("ttl_s must be positive")
         self._redis = redis
         self._ttl_ms = max(1, round(ttl_s * 1000))
+        self._set_unless_stopped = redis.register_script(_SET_UNLESS_STOPPED)
+        self._add_entry_unless_stopped = redis.register_script(_ADD_ENTRY_UNLESS_STOPPED)
 
     @classmethod
     def from_url(cls, url: str, *, ttl_s: float = DEFAULT_TTL_S) -> RedisResponseStore:
@@ -259,8 +291,13 @@ class RedisResponseStore:
     def redis_key(cls, response_id: str) -> str:
         return f"{cls.KEY_PREFIX}{response_id}"
 
-    async def put(self, record: StoredResponse) -> None:
-        await self._call(self._redis.set(self.redis_key(record.id), record.encode(), px=self._ttl_ms))
+    async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
+        if not unless_stopped:
+            await self._call(self._redis.set(self.redis_key(record.id), record.encode(), px=self._ttl_ms))
+            return True
+        return bool(await self._call(self._set_unless_stopped(
+            keys=[self.redis_key(record.id), self._stop_key(record.id)],
+            args=[record.encode(), self._ttl_ms])))
 
     async def get(self, response_id: str) -> StoredResponse | None:
         text = await self._call(self._redis.get(self.redis_key(response_id)))
@@ -277,17 +314,18 @@ class RedisResponseStore:
         return bool(await self._call(self._redis.delete(self.redis_key(response_id))))
 
     async def request_stop(self, response_id: str, reason: StopReason) -> None:
-        await self._call(self._redis.set(f"{self.STOP_KEY_PREFIX}{response_id}", reason, px=self._ttl_ms))
+        await self._call(self._redis.set(self._stop_key(response_id), reason, px=self._ttl_ms))
 
     async def stop_requested(self, response_id: str) -> StopReason | None:
-        stored = await self._call(self._redis.get(f"{self.STOP_KEY_PREFIX}{response_id}"))
+        stored = await self._call(self._redis.get(self._stop_key(response_id)))
         return next((reason for reason in STOP_REASONS if stored == reason.encode()), None)
 
-    async def append_event(self, response_id: str, number: int, event: str) -> None:
-        await self._add_entry(response_id, number, {"event": event})
+    async def append_event(self, response_id: str, number: int, event: str, *,
+                           unless_stopped: bool = False) -> bool:
+        return await self._add_entry(response_id, number, "event", event, unless_stopped)
 
-    async def end_events(self, response_id: str, number: int) -> None:
-        await self._add_entry(response_id, number, {"end": "1"})
+    async def end_events(self, response_id: str, number: int, *, unless_stopped: bool = False) -> None:
+        await self._add_entry(response_id, number, "end", "1", unless_stopped)
 
     async def has_events(self, response_id: str) -> bool:
         return bool(await self._call(self._redis.exists(self._events_key(response_id))))
@@ -308,15 +346,17 @@ class RedisResponseStore:
                 yield entry[b"event"].decode()
                 last_id = entry_id
 
-    async def _add_entry(self, response_id: str, number: int, entry: dict[str, str]) -> None:
-        key = self._events_key(response_id)
-        async with self._redis.pipeline(transaction=False) as pipeline:
-            pipeline.xadd(key, entry, id=f"{number + 1}-0")
-            pipeline.pexpire(key, self._ttl_ms)
-            await self._call(pipeline.execute())
+    async def _add_entry(self, response_id: str, number: int, name: str, value: str,
+                         unless_stopped: bool) -> bool:
+        return bool(await self._call(self._add_entry_unless_stopped(
+            keys=[self._events_key(response_id), self._stop_key(response_id)],
+            args=[f"{number + 1}-0", name, value, self._ttl_ms, int(unless_stopped)])))
 
     def _events_key(self, response_id: str) -> str:
         return f"{self.EVENTS_KEY_PREFIX}{response_id}"
+
+    def _stop_key(self, response_id: str) -> str:
+        return f"{self.STOP_KEY_PREFIX}{response_id}"
 
     async def _call(self, pending: Any) -> Any:
         try:
@@ -336,4 +376,10 @@ async def conversation_before(store: ResponseStore, response_id: str) -> list[di
             f"previous_response_id: response {response_id!r} is not stored here (responses are "
             "kept for the gateway's --response-ttl-s, and not at all with store: false)",
             param="previous_response_id")
+    status = record.response.get("status")
+    if status in RUNNING_STATUSES:
+        # Its output is not there yet: the conversation would go on without it.
+        raise InvalidRequestError(f"previous_response_id: response {response_id!r} is still "
+                                  f"{status}; continue it once it has ended",
+                                  param="previous_response_id")
     return [*record.input_items, *record.response["output"]]

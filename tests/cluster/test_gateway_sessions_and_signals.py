@@ -216,6 +216,22 @@ def test_a_background_response_is_cancelled_from_another_replica_and_stays_cance
     assert (seen["status"], seen["output"]) == ("cancelled", [])
 
 
+def test_a_background_response_deleted_on_another_replica_is_not_stored_again(
+        start_gateway: StartGateway, redis_url: str) -> None:
+    """Deleted while its generator, on the other replica, goes on: it stays deleted (the
+    generator's last write brought it back 0.2-0.4 s later)."""
+    generating, other = (start_gateway("--redis-url", redis_url) for _ in range(2))
+    body = {"model": MODEL, "input": "Tell a long story.", "background": True,
+            "max_output_tokens": 20, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        for _ in range(3):
+            response_id = http.post(f"{generating.base_url}/responses", json=body).json()["id"]
+            _status_becomes(generating, http, response_id, "in_progress", 60)
+            assert http.delete(f"{other.base_url}/responses/{response_id}").status_code == 200
+            time.sleep(2.0)  # past the generation's end, and past the generator's next look
+            assert http.get(f"{generating.base_url}/responses/{response_id}").status_code == 404
+
+
 def test_a_gateway_drains_its_background_responses_then_records_those_left_as_failed(
         start_gateway: StartGateway, redis_url: str) -> None:
     drain_s = 3.0

@@ -59,7 +59,8 @@ from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.input_items import Order, input_items_page
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.requests import backend_of
-from services.gateway.response_store import ResponseStore, StoredResponse, conversation_before
+from services.gateway.response_store import (RUNNING_STATUSES, ResponseStore, StoredResponse,
+                                             conversation_before)
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
                                           prepare_chat_generation, start_chat_generation)
@@ -72,8 +73,6 @@ router = APIRouter(prefix="/v1", tags=["responses"])
 
 ItemStatus = Literal["completed", "incomplete"]
 ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
-# The statuses of a background response still being generated.
-RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 
 
 @router.post("/responses", response_model=None)
@@ -165,9 +164,10 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
         raise InvalidRequestError(f"response {response_id!r} is {status}: only a background "
                                   "response still queued or in progress can be cancelled",
                                   param="response_id")
+    # Stopped first: from then on the generator's own writes are refused.
+    await backend.background_responses.stop(response_id, "cancelled")
     cancelled = {**record.response, "status": "cancelled"}
     await backend.response_store.put(StoredResponse(cancelled, record.input_items))
-    await backend.background_responses.stop(response_id, "cancelled")
     return cancelled
 
 
@@ -186,10 +186,12 @@ class _Record:
     store: ResponseStore
     input_items: list[dict[str, Any]]
 
-    async def keep(self, response: dict[str, Any]) -> None:
+    async def keep(self, response: dict[str, Any], *, even_if_stopped: bool = False) -> None:
+        """Stores the response, unless it was stopped (a background one cancelled or deleted)
+        and this is not how it ended."""
         stored = StoredResponse(response, self.input_items)
         try:
-            await self.store.put(stored)
+            await self.store.put(stored, unless_stopped=not even_if_stopped)
         except GatewayError as error:
             # The answer is made; losing it for want of storage would cost the client more than
             # a later `previous_response_id` refused.
@@ -343,12 +345,16 @@ class _StoredEvents:
         self.response_id = response_id
         self.next_number = 0
 
-    async def append(self, event: dict[str, Any]) -> None:
-        await self.store.append_event(self.response_id, self.next_number, _sse(event, self.next_number))
-        self.next_number += 1
+    async def append(self, event: dict[str, Any], *, even_if_stopped: bool = False) -> None:
+        """Adds the event, unless the response was stopped and this is not how it ended."""
+        if await self.store.append_event(self.response_id, self.next_number,
+                                         _sse(event, self.next_number),
+                                         unless_stopped=not even_if_stopped):
+            self.next_number += 1
 
-    async def end(self) -> None:
-        await self.store.end_events(self.response_id, self.next_number)
+    async def end(self, *, even_if_stopped: bool = False) -> None:
+        await self.store.end_events(self.response_id, self.next_number,
+                                    unless_stopped=not even_if_stopped)
 
 
 class _Response:
@@ -402,11 +408,15 @@ class _Response:
             logger.exception("background response %s failed", self.id)
             await self._fail_in_background(_internal_error_event())
             return
-        # The stream makes its own failure events.
-        async with aclosing(self._stream(announces_creation=False)) as events:
-            async for event in events:
-                await log.append(event)
-        await log.end()
+        try:
+            # The stream makes its own failure events, but for the store's.
+            async with aclosing(self._stream(announces_creation=False)) as events:
+                async for event in events:
+                    await log.append(event)
+            await log.end()
+        except GatewayError as error:
+            logger.warning("background response %s: stream not stored: %s", self.id, error.message)
+            await self._fail_in_background(_error_event(error))
 
     async def _fail_in_background(self, failure: dict[str, Any]) -> None:
         events = await self._failure(OutputItems(), failure)
@@ -425,11 +435,12 @@ class _Response:
             await self._fail_in_background({"type": "error", "code": "server_error", "param": None,
                                             "message": "the gateway stopped before the response was made"})
             return
-        cancelled = await self._finished(self._shape("cancelled", [], None))
+        cancelled = await self._finished(self._shape("cancelled", [], None), even_if_stopped=True)
         if self._log is not None:
             # A cancelled stream ends as one the engine aborted does.
-            await self._log.append({"type": "response.incomplete", "response": cancelled})
-            await self._log.end()
+            await self._log.append({"type": "response.incomplete", "response": cancelled},
+                                   even_if_stopped=True)
+            await self._log.end(even_if_stopped=True)
 
     async def whole(self) -> dict[str, Any]:
         choice = (await self.generation.collect())[0]
@@ -496,10 +507,10 @@ class _Response:
             "code": "server_error", "message": failure["message"]}))
         return [*events, {"type": "response.failed", "response": failed}]
 
-    async def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
-        """The response as last sent, stored first where it asked to be."""
+    async def _finished(self, response: dict[str, Any], *, even_if_stopped: bool = False) -> dict[str, Any]:
+        """The response as last sent, stored first where it asked to be (`_Record.keep`)."""
         if self.record is not None:
-            await self.record.keep(response)
+            await self.record.keep(response, even_if_stopped=even_if_stopped)
         return response
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
