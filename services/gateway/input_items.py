@@ -23,11 +23,12 @@ def input_items_page(items: list[dict[str, Any]], *, order: Order, limit: int,
         start = _index_of(ordered, after, "after") + 1
     if before is not None:
         end = _index_of(ordered, before, "before")
-    # `before` pages backwards: the items just before the cursor.
-    page = ordered[start:end][-limit:] if before is not None and after is None else ordered[start:end][:limit]
+    in_range = ordered[start:end]
+    # `before` alone pages backwards: the items just before the cursor.
+    page = in_range[-limit:] if before is not None and after is None else in_range[:limit]
     return {"object": "list", "data": page,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
-            "has_more": len(page) < end - start}
+            "has_more": len(page) < len(in_range)}
 
 
 def _index_of(items: list[dict[str, Any]], item_id: str, param: str) -> int:

@@ -13,9 +13,10 @@ replica sees every response; else in this process, the oldest dropped first past
 A background response is stopped through the store too (`request_stop`, key
 `backport:response-stop:<id>`): the replica generating it looks there, whichever replica was
 asked to cancel or delete it, and its writes (`unless_stopped`) are refused from then on, in the
-same step as the check (a Lua script in Redis), so that none lands after the cancel or delete. A streamed one's events are kept there as well, for as long as the
-response, so that any replica can stream them again (`events_after`; a Redis stream
-`backport:response-events:<id>`, entry `n+1-0` holding event `n`).
+same step as the check (a Lua script in Redis), so that none lands after the cancel or delete.
+A streamed one's events are kept there as well, for as long as the response, so that any
+replica can stream them again (`events_after`; a Redis stream `backport:response-events:<id>`,
+entry `n+1-0` holding event `n`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class ResponseStore(Protocol):
         it was, as for `put`."""
         ...
 
-    async def end_events(self, response_id: str, number: int, *, unless_stopped: bool = False) -> None:
+    async def end_events(self, response_id: str, number: int, *,
+                         unless_stopped: bool = False) -> None:
         """Ends the stream, whose last event was `number - 1`."""
         ...
 
@@ -187,7 +189,8 @@ class InMemoryResponseStore:
             await self._drop_events(next(iter(self._event_logs)))
         return True
 
-    async def end_events(self, response_id: str, number: int, *, unless_stopped: bool = False) -> None:
+    async def end_events(self, response_id: str, number: int, *,
+                         unless_stopped: bool = False) -> None:
         log = self._event_log(response_id)
         if log is not None and not (unless_stopped and await self.stop_requested(response_id)):
             await self._end(log)
@@ -293,7 +296,8 @@ class RedisResponseStore:
 
     async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
         if not unless_stopped:
-            await self._call(self._redis.set(self.redis_key(record.id), record.encode(), px=self._ttl_ms))
+            await self._call(self._redis.set(self.redis_key(record.id), record.encode(),
+                                             px=self._ttl_ms))
             return True
         return bool(await self._call(self._set_unless_stopped(
             keys=[self.redis_key(record.id), self._stop_key(record.id)],
@@ -324,7 +328,8 @@ class RedisResponseStore:
                            unless_stopped: bool = False) -> bool:
         return await self._add_entry(response_id, number, "event", event, unless_stopped)
 
-    async def end_events(self, response_id: str, number: int, *, unless_stopped: bool = False) -> None:
+    async def end_events(self, response_id: str, number: int, *,
+                         unless_stopped: bool = False) -> None:
         await self._add_entry(response_id, number, "end", "1", unless_stopped)
 
     async def has_events(self, response_id: str) -> bool:

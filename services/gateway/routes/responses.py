@@ -432,8 +432,9 @@ class _Response:
             await self.record.store.delete(self.id)
             return
         if end == "gateway_stopped":
-            await self._fail_in_background({"type": "error", "code": "server_error", "param": None,
-                                            "message": "the gateway stopped before the response was made"})
+            await self._fail_in_background({
+                "type": "error", "code": "server_error", "param": None,
+                "message": "the gateway stopped before the response was made"})
             return
         cancelled = await self._finished(self._shape("cancelled", [], None), even_if_stopped=True)
         if self._log is not None:
@@ -459,7 +460,8 @@ class _Response:
             async for event in events:
                 yield _sse(event, next(numbers))
 
-    async def _stream(self, *, announces_creation: bool = True) -> AsyncGenerator[dict[str, Any], None]:
+    async def _stream(self, *,
+                      announces_creation: bool = True) -> AsyncGenerator[dict[str, Any], None]:
         """The stream's events, not yet numbered."""
         opening = self._shape("in_progress", [], None)
         try:
@@ -503,11 +505,13 @@ class _Response:
         wrong; `response.failed` ends the response's lifecycle, as a stream's last event must,
         with what was generated."""
         events = [*output.close("incomplete"), failure]
-        failed = await self._finished(self._shape("failed", output.items, self.generation.usage, error={
-            "code": "server_error", "message": failure["message"]}))
+        failed = await self._finished(self._shape(
+            "failed", output.items, self.generation.usage,
+            error={"code": "server_error", "message": failure["message"]}))
         return [*events, {"type": "response.failed", "response": failed}]
 
-    async def _finished(self, response: dict[str, Any], *, even_if_stopped: bool = False) -> dict[str, Any]:
+    async def _finished(self, response: dict[str, Any], *,
+                        even_if_stopped: bool = False) -> dict[str, Any]:
         """The response as last sent, stored first where it asked to be (`_Record.keep`)."""
         if self.record is not None:
             await self.record.keep(response, even_if_stopped=even_if_stopped)
