@@ -25,7 +25,7 @@ STOP_POLL_S = 1.0
 CLOSE_TIMEOUT_S = 5.0
 
 # How a background response ended early: what its `stopped` callback writes.
-EarlyEnd = Literal["cancelled", "deleted", "gateway_stopped"]
+EarlyEnd = StopReason | Literal["gateway_stopped"]
 
 
 @dataclass(slots=True)

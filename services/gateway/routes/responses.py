@@ -397,7 +397,7 @@ class _Response:
         log = self._log
         try:
             await self.generation.start()
-            await self._finished(self._shape("in_progress", [], None))
+            await self._kept(self._shape("in_progress", [], None))
             if log is None:
                 await self.whole()
                 return
@@ -436,7 +436,7 @@ class _Response:
                 "type": "error", "code": "server_error", "param": None,
                 "message": "the gateway stopped before the response was made"})
             return
-        cancelled = await self._finished(self._shape("cancelled", [], None), even_if_stopped=True)
+        cancelled = await self._kept(self._shape("cancelled", [], None), even_if_stopped=True)
         if self._log is not None:
             # A cancelled stream ends as one the engine aborted does.
             await self._log.append({"type": "response.incomplete", "response": cancelled},
@@ -451,7 +451,7 @@ class _Response:
                    self._logprobs(choice.logprobs))
         status = _status(choice.finish_reason)
         output.close(_item_status(status))
-        return await self._finished(self._shape(status, output.items, self.generation.usage))
+        return await self._kept(self._shape(status, output.items, self.generation.usage))
 
     async def events(self) -> AsyncGenerator[str, None]:
         """The stream; an error once it has begun is an `error` event, and the stream ends."""
@@ -496,7 +496,7 @@ class _Response:
         for event in output.close(_item_status(status)):
             yield event
         event_type = "response.incomplete" if status == "cancelled" else f"response.{status}"
-        yield {"type": event_type, "response": await self._finished(
+        yield {"type": event_type, "response": await self._kept(
             self._shape(status, output.items, self.generation.usage))}
 
     async def _failure(self, output: OutputItems, failure: dict[str, Any]) -> list[dict[str, Any]]:
@@ -505,14 +505,15 @@ class _Response:
         wrong; `response.failed` ends the response's lifecycle, as a stream's last event must,
         with what was generated."""
         events = [*output.close("incomplete"), failure]
-        failed = await self._finished(self._shape(
+        failed = await self._kept(self._shape(
             "failed", output.items, self.generation.usage,
             error={"code": "server_error", "message": failure["message"]}))
         return [*events, {"type": "response.failed", "response": failed}]
 
-    async def _finished(self, response: dict[str, Any], *,
-                        even_if_stopped: bool = False) -> dict[str, Any]:
-        """The response as last sent, stored first where it asked to be (`_Record.keep`)."""
+    async def _kept(self, response: dict[str, Any], *,
+                    even_if_stopped: bool = False) -> dict[str, Any]:
+        """The response as it is now (sent, or polled in the background), stored first where it
+        asked to be (`_Record.keep`)."""
         if self.record is not None:
             await self.record.keep(response, even_if_stopped=even_if_stopped)
         return response
