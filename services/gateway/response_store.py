@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from redis.exceptions import RedisError
 
@@ -45,7 +45,7 @@ DEFAULT_TTL_S = 3600.0
 RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 # Why a background response was stopped: what its generator writes then.
 StopReason = Literal["cancelled", "deleted"]
-STOP_REASONS: tuple[StopReason, ...] = ("cancelled", "deleted")
+STOP_REASONS: tuple[StopReason, ...] = get_args(StopReason)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,8 @@
 
 On SIGTERM (or Ctrl-C) the gateway keeps listening but answers new API requests 503 and
 `/health` 503, lets open requests and background responses finish (at most `drain_timeout_s`),
-then exits. A second
-signal stops at once. A signal while the gateway still waits for the mesh to answer stops it
-at once too: there is nothing to drain yet.
+then exits. A second signal stops at once. A signal while the gateway still waits for the mesh
+to answer stops it at once too: there is nothing to drain yet.
 """
 
 from __future__ import annotations
