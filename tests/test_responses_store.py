@@ -5,6 +5,7 @@ the shared mesh with the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -349,8 +350,11 @@ def test_a_background_stream_outlives_its_client_and_is_read_again_from_any_even
     assert [event.model_dump() for event in client.responses.retrieve(response_id, stream=True)] == [
         event.model_dump() for event in events]
     assert client.responses.retrieve(response_id).model_dump() == events[-1].response.model_dump()
-    at_once = [event.type for event in client.responses.create(**asked, stream=True)]
-    assert [event.type for event in events[1:]] == at_once[1:]
+    # Of two generations, the text deltas may carry their tokens in different numbers of events.
+    def kinds(stream: Any) -> list[str]:
+        return [kind for kind, _ in itertools.groupby(event.type for event in stream)]
+
+    assert kinds(events[1:]) == kinds(client.responses.create(**asked, stream=True))[1:]
     assert events[-1].response.output_text == client.responses.create(**asked).output_text
 
 
