@@ -1,7 +1,7 @@
 """`BackgroundResponses`, alone: a generation runs to its end unless stopped here, on another
-replica (seen through the shared store), or by the gateway stopping; each early end is
-recorded once the generation is gone. The mesh's own tests are in tests/test_responses_store.py
-and tests/cluster/test_gateway_sessions_and_signals.py."""
+replica (seen through the shared store), by the gateway stopping, or by its lease lapsing; each
+early end is recorded once the generation is gone. The mesh's own tests are in
+tests/test_responses_store.py and tests/cluster/test_gateway_sessions_and_signals.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
-from services.gateway.response_store import InMemoryResponseStore, RedisResponseStore, StoredResponse
+from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseLostError,
+                                             InMemoryResponseStore, RedisResponseStore, StoredResponse)
 
 POLL_S = 0.02
 
@@ -46,7 +47,7 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(POLL_S / 4)
 
 
-async def _stored(store: InMemoryResponseStore, response_id: str) -> None:
+async def _stored(store: InMemoryResponseStore | RedisResponseStore, response_id: str) -> None:
     await store.put(StoredResponse({"id": response_id, "status": "queued", "output": []}, []))
 
 
@@ -119,12 +120,12 @@ def test_the_stores_keep_a_stop_past_the_response_deleted(redis_url: str) -> Non
     async def scenario(store: InMemoryResponseStore | RedisResponseStore) -> list[object]:
         try:
             await store.put(StoredResponse({"id": "resp_s", "status": "queued", "output": []}, []))
-            seen: list[object] = [await store.stop_requested("resp_s")]
+            seen: list[object] = [await store.renew_lease("resp_s")]
             await store.request_stop("resp_s", "deleted")
             await store.delete("resp_s")
-            seen.append(await store.stop_requested("resp_s"))
+            seen.append(await store.renew_lease("resp_s"))
             await store.request_stop("resp_s", "cancelled")
-            seen.append(await store.stop_requested("resp_s"))
+            seen.append(await store.renew_lease("resp_s"))
             return seen
         finally:
             await store.aclose()
@@ -211,6 +212,7 @@ def test_the_stores_refuse_a_stopped_response_s_own_writes_but_not_its_end(redis
     async def scenario(store: InMemoryResponseStore | RedisResponseStore) -> list[object]:
         record = StoredResponse({"id": "resp_w", "status": "in_progress", "output": []}, [])
         try:
+            await _stored(store, "resp_w")
             seen: list[object] = [await store.put(record, unless_stopped=True),
                                   await store.append_event("resp_w", 0, "zero", unless_stopped=True)]
             await store.request_stop("resp_w", "cancelled")
@@ -230,3 +232,89 @@ def test_the_stores_refuse_a_stopped_response_s_own_writes_but_not_its_end(redis
     for store in (InMemoryResponseStore(), RedisResponseStore.from_url(redis_url)):
         assert asyncio.run(scenario(store)) == [True, True, False, False, "in_progress", True, True,
                                                 ["zero", "last"]]
+
+
+LEASE_S = 0.3
+
+
+def test_a_response_whose_lease_lapsed_reads_failed_and_refuses_its_generator(redis_url: str) -> None:
+    """Its gateway is gone: readers get its end, and nothing it wrote late brings it back."""
+    async def scenario() -> list[object]:
+        store = RedisResponseStore.from_url(redis_url, lease_s=LEASE_S)
+        in_progress = StoredResponse({"id": "resp_l", "status": "in_progress", "output": []}, [])
+        try:
+            await _stored(store, "resp_l")
+            seen: list[object] = [await store.renew_lease("resp_l"),
+                                  await store.put(in_progress, unless_stopped=True),
+                                  await store.append_event("resp_l", 0, "zero", unless_stopped=True)]
+            await asyncio.sleep(LEASE_S * 2)
+            failed = (await store.get("resp_l")).response
+            seen += [failed["status"], failed["error"]["message"] == LAPSED_MESSAGE,
+                     await store.renew_lease("resp_l")]
+            completed = StoredResponse({**in_progress.response, "status": "completed"}, [])
+            seen += [await store.put(completed, unless_stopped=True),
+                     await store.append_event("resp_l", 1, "one", unless_stopped=True)]
+            read: list[str] = []
+            with pytest.raises(BackgroundResponseLostError):
+                async for event in store.events_after("resp_l", -1):
+                    read.append(event)
+            seen += [read, (await store.get("resp_l")).response["status"]]
+            return seen
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(scenario()) == [None, True, True, "failed", True, "lease_lapsed",
+                                       False, False, ["zero"], "failed"]
+
+
+def test_a_stream_that_ended_is_read_whole_after_its_lease_lapsed(redis_url: str) -> None:
+    async def scenario() -> tuple[list[str], str]:
+        store = RedisResponseStore.from_url(redis_url, lease_s=LEASE_S)
+        try:
+            await _stored(store, "resp_m")
+            await store.append_event("resp_m", 0, "zero", unless_stopped=True)
+            completed = StoredResponse({"id": "resp_m", "status": "completed", "output": []}, [])
+            await store.put(completed, unless_stopped=True)
+            await store.end_events("resp_m", 1, unless_stopped=True)
+            await asyncio.sleep(LEASE_S * 2)
+            return ([event async for event in store.events_after("resp_m", -1)],
+                    (await store.get("resp_m")).response["status"])
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(scenario()) == (["zero"], "completed")
+
+
+def test_a_generation_keeps_its_lease_as_long_as_it_runs_and_stops_once_it_lapses(
+        redis_url: str) -> None:
+    """Renewed at every look for a stop, the lease outlives it; taken away (as a long loss of
+    Redis would), the generation stops and records nothing: the store has given it up."""
+    async def scenario() -> tuple[CountingWork, list[str], CountingWork]:
+        from redis.asyncio import Redis
+
+        store = RedisResponseStore.from_url(redis_url, lease_s=LEASE_S)
+        redis = Redis.from_url(redis_url)
+        background = BackgroundResponses(store, stop_poll_s=POLL_S)
+        try:
+            await _stored(store, "resp_k")
+            long_lived = CountingWork(steps=int(LEASE_S * 4 / (POLL_S / 4)))
+            background.start("resp_k", long_lived.generate(), long_lived.stopped)
+            statuses: list[str] = []
+            while background.num_running:
+                statuses.append((await store.get("resp_k")).response["status"])
+                await asyncio.sleep(LEASE_S / 3)
+            await _stored(store, "resp_n")
+            lost = CountingWork()
+            background.start("resp_n", lost.generate(), lost.stopped)
+            await _until(lambda: lost.made > 2)
+            await redis.delete(RedisResponseStore.LEASE_KEY_PREFIX + "resp_n")
+            await _until(lambda: background.num_running == 0)
+            return long_lived, statuses, lost
+        finally:
+            await redis.aclose()
+            await store.aclose()
+
+    long_lived, statuses, lost = asyncio.run(scenario())
+    assert long_lived.ends == [] and not long_lived.was_cancelled
+    assert len(statuses) >= 4 and set(statuses) == {"queued"}
+    assert lost.was_cancelled and lost.ends == [] and lost.made < 1000

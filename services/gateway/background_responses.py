@@ -2,9 +2,11 @@
 
 Each runs as a task of the gateway that took its request, to its end, whatever became of the
 client. It stops early when it is cancelled or deleted: on this replica at once, on another
-through the response store (`request_stop`), which its task looks at every `stop_poll_s`, and
-which refuses its writes from the moment the stop is asked. A gateway that stops waits for them
-as for open requests (its drain), then stops those left.
+through the response store (`request_stop`), which its task looks at every `stop_poll_s` as it
+renews the response's lease, and which refuses its writes from the moment the stop is asked. A
+gateway that stops waits for them as for open requests (its drain), then stops those left. One
+whose lease lapsed (Redis lost for longer than the lease) stops too: the store has given it up
+as failed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.gateway.errors import GatewayError
-from services.gateway.response_store import ResponseStore, StopReason
+from services.gateway.response_store import GeneratorStop, ResponseStore, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +83,17 @@ class BackgroundResponses:
         # run `generate` nor record how the response ended.
         work = asyncio.ensure_future(generate)
         signalled = asyncio.ensure_future(running.stop_signal.wait())
-        end: EarlyEnd | None = None
+        end: EarlyEnd | Literal["lease_lapsed"] | None = None
         try:
             while end is None and not work.done():
                 await asyncio.wait({work, signalled}, timeout=self._stop_poll_s,
                                    return_when=asyncio.FIRST_COMPLETED)
                 end = running.early_end
                 if end is None and not work.done():
-                    end = await self._stop_requested(response_id)
+                    end = await self._renewal(response_id)
             if end is None:
                 # A stop may have come as it ended: its last writes were refused then.
-                end = await self._stop_requested(response_id)
+                end = await self._renewal(response_id)
         finally:
             signalled.cancel()
         if end is None:
@@ -103,16 +105,21 @@ class BackgroundResponses:
         # Recorded once the generation is gone, so that nothing it was storing lands after.
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
+        if end == "lease_lapsed":
+            # Readers take it for failed already, and the store refuses what it would write.
+            logger.warning("background response %s stopped: its lease lapsed", response_id)
+            return
         try:
             await stopped(end)
         except GatewayError as error:
             logger.warning("background response %s ended (%s) unrecorded: %s", response_id, end,
                            error.message)
 
-    async def _stop_requested(self, response_id: str) -> StopReason | None:
+    async def _renewal(self, response_id: str) -> GeneratorStop | None:
         try:
-            return await self._store.stop_requested(response_id)
+            return await self._store.renew_lease(response_id)
         except GatewayError as error:
             # The store comes back or the generation ends; the answer is stored either way.
-            logger.warning("background response %s: stop not checked: %s", response_id, error.message)
+            logger.warning("background response %s: lease not renewed: %s", response_id,
+                           error.message)
             return None

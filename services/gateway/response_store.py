@@ -17,6 +17,12 @@ same step as the check (a Lua script in Redis), so that none lands after the can
 A streamed one's events are kept there as well, for as long as the response, so that any
 replica can stream them again (`events_after`; a Redis stream `backport:response-events:<id>`,
 entry `n+1-0` holding event `n`).
+
+In Redis a running background response is leased to the gateway making it (key
+`backport:response-lease:<id>`, `lease_s`), which renews the lease as it looks for a stop
+(`renew_lease`). A lease that lapsed means that gateway died or lost Redis: the response reads
+`failed` from then on, its stream's readers get its end (`BackgroundResponseLostError`), and its
+generator's writes are refused, so that it cannot come back to life.
 """
 
 from __future__ import annotations
@@ -46,6 +52,14 @@ RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 # Why a background response was stopped: what its generator writes then.
 StopReason = Literal["cancelled", "deleted"]
 STOP_REASONS: tuple[StopReason, ...] = get_args(StopReason)
+# Why a background response's generator must stop: a stop was asked, or its lease lapsed.
+GeneratorStop = StopReason | Literal["lease_lapsed"]
+
+# How long a background response stays leased to its gateway without a renewal: many of the
+# generator's looks for a stop (a second apart), so that only a gateway gone lets it lapse.
+LEASE_S = 10.0
+LAPSED_MESSAGE = ("the gateway making the response stopped before it ended (its lease in the "
+                  "response store lapsed)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +79,19 @@ class StoredResponse:
     def decode(cls, text: str | bytes) -> StoredResponse:
         return cls(**json.loads(text))
 
+    @property
+    def is_running(self) -> bool:
+        return self.response.get("status") in RUNNING_STATUSES
+
+    def lapsed(self) -> StoredResponse:
+        """The running response as its lapsed lease leaves it: failed."""
+        error = {"code": "server_error", "message": LAPSED_MESSAGE}
+        return StoredResponse({**self.response, "status": "failed", "error": error}, self.input_items)
+
+
+class BackgroundResponseLostError(Exception):
+    """A background response's stream will not go on: the lease of its gateway lapsed."""
+
 
 class PreviousResponseNotFoundError(InvalidRequestError):
     code = "previous_response_not_found"
@@ -72,7 +99,9 @@ class PreviousResponseNotFoundError(InvalidRequestError):
 
 class ResponseStore(Protocol):
     async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
-        """Whether it was written: not where `unless_stopped` and a stop was requested."""
+        """Whether it was written: not where `unless_stopped` (the generator's writes) and a
+        stop was requested or the lease lapsed. A running response is leased from its first
+        write on."""
         ...
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
@@ -83,7 +112,9 @@ class ResponseStore(Protocol):
 
     async def request_stop(self, response_id: str, reason: StopReason) -> None: ...
 
-    async def stop_requested(self, response_id: str) -> StopReason | None: ...
+    async def renew_lease(self, response_id: str) -> GeneratorStop | None:
+        """Renews the running response's lease, unless it must stop: then why."""
+        ...
 
     async def append_event(self, response_id: str, number: int, event: str, *,
                            unless_stopped: bool = False) -> bool:
@@ -100,7 +131,8 @@ class ResponseStore(Protocol):
 
     def events_after(self, response_id: str, number: int) -> AsyncGenerator[str, None]:
         """The stream's events after event `number` (-1: all), each as it is added, until the
-        stream ends or is deleted with its response."""
+        stream ends or is deleted with its response; `BackgroundResponseLostError` where
+        neither will come."""
         ...
 
     async def aclose(self) -> None: ...
@@ -161,6 +193,10 @@ class InMemoryResponseStore:
         now = self._clock()
         self._stops = {id_: stop for id_, stop in self._stops.items() if stop[1] > now}
         self._stops[response_id] = (reason, now + self._ttl_s)
+
+    async def renew_lease(self, response_id: str) -> GeneratorStop | None:
+        # Made in this process, which holds the store: no lease to lapse.
+        return await self.stop_requested(response_id)
 
     async def stop_requested(self, response_id: str) -> StopReason | None:
         stop = self._stops.get(response_id)
@@ -247,19 +283,33 @@ class InMemoryResponseStore:
         self._num_chars = 0
 
 
-# KEYS: the response, its stop. ARGV: the JSON, the TTL in ms. 1 where written.
-_SET_UNLESS_STOPPED = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+# KEYS: the response, its stop, its lease. ARGV: the JSON, the TTL in ms, 1 for a generator's
+# write (refused once stopped or unleased), the lease to set in ms (0: none). 1 where written.
+_PUT = """
+if ARGV[3] == '1' and (redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 0) then
+    return 0
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[4] ~= '0' then redis.call('SET', KEYS[3], '1', 'PX', ARGV[4]) end
 return 1
 """
-# KEYS: the events' stream, the response's stop. ARGV: the entry id, its field and value, the
-# TTL in ms, 1 to refuse it once stopped. 1 where added.
-_ADD_ENTRY_UNLESS_STOPPED = """
-if ARGV[5] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+# KEYS: the events' stream, the response's stop, its lease. ARGV: the entry id, its field and
+# value, the TTL in ms, 1 for a generator's write. 1 where added.
+_ADD_ENTRY = """
+if ARGV[5] == '1' and (redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 0) then
+    return 0
+end
 redis.call('XADD', KEYS[1], ARGV[1], ARGV[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
+"""
+# KEYS: the stop, the lease. ARGV: the lease in ms. The stop's reason, 'lease_lapsed', or nil
+# where renewed.
+_RENEW_LEASE = """
+local reason = redis.call('GET', KEYS[1])
+if reason then return reason end
+if redis.call('PEXPIRE', KEYS[2], ARGV[1]) == 0 then return 'lease_lapsed' end
+return false
 """
 
 
@@ -268,50 +318,54 @@ class RedisResponseStore:
 
     KEY_PREFIX = "backport:response:"
     STOP_KEY_PREFIX = "backport:response-stop:"
+    LEASE_KEY_PREFIX = "backport:response-lease:"
     EVENTS_KEY_PREFIX = "backport:response-events:"
     # How long a reader's XREAD waits for the next event before it looks whether the stream is
     # still there: under the client's 2 s socket timeout.
     EVENTS_WAIT_MS = 1000
 
-    def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
-        if ttl_s <= 0:
-            raise ValueError("ttl_s must be positive")
+    def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S, lease_s: float = LEASE_S) -> None:
+        if ttl_s <= 0 or lease_s <= 0:
+            raise ValueError("ttl_s and lease_s must be positive")
         self._redis = redis
         self._ttl_ms = max(1, round(ttl_s * 1000))
-        self._set_unless_stopped = redis.register_script(_SET_UNLESS_STOPPED)
-        self._add_entry_unless_stopped = redis.register_script(_ADD_ENTRY_UNLESS_STOPPED)
+        self._lease_ms = max(1, round(lease_s * 1000))
+        self._put = redis.register_script(_PUT)
+        self._add_entry_script = redis.register_script(_ADD_ENTRY)
+        self._renew_lease = redis.register_script(_RENEW_LEASE)
 
     @classmethod
-    def from_url(cls, url: str, *, ttl_s: float = DEFAULT_TTL_S) -> RedisResponseStore:
+    def from_url(cls, url: str, *, ttl_s: float = DEFAULT_TTL_S,
+                 lease_s: float = LEASE_S) -> RedisResponseStore:
         """Connects lazily (on first use) to the Redis at `url`."""
         from redis.asyncio import Redis
 
         # The session store's timeouts: a Redis that stopped answering costs a request two
         # seconds, not its whole deadline.
-        return cls(Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0), ttl_s=ttl_s)
+        return cls(Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0),
+                   ttl_s=ttl_s, lease_s=lease_s)
 
     @classmethod
     def redis_key(cls, response_id: str) -> str:
         return f"{cls.KEY_PREFIX}{response_id}"
 
     async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
-        if not unless_stopped:
-            await self._call(self._redis.set(self.redis_key(record.id), record.encode(),
-                                             px=self._ttl_ms))
-            return True
-        return bool(await self._call(self._set_unless_stopped(
-            keys=[self.redis_key(record.id), self._stop_key(record.id)],
-            args=[record.encode(), self._ttl_ms])))
+        return bool(await self._call(self._put(
+            keys=[self.redis_key(record.id), self._stop_key(record.id), self._lease_key(record.id)],
+            args=[record.encode(), self._ttl_ms, int(unless_stopped),
+                  self._lease_ms if record.is_running else 0])))
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        text = await self._call(self._redis.get(self.redis_key(response_id)))
+        text, lease = await self._call(self._redis.mget(self.redis_key(response_id),
+                                                        self._lease_key(response_id)))
         if text is None:
             return None
         try:
-            return StoredResponse.decode(text)
+            record = StoredResponse.decode(text)
         except (ValueError, TypeError, KeyError):
             logger.warning("stored response %s is not one this gateway wrote; ignored", response_id)
             return None
+        return record.lapsed() if record.is_running and lease is None else record
 
     async def delete(self, response_id: str) -> bool:
         await self._call(self._redis.delete(self._events_key(response_id)))
@@ -320,9 +374,11 @@ class RedisResponseStore:
     async def request_stop(self, response_id: str, reason: StopReason) -> None:
         await self._call(self._redis.set(self._stop_key(response_id), reason, px=self._ttl_ms))
 
-    async def stop_requested(self, response_id: str) -> StopReason | None:
-        stored = await self._call(self._redis.get(self._stop_key(response_id)))
-        return next((reason for reason in STOP_REASONS if stored == reason.encode()), None)
+    async def renew_lease(self, response_id: str) -> GeneratorStop | None:
+        stop = await self._call(self._renew_lease(
+            keys=[self._stop_key(response_id), self._lease_key(response_id)], args=[self._lease_ms]))
+        return next((reason for reason in (*STOP_REASONS, "lease_lapsed") if stop == reason.encode()),
+                    None)
 
     async def append_event(self, response_id: str, number: int, event: str, *,
                            unless_stopped: bool = False) -> bool:
@@ -344,7 +400,12 @@ class RedisResponseStore:
             if not read:
                 if not await self._call(self._redis.exists(key)):
                     return  # deleted with its response, or expired
-                continue
+                if await self._call(self._redis.exists(self._lease_key(response_id))):
+                    continue
+                # Its last events may have come as the lease lapsed, after it ended.
+                read = await self._call(self._redis.xread({key: last_id}, count=256))
+                if not read:
+                    raise BackgroundResponseLostError(response_id)
             for entry_id, entry in read[0][1]:
                 if b"end" in entry:
                     return
@@ -353,8 +414,9 @@ class RedisResponseStore:
 
     async def _add_entry(self, response_id: str, number: int, name: str, value: str,
                          unless_stopped: bool) -> bool:
-        return bool(await self._call(self._add_entry_unless_stopped(
-            keys=[self._events_key(response_id), self._stop_key(response_id)],
+        return bool(await self._call(self._add_entry_script(
+            keys=[self._events_key(response_id), self._stop_key(response_id),
+                  self._lease_key(response_id)],
             args=[f"{number + 1}-0", name, value, self._ttl_ms, int(unless_stopped)])))
 
     def _events_key(self, response_id: str) -> str:
@@ -362,6 +424,9 @@ class RedisResponseStore:
 
     def _stop_key(self, response_id: str) -> str:
         return f"{self.STOP_KEY_PREFIX}{response_id}"
+
+    def _lease_key(self, response_id: str) -> str:
+        return f"{self.LEASE_KEY_PREFIX}{response_id}"
 
     async def _call(self, pending: Any) -> Any:
         try:
@@ -381,10 +446,9 @@ async def conversation_before(store: ResponseStore, response_id: str) -> list[di
             f"previous_response_id: response {response_id!r} is not stored here (responses are "
             "kept for the gateway's --response-ttl-s, and not at all with store: false)",
             param="previous_response_id")
-    status = record.response.get("status")
-    if status in RUNNING_STATUSES:
+    if record.is_running:
         # Its output is not there yet: the conversation would go on without it.
         raise InvalidRequestError(f"previous_response_id: response {response_id!r} is still "
-                                  f"{status}; continue it once it has ended",
+                                  f"{record.response['status']}; continue it once it has ended",
                                   param="previous_response_id")
     return [*record.input_items, *record.response["output"]]

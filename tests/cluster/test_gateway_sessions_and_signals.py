@@ -3,6 +3,7 @@ once for the module; each test starts the gateway it needs (seconds) against the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from services.gateway.response_store import LAPSED_MESSAGE, LEASE_S
 from services.mesh.channels import wait_until_serving
 from tests.cluster.processes import kill_group, start_engine, start_tokenizer, stop_service
 from tests.conftest import (MESH_START_TIMEOUT_S, REPO_ROOT, engine_environment,
@@ -262,3 +264,33 @@ def test_a_background_stream_is_read_again_on_another_replica(start_gateway: Sta
     events = [*first_two, *rest]
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text
+
+
+def test_a_background_response_of_a_gateway_killed_outright_ends_failed_on_the_other_replica(
+        backends: Backends, start_gateway: StartGateway, redis_url: str) -> None:
+    """Nothing recorded its end: the lease its gateway stopped renewing tells the other replica
+    within LEASE_S, and that replica's reader of its stream gets a failed end instead of waiting
+    out the response's hour."""
+    dying, other = (start_gateway("--redis-url", redis_url) for _ in range(2))
+    body = {"model": MODEL, "input": "Tell a long story.", "background": True, "stream": True,
+            "max_output_tokens": 900, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{dying.base_url}/responses", json=body) as stream:
+            first = json.loads(next(line for line in stream.iter_lines() if line.startswith("data: "))[6:])
+        response_id = first["response"]["id"]
+        _status_becomes(other, http, response_id, "in_progress", 60)
+        os.kill(dying.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with http.stream("GET", f"{other.base_url}/responses/{response_id}",
+                         params={"stream": "true", "starting_after": 0},
+                         timeout=LEASE_S + 30) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+        waited_s = time.monotonic() - killed_at
+        seen = http.get(f"{other.base_url}/responses/{response_id}").json()
+    assert waited_s < LEASE_S + 5
+    assert [event["sequence_number"] for event in events] == list(range(1, len(events) + 1))
+    assert [event["type"] for event in events[-2:]] == ["error", "response.failed"]
+    assert seen["status"] == "failed" and seen["error"]["message"] == LAPSED_MESSAGE
+    assert events[-1]["response"] == seen
+    # Its engine call went with the gateway's connection: 900 tokens take far longer.
+    assert engines_idle_within(backends.engine_addresses, 5.0)

@@ -59,8 +59,8 @@ from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.input_items import Order, input_items_page
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.requests import backend_of
-from services.gateway.response_store import (RUNNING_STATUSES, ResponseStore, StoredResponse,
-                                             conversation_before)
+from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseLostError,
+                                             ResponseStore, StoredResponse, conversation_before)
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
                                           prepare_chat_generation, start_chat_generation)
@@ -99,7 +99,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     if body.background:
         queued = await response.in_background(backend.background_responses)
         if body.stream:
-            return EventStreamResponse(backend.response_store.events_after(response.id, -1))
+            return EventStreamResponse(_stored_stream(backend.response_store, response.id, -1))
         return JSONResponse(queued)
     if body.stream:
         return EventStreamResponse(response.events())
@@ -121,8 +121,8 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
     if not await store.has_events(response_id):
         raise InvalidRequestError(f"response {response_id!r} was not streamed in the background; "
                                   "retrieve it without stream", param="stream")
-    return EventStreamResponse(store.events_after(
-        response_id, starting_after if starting_after is not None else -1))
+    return EventStreamResponse(_stored_stream(
+        store, response_id, starting_after if starting_after is not None else -1))
 
 
 @router.get("/responses/{response_id}/input_items")
@@ -141,7 +141,7 @@ async def list_input_items(response_id: str, request: Request,
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     backend = backend_of(request)
     record = await backend.response_store.get(response_id)
-    if record is not None and record.response["status"] in RUNNING_STATUSES:
+    if record is not None and record.is_running:
         # Else its generator would store it again as it goes on.
         await backend.background_responses.stop(response_id, "deleted")
     if not await backend.response_store.delete(response_id):
@@ -160,7 +160,7 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
     status = record.response["status"]
     if status == "cancelled":
         return record.response
-    if status not in RUNNING_STATUSES:
+    if not record.is_running:
         raise InvalidRequestError(f"response {response_id!r} is {status}: only a background "
                                   "response still queued or in progress can be cancelled",
                                   param="response_id")
@@ -169,6 +169,27 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
     cancelled = {**record.response, "status": "cancelled"}
     await backend.response_store.put(StoredResponse(cancelled, record.input_items))
     return cancelled
+
+
+async def _stored_stream(store: ResponseStore, response_id: str,
+                         after: int) -> AsyncGenerator[str, None]:
+    """A background response's events after event `after`, read from the store. Where the
+    gateway making it was lost, the stream ends as a failed one does."""
+    number = after
+    try:
+        async for event in store.events_after(response_id, after):
+            number += 1
+            yield event
+    except BackgroundResponseLostError:
+        record = await store.get(response_id)
+        if record is None:
+            return
+        failed = record.response if record.response["status"] == "failed" else record.lapsed().response
+        ending = [{"type": "error", "code": "server_error", "param": None,
+                   "message": LAPSED_MESSAGE}, {"type": "response.failed", "response": failed}]
+        for event in ending:
+            number += 1
+            yield _sse(event, number)
 
 
 class ResponseNotFoundError(GatewayError):
