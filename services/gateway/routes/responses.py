@@ -207,12 +207,12 @@ class _Record:
     store: ResponseStore
     input_items: list[dict[str, Any]]
 
-    async def keep(self, response: dict[str, Any], *, even_if_stopped: bool = False) -> None:
-        """Stores the response, unless it was stopped (a background one cancelled or deleted)
-        and this is not how it ended."""
+    async def keep(self, response: dict[str, Any], *, unless_stopped: bool) -> None:
+        """Stores the response; where `unless_stopped` (a background response's generator
+        writing), not once it was stopped (cancelled, deleted, its lease lapsed)."""
         stored = StoredResponse(response, self.input_items)
         try:
-            await self.store.put(stored, unless_stopped=not even_if_stopped)
+            await self.store.put(stored, unless_stopped=unless_stopped)
         except GatewayError as error:
             # The answer is made; losing it for want of storage would cost the client more than
             # a later `previous_response_id` refused.
@@ -536,7 +536,7 @@ class _Response:
         """The response as it is now (sent, or polled in the background), stored first where it
         asked to be (`_Record.keep`)."""
         if self.record is not None:
-            await self.record.keep(response, even_if_stopped=even_if_stopped)
+            await self.record.keep(response, unless_stopped=self.body.background and not even_if_stopped)
         return response
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
