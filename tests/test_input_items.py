@@ -1,4 +1,4 @@
-"""The input items of a stored response, a page at a time: `input_items_page` alone, then
+"""The input items of a stored response, a page at a time: `items_page` alone, then
 GET /v1/responses/{id}/input_items on the shared mesh with the official openai client."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from services.gateway.errors import InvalidRequestError
-from services.gateway.input_items import input_items_page
+from services.gateway.input_items import items_page
 from tests.conftest import RunningMesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -32,18 +32,18 @@ def _ids(page: dict[str, Any]) -> list[str]:
 ])
 def test_a_page_of_items_follows_its_order_and_cursors(order: Any, after: str | None, before: str | None,
                                                        limit: int, ids: list[str], has_more: bool) -> None:
-    page = input_items_page(ITEMS, order=order, limit=limit, after=after, before=before)
+    page = items_page(ITEMS, order=order, limit=limit, after=after, before=before)
     assert (_ids(page), page["has_more"]) == (ids, has_more)
     assert (page["object"], page["first_id"], page["last_id"]) == ("list", ids[0], ids[-1])
 
 
 def test_a_string_content_is_listed_as_one_text_part_and_an_unknown_cursor_is_refused() -> None:
     items = [ITEMS[0], {"id": "msg_a", "type": "message", "role": "assistant", "content": "Hello"}]
-    listed = input_items_page(items, order="asc", limit=20)["data"]
+    listed = items_page(items, order="asc", limit=20)["data"]
     assert [item["content"] for item in listed] == [[{"type": "input_text", "text": "turn 0"}],
                                                    [{"type": "output_text", "text": "Hello"}]]
     with pytest.raises(InvalidRequestError) as refused:
-        input_items_page(ITEMS, order="asc", limit=20, after="msg_9")
+        items_page(ITEMS, order="asc", limit=20, after="msg_9")
     assert refused.value.param == "after"
 
 

@@ -13,7 +13,7 @@ from services.gateway.auth import ApiKeys
 from services.gateway.backend import GatewayBackend
 from services.gateway.errors import UnexpectedErrorMiddleware, install_error_handlers
 from services.gateway.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
-from services.gateway.routes import chat, completions, models, responses, tokenize
+from services.gateway.routes import chat, completions, conversations, models, responses, tokenize
 from services.gateway.settings import GatewaySettings
 
 # Headers the gateway answers with that a page's script may read: a browser hides every header
@@ -51,7 +51,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=CORS_EXPOSED_HEADERS)
     install_error_handlers(app)
-    for router in (models.router, chat.router, completions.router, responses.router, tokenize.router):
+    for router in (models.router, chat.router, completions.router, responses.router,
+                   conversations.router, tokenize.router):
         app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)

@@ -13,6 +13,8 @@ from backport.v1 import engine_pb2 as pb
 from backport.v1 import tokenizer_pb2
 
 from services.gateway.background_responses import BackgroundResponses
+from services.gateway.conversation_store import (ConversationStore, InMemoryConversationStore,
+                                                 RedisConversationStore)
 from services.gateway.dispatch import EngineRoute
 from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_registry import RegistryWatcher
@@ -74,9 +76,16 @@ class GatewayBackend:
                                     if settings.redis_url else None)
         self.effort_store: SessionEffortStore = (self._redis_effort_store
                                                  or InMemorySessionEffortStore())
-        self.response_store: ResponseStore = (
-            RedisResponseStore.from_url(settings.redis_url, ttl_s=settings.response_ttl_s)
-            if settings.redis_url else InMemoryResponseStore(ttl_s=settings.response_ttl_s))
+        self.response_store: ResponseStore
+        self.conversation_store: ConversationStore
+        if settings.redis_url:
+            response_store = RedisResponseStore.from_url(settings.redis_url, ttl_s=settings.response_ttl_s)
+            self.response_store = response_store
+            self.conversation_store = RedisConversationStore(response_store.redis,
+                                                             ttl_s=settings.response_ttl_s)
+        else:
+            self.response_store = InMemoryResponseStore(ttl_s=settings.response_ttl_s)
+            self.conversation_store = InMemoryConversationStore(ttl_s=settings.response_ttl_s)
         self.background_responses = BackgroundResponses(self.response_store)
         self.model: ServedModel | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 from redis.exceptions import RedisError
 
 from services.gateway.errors import InvalidRequestError, ServiceUnavailableError
+from services.gateway.expiring_texts import ExpiringTexts
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -154,14 +155,12 @@ class InMemoryResponseStore:
 
     def __init__(self, *, ttl_s: float = DEFAULT_TTL_S, max_responses: int = 4096,
                  max_chars: int = 256 * 2**20, clock: Callable[[], float] = time.monotonic) -> None:
-        if ttl_s <= 0 or max_responses <= 0 or max_chars <= 0:
-            raise ValueError("ttl_s, max_responses and max_chars must be positive")
+        self._records = ExpiringTexts(ttl_s=ttl_s, max_count=max_responses, max_chars=max_chars,
+                                      clock=clock)
         self._ttl_s = ttl_s
         self._max_responses = max_responses
         self._max_chars = max_chars
         self._clock = clock
-        self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._num_chars = 0
         # Kept past a DELETE of their response, whose generator looks for them; each for `ttl_s`.
         self._stops: dict[str, tuple[StopReason, float]] = {}
         # Each for `ttl_s` from its first event; the oldest go first past `max_responses` of
@@ -172,22 +171,16 @@ class InMemoryResponseStore:
     async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
         if unless_stopped and await self.stop_requested(record.id):
             return False
-        self._drop(record.id)
-        encoded = record.encode()
-        self._records[record.id] = (encoded, self._clock() + self._ttl_s)
-        self._num_chars += len(encoded)
-        while len(self._records) > self._max_responses or self._num_chars > self._max_chars:
-            self._drop(next(iter(self._records)))
+        self._records.put(record.id, record.encode())
         return True
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        return StoredResponse.decode(self._records[response_id][0]) if self._is_kept(response_id) else None
+        text = self._records.get(response_id)
+        return StoredResponse.decode(text) if text is not None else None
 
     async def delete(self, response_id: str) -> bool:
-        # One past its TTL is gone, as `get` says, though not yet dropped.
-        is_kept = self._is_kept(response_id)
         await self._drop_events(response_id)
-        return self._drop(response_id) and is_kept
+        return self._records.pop(response_id) is not None
 
     async def request_stop(self, response_id: str, reason: StopReason) -> None:
         now = self._clock()
@@ -264,23 +257,11 @@ class InMemoryResponseStore:
             log.has_ended = True
             log.changed.notify_all()
 
-    def _is_kept(self, response_id: str) -> bool:
-        held = self._records.get(response_id)
-        return held is not None and held[1] > self._clock()
-
-    def _drop(self, response_id: str) -> bool:
-        held = self._records.pop(response_id, None)
-        if held is None:
-            return False
-        self._num_chars -= len(held[0])
-        return True
-
     async def aclose(self) -> None:
         for response_id in list(self._event_logs):
             await self._drop_events(response_id)
         self._records.clear()
         self._stops.clear()
-        self._num_chars = 0
 
 
 # KEYS: the response, its stop, its lease. ARGV: the JSON, the TTL in ms, 1 for a generator's
@@ -344,6 +325,11 @@ class RedisResponseStore:
         # seconds, not its whole deadline.
         return cls(Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0),
                    ttl_s=ttl_s, lease_s=lease_s)
+
+    @property
+    def redis(self) -> Redis:
+        """Its client, which the gateway's conversation store shares."""
+        return self._redis
 
     @classmethod
     def redis_key(cls, response_id: str) -> str:

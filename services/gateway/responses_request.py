@@ -23,20 +23,15 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError, field_path
 from services.gateway.reasoning_effort import RequestedEffort
-from services.gateway.schemas import (CacheSalt, ChatCompletionRequest, check_valid_unicode,
-                                     without_nulls)
+from services.gateway.schemas import CacheSalt, ChatCompletionRequest, RequestBody, without_nulls
 
 # Chat request fields a Responses field turns into, for errors the chat path raises.
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                      "response_format": "text", "reasoning_effort": "reasoning"}
 
-# Fields that need state this server does not keep (conversation objects, stored prompts):
-# answering without them would silently drop what they refer to.
-_STATEFUL_FIELDS = {
-    "conversation": "conversation objects are not supported; continue a response by "
-                    "previous_response_id, or send the whole conversation in input",
-    "prompt": "stored prompts are not supported; send instructions and input",
-}
+# Fields that need state this server does not keep (stored prompts): answering without them
+# would silently drop what they refer to.
+_STATEFUL_FIELDS = {"prompt": "stored prompts are not supported; send instructions and input"}
 # The `include` value that asks for the output text's logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # `include` values OpenAI defines for output this server never makes (built-in tool results,
@@ -161,9 +156,30 @@ InputItem = Annotated[
 
 
 _INPUT_ITEM = TypeAdapter(InputItem)
+InputItemModel = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
-def _item(index: int, item: Any) -> MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem:
+def parse_input_items(value: list[Any], *, field: str) -> list[InputItemModel]:
+    """The input items of a request's `field`; a RequestFieldError names the item at fault."""
+    for index, item in enumerate(value):
+        # Checked before the union: pydantic's report for a bad tag names neither field nor item.
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind not in ITEM_TYPES:
+            raise RequestFieldError(field, f"unsupported item type {kind!r}; expected one of "
+                                           f"{', '.join(ITEM_TYPES)}", where=f"{field}[{index}]")
+        if kind == "reasoning" and item.get("encrypted_content"):
+            raise RequestFieldError(field, "encrypted reasoning is not supported",
+                                    where=f"{field}[{index}]")
+    return [_item(field, index, item) for index, item in enumerate(value)]
+
+
+def stored_items(items: list[InputItemModel]) -> list[dict[str, Any]]:
+    """The items as a store keeps them: each with an `id`, a new one where the client gave none."""
+    return [{"id": f"{_ITEM_ID_PREFIXES[item.type]}_{uuid.uuid4().hex}",
+             **item.model_dump(exclude_none=True)} for item in items]
+
+
+def _item(field: str, index: int, item: Any) -> InputItemModel:
     # One item at a time, so that an error names the item rather than the union's members.
     try:
         return _INPUT_ITEM.validate_python(item)
@@ -172,7 +188,7 @@ def _item(index: int, item: Any) -> MessageItem | FunctionCallItem | FunctionCal
         # The location starts with the item's tag.
         where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
                         for part in field_path(first["loc"][1:]))
-        raise RequestFieldError("input", first["msg"], where=f"input[{index}]{where}") from error
+        raise RequestFieldError(field, first["msg"], where=f"{field}[{index}]{where}") from error
 
 
 class FunctionTool(_Item):
@@ -217,9 +233,15 @@ class ReasoningConfig(_Item):
     summary: str | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ConversationRef(_Item):
+    id: str
+
+
+class ResponsesRequest(RequestBody):
     """`POST /v1/responses`; unknown fields are ignored, as on the chat path (kept as extras,
-    where vLLM's sampling fields are read from)."""
+    where vLLM's sampling fields are read from). Checked for lone surrogates whole, not only
+    what the chat request carries on: fields only echoed back (`metadata`) would fail as the
+    response is encoded, a 500 or a stream cut short."""
 
     # Python's JSON reads NaN, Infinity and 1e999; refused as what they are, not as out of range.
     model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
@@ -243,20 +265,14 @@ class ResponsesRequest(BaseModel):
     # OpenAI's default: stored, so a later request may continue it by `previous_response_id`.
     store: bool | None = None
     previous_response_id: str | None = None
+    # Its items go before the input, and the response's turn is added to it once made.
+    conversation: str | ConversationRef | None = None
     prompt_cache_key: str | None = None
     cache_salt: CacheSalt | None = None
     include: list[str] | None = None
     # OpenAI's bounds, vLLM's default --max-logprobs; checked whether or not `include` asks.
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, body: Any) -> Any:
-        # The whole body, not only what the chat request carries on: fields only echoed back
-        # (`metadata`) would fail as the response is encoded, a 500 or a stream cut short.
-        check_valid_unicode(body)
-        return body
 
     @model_validator(mode="before")
     @classmethod
@@ -281,16 +297,7 @@ class ResponsesRequest(BaseModel):
         if isinstance(value, list):
             if not value:
                 raise RequestFieldError("input", "must not be an empty list")
-            for index, item in enumerate(value):
-                kind = item.get("type", "message") if isinstance(item, dict) else None
-                if kind not in ITEM_TYPES:
-                    raise RequestFieldError("input", f"unsupported item type {kind!r}; expected one "
-                                                     f"of {', '.join(ITEM_TYPES)}",
-                                            where=f"input[{index}]")
-                if kind == "reasoning" and item.get("encrypted_content"):
-                    raise RequestFieldError("input", "encrypted reasoning is not supported",
-                                            where=f"input[{index}]")
-            return [_item(index, item) for index, item in enumerate(value)]
+            return parse_input_items(value, field="input")
         return value
 
     @field_validator("tools", mode="before")
@@ -330,8 +337,11 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _servable(self) -> ResponsesRequest:
-        # After a stored response, a call output may answer one of its calls (`after` checks).
-        if isinstance(self.input, list) and self.previous_response_id is None:
+        if self.previous_response_id is not None and self.conversation is not None:
+            raise RequestFieldError("conversation", "cannot be given with previous_response_id: "
+                                                    "each names the history to go on from")
+        # After stored items, a call output may answer one of their calls (`after` checks).
+        if isinstance(self.input, list) and self.history_source is None:
             _check_call_outputs(self.input, known_call_ids=set())
         if self.tool_choice not in ("none", "auto") and not self.tools:
             raise RequestFieldError("tool_choice", "forcing a call needs tools")
@@ -354,26 +364,34 @@ class ResponsesRequest(BaseModel):
     def stores(self) -> bool:
         return self.store is not False
 
-    def input_items(self) -> list[dict[str, Any]]:
-        """The request's own input as items, as a stored response keeps it: each with an `id`,
-        a new one where the client gave none."""
-        return [{"id": f"{_ITEM_ID_PREFIXES[item.type]}_{uuid.uuid4().hex}",
-                 **item.model_dump(exclude_none=True)} for item in self._own_items()]
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
-    def _own_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
+    @property
+    def history_source(self) -> Literal["previous_response_id", "conversation"] | None:
+        """The field naming stored items that go before the input, if any."""
+        if self.previous_response_id is not None:
+            return "previous_response_id"
+        return "conversation" if self.conversation is not None else None
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The request's own input as items, as a store keeps them (`stored_items`)."""
+        return stored_items(self._own_items())
+
+    def _own_items(self) -> list[InputItemModel]:
         # A string input is one user message.
         return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
 
     def after(self, history: list[dict[str, Any]]) -> ResponsesRequest:
-        """This request with a stored conversation's items (`previous_response_id`'s) before its
-        own input."""
+        """This request with stored items (`history_source`'s) before its own input."""
+        source = self.history_source
         try:
             earlier = [_INPUT_ITEM.validate_python(item) for item in history]
         except ValidationError as error:
             # An output item no request could send (a call with an empty name, from a parser).
-            raise InvalidRequestError(f"previous_response_id: the stored conversation cannot be "
-                                      f"continued: {error.errors()[0]['msg']}",
-                                      param="previous_response_id") from None
+            raise InvalidRequestError(f"{source}: the stored conversation cannot be continued: "
+                                      f"{error.errors()[0]['msg']}", param=source) from None
         own = self._own_items()
         try:
             _check_call_outputs(own, known_call_ids={item.call_id for item in earlier
@@ -442,8 +460,7 @@ class ResponsesRequest(BaseModel):
             raise InvalidRequestError(f"{param}: {problem}", param=param) from error
 
 
-def _check_call_outputs(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
-                        *, known_call_ids: set[str]) -> None:
+def _check_call_outputs(items: list[InputItemModel], *, known_call_ids: set[str]) -> None:
     """Each `function_call_output` answers a `function_call` item before it (or one of
     `known_call_ids`, the calls of a stored conversation before them), as OpenAI requires: a chat
     template would render an answer to no call, or fail on it."""
@@ -456,8 +473,7 @@ def _check_call_outputs(items: list[MessageItem | FunctionCallItem | FunctionCal
                                              f"{item.call_id!r}", where=f"input[{index}]")
 
 
-def _chat_message(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                  previous: dict[str, Any] | None) -> dict[str, Any] | None:
+def _chat_message(item: InputItemModel, previous: dict[str, Any] | None) -> dict[str, Any] | None:
     """The chat message `item` adds, or None when it joins the `previous` assistant message."""
     joinable = previous if previous is not None and previous["role"] == "assistant" else None
     match item:

@@ -121,17 +121,24 @@ def without_nulls(body: Any, names: frozenset[str]) -> Any:
     return body
 
 
-class SamplingFields(BaseModel):
-    """Fields chat and completions share. Unknown fields are ignored, as vLLM's server does."""
+class RequestBody(BaseModel):
+    """A request's JSON body: unknown fields ignored, as vLLM's server does, and a lone surrogate
+    anywhere refused (`check_valid_unicode`)."""
 
-    # Python's JSON reads NaN, Infinity and 1e999; refused as what they are, not as out of range.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, body: Any) -> Any:
         check_valid_unicode(body)
         return body
+
+
+class SamplingFields(RequestBody):
+    """Fields chat and completions share."""
+
+    # Python's JSON reads NaN, Infinity and 1e999; refused as what they are, not as out of range.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     # Fields a request may send as null for their default (nullable in OpenAI's API or vLLM's).
     null_means_unset: ClassVar[frozenset[str]] = frozenset({

@@ -294,3 +294,19 @@ def test_a_background_response_of_a_gateway_killed_outright_ends_failed_on_the_o
     assert events[-1]["response"] == seen
     # Its engine call went with the gateway's connection: 900 tokens take far longer.
     assert engines_idle_within(backends.engine_addresses, 5.0)
+
+
+def test_a_conversation_made_on_one_replica_goes_on_on_the_other(start_gateway: StartGateway,
+                                                                  redis_url: str) -> None:
+    on_first, on_second = (openai.OpenAI(base_url=start_gateway("--redis-url", redis_url).base_url,
+                                         api_key="unused", max_retries=0) for _ in range(2))
+    conversation = on_first.conversations.create(items=[{"role": "user", "content": "Hello"}])
+    reply = on_second.responses.create(model=MODEL, conversation=conversation.id, input="Hi again",
+                                       max_output_tokens=4)
+    items = on_first.conversations.items.list(conversation.id, order="asc")
+    assert [item.content[0].text for item in items] == ["Hello", "Hi again", reply.output_text]
+    # Stored in Redis too, as any response (not only a background one's writes).
+    assert on_first.responses.retrieve(reply.id).output_text == reply.output_text
+    assert on_second.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        on_first.conversations.retrieve(conversation.id)

@@ -30,7 +30,11 @@ events go to the store as they are made, and the client reads them from there: G
 
 GET /v1/responses/{id}/input_items lists the items a stored response was made from.
 
-Not supported: `conversation` objects, stored `prompt`s (each a 400), `truncation: "auto"` (an
+A response made in a `conversation` (`services.gateway.routes.conversations`) has that
+conversation's items before its input, and adds its input and output there once it ends
+`completed` or `incomplete`, whether or not it is stored.
+
+Not supported: stored `prompt`s (a 400), `truncation: "auto"` (an
 input beyond the context is a 400 either way), built-in and custom tools (web search, file
 search, code interpreter, computer use, MCP, custom; only function tools), input parts other
 than text (images, files, audio), encrypted reasoning, reasoning summaries (the reasoning comes
@@ -54,9 +58,10 @@ from fastapi.responses import JSONResponse
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
 from services.gateway.backend import ServedModel
+from services.gateway.conversation_store import ConversationStore
 from services.gateway.errors import GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
-from services.gateway.input_items import Order, input_items_page
+from services.gateway.input_items import Order, items_page
 from services.gateway.parsing import MessageDelta, ToolCallDelta
 from services.gateway.requests import backend_of
 from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseLostError,
@@ -64,6 +69,7 @@ from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseL
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
                                           prepare_chat_generation, start_chat_generation)
+from services.gateway.routes.conversations import conversation_items
 from services.gateway.schemas import now
 from services.gateway.sse import EventStreamResponse, sse_event
 
@@ -72,6 +78,8 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 ItemStatus = Literal["completed", "incomplete"]
+# The statuses of a response whose input and output go to its conversation: those with output.
+_TURN_STATUSES = frozenset({"completed", "incomplete"})
 ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
 
 
@@ -79,12 +87,14 @@ ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "ca
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | EventStreamResponse:
     backend = backend_of(request)
     history: list[dict[str, Any]] = []
-    conversation = body
     if body.previous_response_id is not None:
         history = await conversation_before(backend.response_store, body.previous_response_id)
-        conversation = body.after(history)
+    elif body.conversation_id is not None:
+        history = await conversation_items(backend.conversation_store, body.conversation_id,
+                                           param="conversation")
+    whole_input = body.after(history) if body.history_source is not None else body
     try:
-        chat = conversation.chat_request()
+        chat = whole_input.chat_request()
         # A background response's engine call starts after its answer; a refusal then fails it.
         begin = prepare_chat_generation if body.background else start_chat_generation
         started = await begin(chat, request, request_id=_new_id("resp"))
@@ -93,8 +103,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
         raise type(error)(responses_message(message), param=param) from error
-    record = _Record(backend.response_store, [*history, *body.input_items()]) if body.stores else None
-    response = _Response(body, started, backend.served_model(), record,
+    own_items = body.input_items()
+    record = _Record(backend.response_store, [*history, *own_items]) if body.stores else None
+    turn = (_ConversationTurn(backend.conversation_store, body.conversation_id, own_items)
+            if body.conversation_id is not None else None)
+    response = _Response(body, started, backend.served_model(), record, turn,
                          includes_reasoning=chat.include_reasoning)
     if body.background:
         queued = await response.in_background(backend.background_responses)
@@ -134,7 +147,7 @@ async def list_input_items(response_id: str, request: Request,
     record = await backend_of(request).response_store.get(response_id)
     if record is None:
         raise ResponseNotFoundError(response_id)
-    return input_items_page(record.input_items, order=order, limit=limit, after=after, before=before)
+    return items_page(record.input_items, order=order, limit=limit, after=after, before=before)
 
 
 @router.delete("/responses/{response_id}")
@@ -207,16 +220,40 @@ class _Record:
     store: ResponseStore
     input_items: list[dict[str, Any]]
 
-    async def keep(self, response: dict[str, Any], *, unless_stopped: bool) -> None:
+    async def keep(self, response: dict[str, Any], *, unless_stopped: bool) -> bool:
         """Stores the response; where `unless_stopped` (a background response's generator
-        writing), not once it was stopped (cancelled, deleted, its lease lapsed)."""
+        writing), not once it was stopped (cancelled, deleted, its lease lapsed): whether it was
+        not refused so."""
         stored = StoredResponse(response, self.input_items)
         try:
-            await self.store.put(stored, unless_stopped=unless_stopped)
+            return await self.store.put(stored, unless_stopped=unless_stopped)
         except GatewayError as error:
             # The answer is made; losing it for want of storage would cost the client more than
             # a later `previous_response_id` refused.
             logger.warning("response %s not stored: %s", stored.id, error.message)
+            return True
+
+
+@dataclass(frozen=True, slots=True)
+class _ConversationTurn:
+    """Where a response made in a conversation adds its input and output once it has ended."""
+
+    store: ConversationStore
+    conversation_id: str
+    input_items: list[dict[str, Any]]
+
+    async def add(self, response: dict[str, Any]) -> None:
+        try:
+            added = await self.store.add_items(self.conversation_id,
+                                               [*self.input_items, *response["output"]])
+        except GatewayError as error:
+            # As for a response not stored: the answer is worth more than its turn kept.
+            logger.warning("response %s not added to conversation %s: %s", response["id"],
+                           self.conversation_id, error.message)
+            return
+        if not added:
+            logger.info("response %s not added to conversation %s: it was deleted",
+                        response["id"], self.conversation_id)
 
 
 def _new_id(prefix: str) -> str:
@@ -382,9 +419,11 @@ class _Response:
     """Shapes one started chat generation as a `response` object or its stream of events."""
 
     def __init__(self, body: ResponsesRequest, started: ChatGeneration, model: ServedModel,
-                 record: _Record | None, *, includes_reasoning: bool) -> None:
+                 record: _Record | None, turn: _ConversationTurn | None, *,
+                 includes_reasoning: bool) -> None:
         self.id = started.request_id
         self.record = record
+        self.turn = turn
         self.includes_reasoning = includes_reasoning
         self.created_at = now()
         self.body = body
@@ -534,9 +573,12 @@ class _Response:
     async def _kept(self, response: dict[str, Any], *,
                     even_if_stopped: bool = False) -> dict[str, Any]:
         """The response as it is now (sent, or polled in the background), stored first where it
-        asked to be (`_Record.keep`)."""
-        if self.record is not None:
-            await self.record.keep(response, unless_stopped=self.body.background and not even_if_stopped)
+        asked to be (`_Record.keep`); one made in a conversation adds its turn there once it
+        has output to add, unless the store refused it as stopped."""
+        kept = self.record is None or await self.record.keep(
+            response, unless_stopped=self.body.background and not even_if_stopped)
+        if kept and self.turn is not None and response["status"] in _TURN_STATUSES:
+            await self.turn.add(response)
         return response
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -568,6 +610,8 @@ class _Response:
             "truncation": body.truncation or "disabled",
             "metadata": body.metadata or {}, "user": body.user, "store": self.record is not None,
             "background": body.background, "previous_response_id": body.previous_response_id,
+            "conversation": ({"id": body.conversation_id} if body.conversation_id is not None
+                             else None),
         }
 
 

@@ -12,27 +12,19 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
-                      model_validator)
+from pydantic import Discriminator, Field, Tag, ValidationError
 
 from services.gateway.reasoning_effort import RequestedEffort
 from services.gateway.requests import backend_of, check_in_vocabulary, check_model
 from services.gateway.routes.chat import render_chat_prompt
-from services.gateway.schemas import ChatCompletionRequest, TokenId, check_valid_unicode
+from services.gateway.schemas import ChatCompletionRequest, RequestBody, TokenId
 
 router = APIRouter(tags=["tokenize"])
 
 
-class _ModelField(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    # A lone surrogate cannot reach the tokenizer service, nor be echoed in a 404's message.
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, body: Any) -> Any:
-        check_valid_unicode(body)
-        return body
-
+# A lone surrogate cannot reach the tokenizer service, nor be echoed in a 404's message: a
+# `RequestBody` refuses it.
+class _ModelField(RequestBody):
     # Optional, as in vLLM; when given it must name the served model.
     model: str | None = None
 

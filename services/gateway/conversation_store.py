@@ -1,0 +1,215 @@
+"""Conversations of OpenAI's Conversations API: their metadata and items, oldest first.
+
+A conversation is kept for `ttl_s` from its last change (the gateway's `--response-ttl-s`, as
+responses are). In Redis where the gateway has `--redis-url`, so that every replica sees it:
+`backport:conversation:<id>` holds the conversation, `backport:conversation-items:<id>` its items
+as a list of JSON, to which a response made in it adds its turn in one step (a Lua script that
+also finds the conversation still there), whatever other turns are added beside it. Else in this
+process, bounded as the in-memory responses are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from redis.exceptions import RedisError
+
+from services.gateway.errors import ServiceUnavailableError
+from services.gateway.expiring_texts import ExpiringTexts
+from services.gateway.response_store import DEFAULT_TTL_S
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    id: str
+    created_at: int
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def to_object(self) -> dict[str, Any]:
+        """As the API returns it."""
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at,
+                "metadata": self.metadata}
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> Conversation:
+        return cls(**json.loads(text))
+
+
+class ConversationStore(Protocol):
+    async def create(self, conversation: Conversation, items: list[dict[str, Any]]) -> None: ...
+
+    async def get(self, conversation_id: str) -> Conversation | None: ...
+
+    async def update(self, conversation: Conversation) -> bool:
+        """Whether the conversation was there to update."""
+        ...
+
+    async def delete(self, conversation_id: str) -> bool:
+        """Whether there was such a conversation."""
+        ...
+
+    async def items(self, conversation_id: str) -> list[dict[str, Any]] | None:
+        """Its items, oldest first; None where there is no such conversation."""
+        ...
+
+    async def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
+        """Adds the items after those it has; whether the conversation was there."""
+        ...
+
+    async def delete_item(self, conversation_id: str, item_id: str) -> bool:
+        """Whether it had such an item."""
+        ...
+
+
+class InMemoryConversationStore:
+    """One process's conversations, each with its items as one text: the oldest go first once
+    more than `max_conversations`, or `max_chars` characters of them, are held."""
+
+    def __init__(self, *, ttl_s: float = DEFAULT_TTL_S, max_conversations: int = 4096,
+                 max_chars: int = 256 * 2**20, clock: Callable[[], float] = time.monotonic) -> None:
+        self._held = ExpiringTexts(ttl_s=ttl_s, max_count=max_conversations, max_chars=max_chars,
+                                   clock=clock)
+
+    async def create(self, conversation: Conversation, items: list[dict[str, Any]]) -> None:
+        self._put(conversation, items)
+
+    async def get(self, conversation_id: str) -> Conversation | None:
+        held = self._read(conversation_id)
+        return held[0] if held is not None else None
+
+    async def update(self, conversation: Conversation) -> bool:
+        held = self._read(conversation.id)
+        if held is not None:
+            self._put(conversation, held[1])
+        return held is not None
+
+    async def delete(self, conversation_id: str) -> bool:
+        return self._held.pop(conversation_id) is not None
+
+    async def items(self, conversation_id: str) -> list[dict[str, Any]] | None:
+        held = self._read(conversation_id)
+        return held[1] if held is not None else None
+
+    async def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
+        held = self._read(conversation_id)
+        if held is not None:
+            self._put(held[0], [*held[1], *items])
+        return held is not None
+
+    async def delete_item(self, conversation_id: str, item_id: str) -> bool:
+        held = self._read(conversation_id)
+        if held is None:
+            return False
+        kept = [item for item in held[1] if item.get("id") != item_id]
+        self._put(held[0], kept)
+        return len(kept) < len(held[1])
+
+    def _read(self, conversation_id: str) -> tuple[Conversation, list[dict[str, Any]]] | None:
+        text = self._held.get(conversation_id)
+        if text is None:
+            return None
+        held = json.loads(text)
+        return Conversation(**held["conversation"]), held["items"]
+
+    def _put(self, conversation: Conversation, items: list[dict[str, Any]]) -> None:
+        # Encoded, as Redis keeps it: what a caller later changes in its dicts changes nothing.
+        self._held.put(conversation.id, json.dumps(
+            {"conversation": asdict(conversation), "items": items}, ensure_ascii=False))
+
+
+# KEYS: the conversation, its items. ARGV: the TTL in ms, then the items' JSON. 1 where added.
+_ADD_ITEMS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+class RedisConversationStore:
+    """Conversations shared by every gateway replica, each for `ttl_s` from its last change;
+    on the Redis client of the gateway's response store."""
+
+    KEY_PREFIX = "backport:conversation:"
+    ITEMS_KEY_PREFIX = "backport:conversation-items:"
+
+    def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self._redis = redis
+        self._ttl_ms = max(1, round(ttl_s * 1000))
+        self._add_items = redis.register_script(_ADD_ITEMS)
+
+    async def create(self, conversation: Conversation, items: list[dict[str, Any]]) -> None:
+        pipeline = self._redis.pipeline(transaction=True)
+        pipeline.set(self._key(conversation.id), conversation.encode(), px=self._ttl_ms)
+        if items:
+            pipeline.rpush(self._items_key(conversation.id), *map(_encoded, items))
+            pipeline.pexpire(self._items_key(conversation.id), self._ttl_ms)
+        await self._call(pipeline.execute())
+
+    async def get(self, conversation_id: str) -> Conversation | None:
+        text = await self._call(self._redis.get(self._key(conversation_id)))
+        return Conversation.decode(text) if text is not None else None
+
+    async def update(self, conversation: Conversation) -> bool:
+        pipeline = self._redis.pipeline(transaction=True)
+        pipeline.set(self._key(conversation.id), conversation.encode(), px=self._ttl_ms, xx=True)
+        pipeline.pexpire(self._items_key(conversation.id), self._ttl_ms)
+        updated, _ = await self._call(pipeline.execute())
+        return bool(updated)
+
+    async def delete(self, conversation_id: str) -> bool:
+        deleted = await self._call(self._redis.delete(self._key(conversation_id),
+                                                      self._items_key(conversation_id)))
+        return bool(deleted)
+
+    async def items(self, conversation_id: str) -> list[dict[str, Any]] | None:
+        pipeline = self._redis.pipeline(transaction=True)
+        pipeline.exists(self._key(conversation_id))
+        pipeline.lrange(self._items_key(conversation_id), 0, -1)
+        exists, texts = await self._call(pipeline.execute())
+        return [json.loads(text) for text in texts] if exists else None
+
+    async def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
+        if not items:
+            return await self.get(conversation_id) is not None
+        return bool(await self._call(self._add_items(
+            keys=[self._key(conversation_id), self._items_key(conversation_id)],
+            args=[self._ttl_ms, *map(_encoded, items)])))
+
+    async def delete_item(self, conversation_id: str, item_id: str) -> bool:
+        key = self._items_key(conversation_id)
+        for text in await self._call(self._redis.lrange(key, 0, -1)):
+            if json.loads(text).get("id") == item_id:
+                # The very text, wherever other turns have put it in the meantime.
+                return bool(await self._call(self._redis.lrem(key, 1, text)))
+        return False
+
+    def _key(self, conversation_id: str) -> str:
+        return f"{self.KEY_PREFIX}{conversation_id}"
+
+    def _items_key(self, conversation_id: str) -> str:
+        return f"{self.ITEMS_KEY_PREFIX}{conversation_id}"
+
+    async def _call(self, pending: Any) -> Any:
+        try:
+            return await pending
+        except RedisError as error:
+            raise ServiceUnavailableError(
+                f"the conversation store (Redis) is unavailable: {error}") from None
+
+
+def _encoded(item: dict[str, Any]) -> str:
+    return json.dumps(item, ensure_ascii=False)
