@@ -167,6 +167,8 @@ SWEEP: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"response_format": {"type": "bogus"}}, "response_format.type"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
     ("/v1/chat/completions", {"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),

@@ -104,6 +104,7 @@ def test_the_chat_request_carries_tools_choice_format_effort_and_limit() -> None
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice", "'other'"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"text": {"format": {"type": "json_schema"}}}, "text", "needs a schema"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text", "needs a name"),
 ])
 def test_bad_fields_are_refused_by_name(fields: dict[str, Any], param: str, problem: str) -> None:
     with pytest.raises(ValidationError) as caught:

@@ -351,6 +351,8 @@ class ResponsesRequest(RequestBody):
                                     f"names {self.tool_choice.name!r}, which is not among the tools")
         if self.text.format.type == "json_schema" and self.text.format.schema_ is None:
             raise RequestFieldError("text", "format json_schema needs a schema")
+        if self.text.format.type == "json_schema" and self.text.format.name is None:
+            raise RequestFieldError("text", "format json_schema needs a name, as OpenAI and vLLM ask")
         if self.background and self.store is False:
             raise RequestFieldError("background", "a background response is stored to be polled; "
                                                   "it cannot have store: false")

@@ -42,7 +42,8 @@ class StreamOptions(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    name: str | None = None
+    # Required, as by OpenAI and vLLM.
+    name: str
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
