@@ -6,13 +6,16 @@ tests/test_responses_store.py and tests/cluster/test_gateway_sessions_and_signal
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
 from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseLostError,
                                              InMemoryResponseStore, RedisResponseStore, StoredResponse)
+from services.gateway.routes.responses import _stored_stream
 
 POLL_S = 0.02
 
@@ -255,16 +258,60 @@ def test_a_response_whose_lease_lapsed_reads_failed_and_refuses_its_generator(re
             seen += [await store.put(completed, unless_stopped=True),
                      await store.append_event("resp_l", 1, "one", unless_stopped=True)]
             read: list[str] = []
-            with pytest.raises(BackgroundResponseLostError):
+            with pytest.raises(BackgroundResponseLostError) as lost:
                 async for event in store.events_after("resp_l", -1):
                     read.append(event)
-            seen += [read, (await store.get("resp_l")).response["status"]]
+            seen += [read, lost.value.num_events, (await store.get("resp_l")).response["status"]]
             return seen
         finally:
             await store.aclose()
 
     assert asyncio.run(scenario()) == [None, True, True, "failed", True, "lease_lapsed",
-                                       False, False, ["zero"], "failed"]
+                                       False, False, ["zero"], 1, "failed"]
+
+
+def test_a_stream_read_from_past_its_end_ends_at_once_while_its_lease_runs(redis_url: str) -> None:
+    """Not after the lease, 10 s on, as a lost one."""
+    async def scenario() -> list[list[str]]:
+        store = RedisResponseStore.from_url(redis_url)
+        try:
+            await _stored(store, "resp_p")
+            await store.append_event("resp_p", 0, "zero", unless_stopped=True)
+            await store.end_events("resp_p", 1, unless_stopped=True)
+
+            async def read(after: int) -> list[str]:
+                return [event async for event in store.events_after("resp_p", after)]
+
+            return [await asyncio.wait_for(read(after), 0.5) for after in (0, 5)]
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(scenario()) == [[], []]
+
+
+@pytest.mark.parametrize(("stopped_as", "last_events"), [
+    (None, [("error", None), ("response.failed", "failed")]),
+    ("cancelled", [("response.incomplete", "cancelled")]),  # a cancel came as its lease ran out
+])
+def test_a_lost_stream_ends_as_its_response_now_reads(redis_url: str, stopped_as: str | None,
+                                                      last_events: list[tuple[str, str | None]]) -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        store = RedisResponseStore.from_url(redis_url, lease_s=LEASE_S)
+        try:
+            await _stored(store, "resp_q")
+            await store.append_event("resp_q", 0, "event: response.created\ndata: {}\n\n",
+                                     unless_stopped=True)
+            if stopped_as is not None:
+                await store.put(StoredResponse({"id": "resp_q", "status": stopped_as, "output": []}, []))
+            await asyncio.sleep(LEASE_S * 2)
+            events = [event async for event in _stored_stream(store, "resp_q", -1)]
+            return [json.loads(event.split("data: ", 1)[1]) for event in events[1:]]
+        finally:
+            await store.aclose()
+
+    ending = asyncio.run(scenario())
+    assert [(event["type"], event.get("response", {}).get("status")) for event in ending] == last_events
+    assert [event["sequence_number"] for event in ending] == list(range(1, len(ending) + 1))
 
 
 def test_a_stream_that_ended_is_read_whole_after_its_lease_lapsed(redis_url: str) -> None:

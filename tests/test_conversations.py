@@ -69,6 +69,21 @@ def test_turns_added_at_once_each_land_whole(redis_url: str) -> None:
         assert all(ids[index + 1] == ids[index].replace("in_", "out_") for index in range(0, 40, 2))
 
 
+def test_deleting_an_item_is_a_change_that_keeps_the_conversation_longer(redis_url: str) -> None:
+    from redis.asyncio import Redis
+
+    async def scenario(store: InMemoryConversationStore | RedisConversationStore) -> bool:
+        await store.create(Conversation("conv_t", 1), [_message("msg_1", "one"), _message("msg_2", "two")])
+        await asyncio.sleep(0.6)
+        await store.delete_item("conv_t", "msg_1")
+        await asyncio.sleep(0.6)  # past the TTL from the conversation's making
+        return await store.get("conv_t") is not None
+
+    for store in (InMemoryConversationStore(ttl_s=1.0),
+                  RedisConversationStore(Redis.from_url(redis_url), ttl_s=1.0)):
+        assert asyncio.run(scenario(store))
+
+
 def test_the_in_process_store_drops_its_oldest_conversation_past_its_bound() -> None:
     store = InMemoryConversationStore(max_conversations=2)
 
@@ -156,6 +171,25 @@ def test_a_background_response_adds_its_turn_once_made_and_store_false_still_add
     assert texts == ["Hello", polled.output_text, "Again", unstored.output_text]
 
 
+HELD_MESSAGE = {"id": "msg_here", "type": "message", "role": "user", "content": "What is the weather?"}
+HELD_CALL = {"type": "function_call", "call_id": "call_here", "name": "get_weather", "arguments": "{}"}
+
+
+def test_a_conversation_needs_no_body_and_its_calls_may_be_answered_later(
+        mesh: RunningMesh, client: openai.OpenAI) -> None:
+    made = httpx.post(f"{mesh.base_url}/conversations", timeout=60)
+    assert made.status_code == 200 and made.json()["object"] == "conversation", made.text
+    conversation_id = made.json()["id"]
+    client.conversations.items.create(conversation_id, items=[HELD_MESSAGE, HELD_CALL])
+    answered = client.conversations.items.create(conversation_id, items=[
+        {"type": "function_call_output", "call_id": "call_here", "output": "Sunny"}])
+    assert answered.data[0].type == "function_call_output"
+    reply = client.responses.create(model=MODEL, conversation=conversation_id, max_output_tokens=4,
+                                    input=[{"type": "function_call_output", "call_id": "call_here",
+                                            "output": "Still sunny"}])
+    assert reply.status in ("completed", "incomplete")
+
+
 @pytest.mark.parametrize(("method", "path", "body", "status", "param", "problem"), [
     ("POST", "/responses", {"model": MODEL, "input": "Hi", "conversation": "conv_none"}, 404,
      "conversation", "conv_none"),
@@ -178,14 +212,26 @@ def test_a_background_response_adds_its_turn_once_made_and_store_false_still_add
     ("GET", "/conversations/{id}/items/msg_none", None, 404, None, "msg_none"),
     ("DELETE", "/conversations/{id}/items/msg_none", None, 404, None, "msg_none"),
     ("DELETE", "/conversations/conv_none", None, 404, None, "conv_none"),
+    ("POST", "/conversations", {"items": [{"id": "msg_a", "role": "user", "content": "x"}] * 2}, 400,
+     "items", "items[1].id: the conversation already has an item with id 'msg_a'"),
+    ("POST", "/conversations/{id}/items", {"items": [{"id": "msg_here", "role": "user", "content": "x"}]},
+     400, "items", "items[0].id: the conversation already has an item with id 'msg_here'"),
+    ("POST", "/responses", {"model": MODEL, "conversation": "{id}", "input": [
+        {"id": "msg_here", "role": "user", "content": "x"}]}, 400, "input", "input[0].id"),
+    ("POST", "/conversations", {"items": [{"type": "function_call_output", "call_id": "call_9",
+                                           "output": "x"}]}, 400, "items",
+     "items[0]: no function_call item before it has call_id 'call_9'"),
+    ("POST", "/responses", {"model": MODEL, "input": "Hi", "conversation": {}}, 400, "conversation",
+     "must be a conversation id"),
 ])
 def test_bad_conversation_requests_get_openai_errors_naming_the_field(
         mesh: RunningMesh, client: openai.OpenAI, method: str, path: str, body: Any, status: int,
         param: str | None, problem: str) -> None:
-    conversation = client.conversations.create()
+    conversation = client.conversations.create(items=[HELD_MESSAGE, HELD_CALL])
     # ASCII JSON: a lone surrogate escaped, as a client's JSON encoder sends it.
     reply = httpx.request(method, mesh.base_url + path.format(id=conversation.id),
-                          content=json.dumps(body) if body is not None else None,
+                          content=json.dumps(body).replace("{id}", conversation.id)
+                          if body is not None else None,
                           headers={"content-type": "application/json"}, timeout=60)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]

@@ -110,9 +110,12 @@ class InMemoryConversationStore:
         held = self._read(conversation_id)
         if held is None:
             return False
-        kept = [item for item in held[1] if item.get("id") != item_id]
-        self._put(held[0], kept)
-        return len(kept) < len(held[1])
+        conversation, items = held
+        for index, item in enumerate(items):
+            if item.get("id") == item_id:
+                self._put(conversation, items[:index] + items[index + 1:])
+                return True
+        return False
 
     def _read(self, conversation_id: str) -> tuple[Conversation, list[dict[str, Any]]] | None:
         text = self._held.get(conversation_id)
@@ -194,7 +197,12 @@ class RedisConversationStore:
         for text in await self._call(self._redis.lrange(key, 0, -1)):
             if json.loads(text).get("id") == item_id:
                 # The very text, wherever other turns have put it in the meantime.
-                return bool(await self._call(self._redis.lrem(key, 1, text)))
+                pipeline = self._redis.pipeline(transaction=True)
+                pipeline.lrem(key, 1, text)
+                pipeline.pexpire(self._key(conversation_id), self._ttl_ms)
+                pipeline.pexpire(key, self._ttl_ms)
+                removed, _, _ = await self._call(pipeline.execute())
+                return bool(removed)
         return False
 
     def _key(self, conversation_id: str) -> str:

@@ -91,7 +91,12 @@ class StoredResponse:
 
 
 class BackgroundResponseLostError(Exception):
-    """A background response's stream will not go on: the lease of its gateway lapsed."""
+    """A background response's stream will not go on: the lease of its gateway lapsed with
+    `num_events` events stored."""
+
+    def __init__(self, response_id: str, num_events: int) -> None:
+        super().__init__(f"background response {response_id}: its gateway's lease lapsed")
+        self.num_events = num_events
 
 
 class PreviousResponseNotFoundError(InvalidRequestError):
@@ -380,18 +385,20 @@ class RedisResponseStore:
     async def events_after(self, response_id: str, number: int) -> AsyncGenerator[str, None]:
         key = self._events_key(response_id)
         last_id = f"{number + 1}-0"
+        wait_ms: int | None = None  # the first read does not wait: the stream may have ended
         while True:
-            read = await self._call(self._redis.xread({key: last_id}, count=256,
-                                                      block=self.EVENTS_WAIT_MS))
+            read = await self._call(self._redis.xread({key: last_id}, count=256, block=wait_ms))
+            wait_ms = self.EVENTS_WAIT_MS
             if not read:
-                if not await self._call(self._redis.exists(key)):
-                    return  # deleted with its response, or expired
+                last = await self._call(self._redis.xrevrange(key, count=1))
+                if not last or b"end" in last[0][1]:
+                    return  # ended before `number`, or deleted with its response, or expired
                 if await self._call(self._redis.exists(self._lease_key(response_id))):
                     continue
                 # Its last events may have come as the lease lapsed, after it ended.
                 read = await self._call(self._redis.xread({key: last_id}, count=256))
                 if not read:
-                    raise BackgroundResponseLostError(response_id)
+                    raise BackgroundResponseLostError(response_id, _entry_number(last[0][0]))
             for entry_id, entry in read[0][1]:
                 if b"end" in entry:
                     return
@@ -422,6 +429,11 @@ class RedisResponseStore:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+def _entry_number(entry_id: bytes) -> int:
+    """The events a stream holds up to this entry: entry `n+1-0` holds event `n`."""
+    return int(entry_id.split(b"-")[0])
 
 
 async def conversation_before(store: ResponseStore, response_id: str) -> list[dict[str, Any]]:

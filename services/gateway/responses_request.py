@@ -300,6 +300,15 @@ class ResponsesRequest(RequestBody):
             return parse_input_items(value, field="input")
         return value
 
+    @field_validator("conversation", mode="before")
+    @classmethod
+    def _conversation_shape(cls, value: Any) -> Any:
+        # Checked by hand: pydantic's report for the union names only its first member.
+        if value is None or isinstance(value, str) or (isinstance(value, dict)
+                                                       and isinstance(value.get("id"), str)):
+            return value
+        raise RequestFieldError("conversation", 'must be a conversation id or {"id": ...}')
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, value: Any) -> Any:
@@ -342,7 +351,7 @@ class ResponsesRequest(RequestBody):
                                                     "each names the history to go on from")
         # After stored items, a call output may answer one of their calls (`after` checks).
         if isinstance(self.input, list) and self.history_source is None:
-            _check_call_outputs(self.input, known_call_ids=set())
+            check_call_outputs(self.input, known_call_ids=set())
         if self.tool_choice not in ("none", "auto") and not self.tools:
             raise RequestFieldError("tool_choice", "forcing a call needs tools")
         if isinstance(self.tool_choice, NamedFunctionChoice) and self.tool_choice.name not in {
@@ -396,8 +405,7 @@ class ResponsesRequest(RequestBody):
                                       f"{error.errors()[0]['msg']}", param=source) from None
         own = self._own_items()
         try:
-            _check_call_outputs(own, known_call_ids={item.call_id for item in earlier
-                                                     if isinstance(item, FunctionCallItem)})
+            check_call_outputs(own, known_call_ids=call_ids(history))
         except RequestFieldError as error:
             raise InvalidRequestError(str(error), param=error.param) from None
         return self.model_copy(update={"input": [*earlier, *own]})
@@ -462,17 +470,23 @@ class ResponsesRequest(RequestBody):
             raise InvalidRequestError(f"{param}: {problem}", param=param) from error
 
 
-def _check_call_outputs(items: list[InputItemModel], *, known_call_ids: set[str]) -> None:
+def check_call_outputs(items: list[InputItemModel], *, known_call_ids: set[str],
+                       field: str = "input") -> None:
     """Each `function_call_output` answers a `function_call` item before it (or one of
-    `known_call_ids`, the calls of a stored conversation before them), as OpenAI requires: a chat
-    template would render an answer to no call, or fail on it."""
+    `known_call_ids`, the calls of stored items before them), as OpenAI requires: a chat template
+    would render an answer to no call, or fail on it. The request's `field` holds `items`."""
     call_ids = set(known_call_ids)
     for index, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
             call_ids.add(item.call_id)
         elif isinstance(item, FunctionCallOutputItem) and item.call_id not in call_ids:
-            raise RequestFieldError("input", f"no function_call item before it has call_id "
-                                             f"{item.call_id!r}", where=f"input[{index}]")
+            raise RequestFieldError(field, f"no function_call item before it has call_id "
+                                           f"{item.call_id!r}", where=f"{field}[{index}]")
+
+
+def call_ids(items: list[dict[str, Any]]) -> set[str]:
+    """The call ids of the stored `function_call` items among `items`."""
+    return {item["call_id"] for item in items if item.get("type") == "function_call"}
 
 
 def _chat_message(item: InputItemModel, previous: dict[str, Any] | None) -> dict[str, Any] | None:

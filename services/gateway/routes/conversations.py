@@ -4,9 +4,11 @@ A conversation holds items (`services.gateway.conversation_store`): those it was
 given (`POST .../items`, input items as a response's `input` takes them, at most 20 a request),
 and the turns of the responses made in it (`conversation` on POST /v1/responses: its items go
 before the input, and the response's input and output are added once it is `completed` or
-`incomplete`). Items are listed newest first by default, with `limit`, `order` and `after`;
-`include` asks for nothing this server makes, and is not read. Metadata follows OpenAI's
-limits: at most 16 pairs, keys up to 64 characters, values up to 512.
+`incomplete`). As in OpenAI's, an item's id is unique in its conversation (items are found and
+deleted by id) and a `function_call_output` answers a call before it (`new_items`). Items are
+listed newest first by default, with `limit`, `order` and `after`; `include` asks for nothing
+this server makes, and is not read. Metadata follows OpenAI's limits: at most 16 pairs, keys up
+to 64 characters, values up to 512.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from fastapi import APIRouter, Query, Request
 from pydantic import Field, field_validator
 
 from services.gateway.conversation_store import Conversation, ConversationStore
-from services.gateway.errors import GatewayError, RequestFieldError
+from services.gateway.errors import GatewayError, InvalidRequestError, RequestFieldError
 from services.gateway.input_items import Order, items_page, listed_item
 from services.gateway.requests import backend_of
-from services.gateway.responses_request import InputItemModel, parse_input_items, stored_items
+from services.gateway.responses_request import (InputItemModel, call_ids, check_call_outputs,
+                                                parse_input_items, stored_items)
 from services.gateway.schemas import RequestBody, now
 
 router = APIRouter(prefix="/v1", tags=["conversations"])
@@ -108,10 +111,37 @@ async def conversation_items(store: ConversationStore, conversation_id: str, *,
     return items
 
 
+def new_items(items: list[InputItemModel], earlier: list[dict[str, Any]], *,
+              field: str) -> list[dict[str, Any]]:
+    """`items` as the conversation will keep them, after its `earlier` ones: each call output
+    answers a call before it, and no id is one the conversation has (OpenAI's rules; an item is
+    found and deleted by its id)."""
+    try:
+        check_call_outputs(items, known_call_ids=call_ids(earlier), field=field)
+    except RequestFieldError as error:
+        raise InvalidRequestError(str(error), param=field) from None
+    return with_new_ids(stored_items(items), earlier, field=field)
+
+
+def with_new_ids(added: list[dict[str, Any]], earlier: list[dict[str, Any]], *,
+                 field: str) -> list[dict[str, Any]]:
+    """`added`, whose ids must be none of `earlier`'s nor repeat (a 400 naming `field`)."""
+    taken = {item.get("id") for item in earlier}
+    for index, item in enumerate(added):
+        if item["id"] in taken:
+            raise InvalidRequestError(f"{field}[{index}].id: the conversation already has an item "
+                                      f"with id {item['id']!r}", param=field)
+        taken.add(item["id"])
+    return added
+
+
 @router.post("/conversations")
-async def create_conversation(body: ConversationCreateRequest, request: Request) -> dict[str, Any]:
+async def create_conversation(request: Request,
+                              body: ConversationCreateRequest | None = None) -> dict[str, Any]:
+    """Every field is optional, the body too."""
+    body = body or ConversationCreateRequest()
     conversation = Conversation(f"conv_{uuid.uuid4().hex}", now(), body.metadata or {})
-    await _store(request).create(conversation, stored_items(body.items or []))
+    await _store(request).create(conversation, new_items(body.items or [], [], field="items"))
     return conversation.to_object()
 
 
@@ -140,9 +170,10 @@ async def delete_conversation(conversation_id: str, request: Request) -> dict[st
 
 @router.post("/conversations/{conversation_id}/items")
 async def create_items(conversation_id: str, body: ItemsCreateRequest, request: Request) -> dict[str, Any]:
-    added = stored_items(body.items)
-    if not await _store(request).add_items(conversation_id, added):
-        raise ConversationNotFoundError(conversation_id)
+    store = _store(request)
+    added = new_items(body.items, await conversation_items(store, conversation_id), field="items")
+    if not await store.add_items(conversation_id, added):
+        raise ConversationNotFoundError(conversation_id)  # deleted meanwhile
     return items_page(added, order="asc", limit=len(added))
 
 

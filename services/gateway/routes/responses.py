@@ -69,7 +69,7 @@ from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseL
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
                                           prepare_chat_generation, start_chat_generation)
-from services.gateway.routes.conversations import conversation_items
+from services.gateway.routes.conversations import conversation_items, with_new_ids
 from services.gateway.schemas import now
 from services.gateway.sse import EventStreamResponse, sse_event
 
@@ -93,6 +93,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         history = await conversation_items(backend.conversation_store, body.conversation_id,
                                            param="conversation")
     whole_input = body.after(history) if body.history_source is not None else body
+    own_items = body.input_items()
+    if body.conversation_id is not None:
+        own_items = with_new_ids(own_items, history, field="input")
     try:
         chat = whole_input.chat_request()
         # A background response's engine call starts after its answer; a refusal then fails it.
@@ -103,7 +106,6 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
         param = responses_param(error.param)
         message = error.message.replace(error.param, param) if error.param and param else error.message
         raise type(error)(responses_message(message), param=param) from error
-    own_items = body.input_items()
     record = _Record(backend.response_store, [*history, *own_items]) if body.stores else None
     turn = (_ConversationTurn(backend.conversation_store, body.conversation_id, own_items)
             if body.conversation_id is not None else None)
@@ -187,21 +189,22 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
 async def _stored_stream(store: ResponseStore, response_id: str,
                          after: int) -> AsyncGenerator[str, None]:
     """A background response's events after event `after`, read from the store. Where the
-    gateway making it was lost, the stream ends as a failed one does."""
-    number = after
+    gateway making it was lost, the stream ends as the response now reads: failed, or as it was
+    stopped meanwhile (a cancel)."""
     try:
         async for event in store.events_after(response_id, after):
-            number += 1
             yield event
-    except BackgroundResponseLostError:
+    except BackgroundResponseLostError as lost:
         record = await store.get(response_id)
         if record is None:
             return
-        failed = record.response if record.response["status"] == "failed" else record.lapsed().response
-        ending = [{"type": "error", "code": "server_error", "param": None,
-                   "message": LAPSED_MESSAGE}, {"type": "response.failed", "response": failed}]
-        for event in ending:
-            number += 1
+        response = record.lapsed().response if record.is_running else record.response
+        ending: list[dict[str, Any]] = [{"type": _last_event_type(response["status"]),
+                                         "response": response}]
+        if response["status"] == "failed":
+            ending.insert(0, {"type": "error", "code": "server_error", "param": None,
+                              "message": (response.get("error") or {}).get("message", LAPSED_MESSAGE)})
+        for number, event in enumerate(ending, start=max(lost.num_events, after + 1)):
             yield _sse(event, number)
 
 
@@ -220,18 +223,16 @@ class _Record:
     store: ResponseStore
     input_items: list[dict[str, Any]]
 
-    async def keep(self, response: dict[str, Any], *, unless_stopped: bool) -> bool:
+    async def keep(self, response: dict[str, Any], *, unless_stopped: bool) -> None:
         """Stores the response; where `unless_stopped` (a background response's generator
-        writing), not once it was stopped (cancelled, deleted, its lease lapsed): whether it was
-        not refused so."""
+        writing), not once it was stopped (cancelled, deleted, its lease lapsed)."""
         stored = StoredResponse(response, self.input_items)
         try:
-            return await self.store.put(stored, unless_stopped=unless_stopped)
+            await self.store.put(stored, unless_stopped=unless_stopped)
         except GatewayError as error:
             # The answer is made; losing it for want of storage would cost the client more than
             # a later `previous_response_id` refused.
             logger.warning("response %s not stored: %s", stored.id, error.message)
-            return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,7 +500,7 @@ class _Response:
         cancelled = await self._kept(self._shape("cancelled", [], None), even_if_stopped=True)
         if self._log is not None:
             # A cancelled stream ends as one the engine aborted does.
-            await self._log.append({"type": "response.incomplete", "response": cancelled},
+            await self._log.append({"type": _last_event_type("cancelled"), "response": cancelled},
                                    even_if_stopped=True)
             await self._log.end(even_if_stopped=True)
 
@@ -555,8 +556,7 @@ class _Response:
         status = _status(finish_reason)
         for event in output.close(_item_status(status)):
             yield event
-        event_type = "response.incomplete" if status == "cancelled" else f"response.{status}"
-        yield {"type": event_type, "response": await self._kept(
+        yield {"type": _last_event_type(status), "response": await self._kept(
             self._shape(status, output.items, self.generation.usage))}
 
     async def _failure(self, output: OutputItems, failure: dict[str, Any]) -> list[dict[str, Any]]:
@@ -574,11 +574,13 @@ class _Response:
                     even_if_stopped: bool = False) -> dict[str, Any]:
         """The response as it is now (sent, or polled in the background), stored first where it
         asked to be (`_Record.keep`); one made in a conversation adds its turn there once it
-        has output to add, unless the store refused it as stopped."""
-        kept = self.record is None or await self.record.keep(
-            response, unless_stopped=self.body.background and not even_if_stopped)
-        if kept and self.turn is not None and response["status"] in _TURN_STATUSES:
+        has output to add."""
+        if self.turn is not None and response["status"] in _TURN_STATUSES:
+            # Before it is stored as ended: a client that polled it to its end and goes on in
+            # the conversation finds its turn there. (A cancel that comes as it ends leaves it.)
             await self.turn.add(response)
+        if self.record is not None:
+            await self.record.keep(response, unless_stopped=self.body.background and not even_if_stopped)
         return response
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -628,6 +630,12 @@ def _error_event(error: GatewayError) -> dict[str, Any]:
 def _internal_error_event() -> dict[str, Any]:
     return {"type": "error", "code": "internal_error", "message": "internal error while streaming",
             "param": None}
+
+
+def _last_event_type(status: str) -> str:
+    """The event that ends a stream with the response `status`: OpenAI's stream has no
+    cancelled event, so a cancelled one ends as an incomplete one."""
+    return "response.incomplete" if status == "cancelled" else f"response.{status}"
 
 
 def _status(finish_reason: str | None) -> ResponseStatus:
