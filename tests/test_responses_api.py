@@ -330,3 +330,30 @@ def test_reasoning_tokens_logprobs_show_as_vllm_shows_them(reasoning_gateway: op
     assert response.output_text == "Paris." and text_logprobs(response) == []
     events = list(reasoning_gateway.responses.create(**hidden, stream=True))
     assert streamed_logprobs(events) == [] and text_logprobs(events[-1].response) == []
+
+
+def test_truncation_auto_drops_the_fewest_leading_items_that_leave_room_for_the_output(
+        client: openai.OpenAI, mesh: RunningMesh) -> None:
+    """Twelve turns of about 200 tokens and 300 output tokens do not fit the mesh's 2,048-token
+    context: refused whole, answered with the fewest first turns dropped, the instructions kept
+    (counted by /tokenize for each cut)."""
+    max_model_len, wanted = 2048, 300
+    turns = [{"role": "user" if index % 2 == 0 else "assistant",
+              "content": f"Turn {index}: " + "tell me more " * 66} for index in range(12)]
+    fields: dict[str, Any] = dict(model=MODEL, instructions="Be brief.", input=turns,
+                                  max_output_tokens=wanted)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**fields)
+    assert refused.value.body["param"] == "input"
+
+    def prompt_tokens(num_dropped: int) -> int:
+        messages = [{"role": "system", "content": "Be brief."}, *turns[num_dropped:]]
+        reply = httpx.post(f"{mesh.base_url.removesuffix('/v1')}/tokenize", timeout=60,
+                           json={"model": MODEL, "messages": messages, "add_generation_prompt": True})
+        return reply.json()["count"]
+
+    fewest = next(count for count in range(12) if prompt_tokens(count) + wanted <= max_model_len)
+    assert fewest >= 2
+    truncated = client.responses.create(**fields, truncation="auto")
+    assert truncated.truncation == "auto" and truncated.status in ("completed", "incomplete")
+    assert truncated.usage.input_tokens == prompt_tokens(fewest)

@@ -293,3 +293,14 @@ def test_a_call_or_reasoning_after_the_text_takes_its_own_tokens() -> None:
     output.add(MessageDelta(), [token("<|im_end|>")])
     output.close("completed")
     assert [entry["token"] for entry in output.items[0]["content"][0]["logprobs"]] == ["Checking."]
+
+
+def test_truncation_drops_leading_items_and_the_call_outputs_of_calls_dropped() -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}
+    body = request(input=[{"role": "user", "content": "Weather?"}, call, answer,
+                          {"role": "user", "content": "And tomorrow?"}])
+    assert [item.type for item in body.without_first_items(1).input] == [
+        "function_call", "function_call_output", "message"]
+    assert [item.type for item in body.without_first_items(2).input] == ["message"]
+    assert body.without_first_items(0) is body and body.num_items == 4

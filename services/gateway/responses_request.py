@@ -410,6 +410,21 @@ class ResponsesRequest(RequestBody):
             raise InvalidRequestError(str(error), param=error.param) from None
         return self.model_copy(update={"input": [*earlier, *own]})
 
+    @property
+    def num_items(self) -> int:
+        return 1 if isinstance(self.input, str) else len(self.input)
+
+    def without_first_items(self, count: int) -> ResponsesRequest:
+        """This request with its first `count` input items dropped (`truncation: "auto"`), and
+        the call outputs whose calls went with them: nothing would answer them."""
+        if count == 0 or isinstance(self.input, str):
+            return self
+        kept = self.input[count:]
+        calls = {item.call_id for item in kept if isinstance(item, FunctionCallItem)}
+        return self.model_copy(update={"input": [
+            item for item in kept
+            if not (isinstance(item, FunctionCallOutputItem) and item.call_id not in calls)]})
+
     def chat_messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         if self.instructions:

@@ -1,7 +1,7 @@
 """/v1/responses: OpenAI's Responses API, served on the chat path.
 
 The conversation is rendered as chat messages, generated and parsed exactly as a chat
-completion is (`start_chat_generation`); the parsed message is then shaped as output items: a
+completion is (`prepare_chat_generation`); the parsed message is then shaped as output items: a
 `reasoning` item when the model reasoned, a `message` item when it wrote content, one
 `function_call` item per tool call. Streaming sends OpenAI's typed events, each with a
 `sequence_number` from 0, built by the same code that builds the non-streamed output, so a
@@ -34,8 +34,11 @@ A response made in a `conversation` (`services.gateway.routes.conversations`) ha
 conversation's items before its input, and adds its input and output there once it ends
 `completed` or `incomplete`, whether or not it is stored.
 
-Not supported: stored `prompt`s (a 400), `truncation: "auto"` (an
-input beyond the context is a 400 either way), built-in and custom tools (web search, file
+`truncation: "auto"` drops the fewest items from the start of an input (its stored history
+included) that leave room in the context for `max_output_tokens`, as OpenAI's does; without it
+an input beyond the context is a 400.
+
+Not supported: stored `prompt`s (a 400), built-in and custom tools (web search, file
 search, code interpreter, computer use, MCP, custom; only function tools), input parts other
 than text (images, files, audio), encrypted reasoning, reasoning summaries (the reasoning comes
 as `reasoning_text` content, `summary` stays empty), and more than one output choice (`include`
@@ -59,7 +62,7 @@ from fastapi.responses import JSONResponse
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
 from services.gateway.backend import ServedModel
 from services.gateway.conversation_store import ConversationStore
-from services.gateway.errors import GatewayError, InvalidRequestError
+from services.gateway.errors import ContextLengthError, GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.input_items import Order, items_page
 from services.gateway.parsing import MessageDelta, ToolCallDelta
@@ -68,9 +71,9 @@ from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseL
                                              ResponseStore, StoredResponse, conversation_before)
 from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
 from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
-                                          prepare_chat_generation, start_chat_generation)
+                                          prepare_chat_generation)
 from services.gateway.routes.conversations import conversation_items, with_new_ids
-from services.gateway.schemas import now
+from services.gateway.schemas import ChatCompletionRequest, now
 from services.gateway.sse import EventStreamResponse, sse_event
 
 logger = logging.getLogger(__name__)
@@ -97,10 +100,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     if body.conversation_id is not None:
         own_items = with_new_ids(own_items, history, field="input")
     try:
-        chat = whole_input.chat_request()
+        chat, started = await _prepared(whole_input, request)
         # A background response's engine call starts after its answer; a refusal then fails it.
-        begin = prepare_chat_generation if body.background else start_chat_generation
-        started = await begin(chat, request, request_id=_new_id("resp"))
+        if not body.background:
+            await started.generation.start()
     except InvalidRequestError as error:
         # The chat path names its own fields; the client wrote ours.
         param = responses_param(error.param)
@@ -119,6 +122,60 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
+
+
+async def _prepared(whole_input: ResponsesRequest,
+                    request: Request) -> tuple[ChatCompletionRequest, ChatGeneration]:
+    """The chat request the input makes and its generation, not started. With `truncation:
+    "auto"`, an input that leaves no room for `max_output_tokens` in the context (or too long
+    for it) loses the fewest items from its start that leave it (OpenAI's rule): a binary search
+    over whole items, each try a render."""
+    request_id = _new_id("resp")
+
+    async def tried(num_dropped: int) -> tuple[ChatCompletionRequest, ChatGeneration] | None:
+        kept = whole_input.without_first_items(num_dropped)
+        if kept.num_items == 0:
+            return None
+        chat = kept.chat_request()
+        try:
+            prepared = await prepare_chat_generation(chat, request, request_id=request_id)
+        except ContextLengthError as error:
+            if whole_input.truncation != "auto" or error.param != "messages":
+                raise
+            return None
+        if whole_input.truncation == "auto" and not _leaves_room(whole_input, prepared, request):
+            return None
+        return chat, prepared
+
+    whole = await tried(0)
+    if whole is not None:
+        return whole
+    fewest, most = 1, whole_input.num_items - 1
+    found = None
+    while fewest <= most:
+        middle = (fewest + most) // 2
+        attempt = await tried(middle)
+        if attempt is None:
+            fewest = middle + 1
+        else:
+            found, most = attempt, middle - 1
+    if found is None:
+        wanted = whole_input.max_output_tokens
+        raise ContextLengthError(
+            f"This model's maximum context length is {_max_model_len(request)} tokens: with "
+            "truncation auto, even the input's last item leaves no room for "
+            + (f"max_output_tokens={wanted}" if wanted else "output"), param="messages")
+    return found
+
+
+def _leaves_room(body: ResponsesRequest, prepared: ChatGeneration, request: Request) -> bool:
+    # Without max_output_tokens, room for a token, as the chat path asks.
+    wanted = body.max_output_tokens or 1
+    return prepared.generation.usage.prompt_tokens + wanted <= _max_model_len(request)
+
+
+def _max_model_len(request: Request) -> int:
+    return backend_of(request).served_model().max_model_len
 
 
 @router.get("/responses/{response_id}", response_model=None)
