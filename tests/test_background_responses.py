@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
+from services.gateway.errors import ServiceUnavailableError
 from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseLostError,
                                              InMemoryResponseStore, RedisResponseStore, StoredResponse)
 from services.gateway.routes.responses import _stored_stream
@@ -365,3 +366,35 @@ def test_a_generation_keeps_its_lease_as_long_as_it_runs_and_stops_once_it_lapse
     assert long_lived.ends == [] and not long_lived.was_cancelled
     assert len(statuses) >= 4 and set(statuses) == {"queued"}
     assert lost.was_cancelled and lost.ends == [] and lost.made < 1000
+
+
+def test_a_generator_s_write_outlasts_a_redis_blip_and_lands_once(redis_url: str) -> None:
+    """Redis paused for 3 s: a client's write fails at the 2 s socket timeout, the generator's
+    is tried again and lands, its event once though its first try landed too, unanswered."""
+    async def scenario() -> tuple[bool, float, list[str], bool]:
+        from redis.asyncio import Redis
+
+        store = RedisResponseStore.from_url(redis_url)
+        redis = Redis.from_url(redis_url)
+        try:
+            await _stored(store, "resp_b")
+            await redis.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+            started = asyncio.get_running_loop().time()
+            added = await store.append_event("resp_b", 0, "zero", unless_stopped=True)
+            took_s = asyncio.get_running_loop().time() - started
+            await store.end_events("resp_b", 1)
+            events = [event async for event in store.events_after("resp_b", -1)]
+            await redis.execute_command("CLIENT", "PAUSE", 2500, "ALL")
+            try:
+                await store.put(StoredResponse({"id": "resp_c", "status": "completed", "output": []}, []))
+                client_write_failed = False
+            except ServiceUnavailableError:
+                client_write_failed = True
+            return added, took_s, events, client_write_failed
+        finally:
+            await redis.aclose()
+            await store.aclose()
+
+    added, took_s, events, client_write_failed = asyncio.run(scenario())
+    assert added and 2.0 < took_s < RedisResponseStore.WRITE_RETRY_S
+    assert events == ["zero"] and client_write_failed

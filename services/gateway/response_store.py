@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
@@ -280,8 +280,10 @@ if ARGV[4] ~= '0' then redis.call('SET', KEYS[3], '1', 'PX', ARGV[4]) end
 return 1
 """
 # KEYS: the events' stream, the response's stop, its lease. ARGV: the entry id, its field and
-# value, the TTL in ms, 1 for a generator's write. 1 where added.
+# value, the TTL in ms, 1 for a generator's write. 1 where added, or there already (a write
+# tried again after its first try landed unanswered).
 _ADD_ENTRY = """
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) > 0 then return 1 end
 if ARGV[5] == '1' and (redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 0) then
     return 0
 end
@@ -309,6 +311,9 @@ class RedisResponseStore:
     # How long a reader's XREAD waits for the next event before it looks whether the stream is
     # still there: under the client's 2 s socket timeout.
     EVENTS_WAIT_MS = 1000
+    # How long a generator tries a write again (`_retried`): well within its lease.
+    WRITE_RETRY_S = LEASE_S / 2
+    WRITE_RETRY_PAUSE_S = 0.2
 
     def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S, lease_s: float = LEASE_S) -> None:
         if ttl_s <= 0 or lease_s <= 0:
@@ -341,10 +346,13 @@ class RedisResponseStore:
         return f"{cls.KEY_PREFIX}{response_id}"
 
     async def put(self, record: StoredResponse, *, unless_stopped: bool = False) -> bool:
-        return bool(await self._call(self._put(
-            keys=[self.redis_key(record.id), self._stop_key(record.id), self._lease_key(record.id)],
-            args=[record.encode(), self._ttl_ms, int(unless_stopped),
-                  self._lease_ms if record.is_running else 0])))
+        def write() -> Awaitable[Any]:
+            return self._put(
+                keys=[self.redis_key(record.id), self._stop_key(record.id), self._lease_key(record.id)],
+                args=[record.encode(), self._ttl_ms, int(unless_stopped),
+                      self._lease_ms if record.is_running else 0])
+
+        return bool(await (self._retried(write) if unless_stopped else self._call(write())))
 
     async def get(self, response_id: str) -> StoredResponse | None:
         text, lease = await self._call(self._redis.mget(self.redis_key(response_id),
@@ -407,10 +415,13 @@ class RedisResponseStore:
 
     async def _add_entry(self, response_id: str, number: int, name: str, value: str,
                          unless_stopped: bool) -> bool:
-        return bool(await self._call(self._add_entry_script(
-            keys=[self._events_key(response_id), self._stop_key(response_id),
-                  self._lease_key(response_id)],
-            args=[f"{number + 1}-0", name, value, self._ttl_ms, int(unless_stopped)])))
+        def write() -> Awaitable[Any]:
+            return self._add_entry_script(
+                keys=[self._events_key(response_id), self._stop_key(response_id),
+                      self._lease_key(response_id)],
+                args=[f"{number + 1}-0", name, value, self._ttl_ms, int(unless_stopped)])
+
+        return bool(await (self._retried(write) if unless_stopped else self._call(write())))
 
     def _events_key(self, response_id: str) -> str:
         return f"{self.EVENTS_KEY_PREFIX}{response_id}"
@@ -426,6 +437,21 @@ class RedisResponseStore:
             return await pending
         except RedisError as error:
             raise ServiceUnavailableError(f"the response store (Redis) is unavailable: {error}") from None
+
+    async def _retried(self, write: Callable[[], Awaitable[Any]]) -> Any:
+        """A background response's generator's write, tried again for `WRITE_RETRY_S` where
+        Redis did not take it: a blip would otherwise fail a response its lease still holds.
+        Each write is one that may land twice (an event's entry is added once)."""
+        deadline = time.monotonic() + self.WRITE_RETRY_S
+        while True:
+            try:
+                return await write()
+            except RedisError as error:
+                if time.monotonic() + self.WRITE_RETRY_PAUSE_S >= deadline:
+                    raise ServiceUnavailableError(
+                        f"the response store (Redis) is unavailable: {error}") from None
+                logger.info("response store write failed (%s); trying again", error)
+                await asyncio.sleep(self.WRITE_RETRY_PAUSE_S)
 
     async def aclose(self) -> None:
         await self._redis.aclose()
