@@ -5,7 +5,7 @@ given (`POST .../items`, input items as a response's `input` takes them, at most
 and the turns of the responses made in it (`conversation` on POST /v1/responses: its items go
 before the input, and the response's input and output are added once it is `completed` or
 `incomplete`). As in OpenAI's, an item's id is unique in its conversation (items are found and
-deleted by id) and a `function_call_output` answers a call before it (`new_items`). Items are
+deleted by id) and a `function_call_output` answers a call before it (`_new_items`). Items are
 listed newest first by default, with `limit`, `order` and `after`; `include` asks for nothing
 this server makes, and is not read. Metadata follows OpenAI's limits: at most 16 pairs, keys up
 to 64 characters, values up to 512.
@@ -111,7 +111,7 @@ async def conversation_items(store: ConversationStore, conversation_id: str, *,
     return items
 
 
-def new_items(items: list[InputItemModel], earlier: list[dict[str, Any]], *,
+def _new_items(items: list[InputItemModel], earlier: list[dict[str, Any]], *,
               field: str) -> list[dict[str, Any]]:
     """`items` as the conversation will keep them, after its `earlier` ones: each call output
     answers a call before it, and no id is one the conversation has (OpenAI's rules; an item is
@@ -141,7 +141,7 @@ async def create_conversation(request: Request,
     """Every field is optional, the body too."""
     body = body or ConversationCreateRequest()
     conversation = Conversation(f"conv_{uuid.uuid4().hex}", now(), body.metadata or {})
-    await _store(request).create(conversation, new_items(body.items or [], [], field="items"))
+    await _store(request).create(conversation, _new_items(body.items or [], [], field="items"))
     return conversation.to_object()
 
 
@@ -171,7 +171,7 @@ async def delete_conversation(conversation_id: str, request: Request) -> dict[st
 @router.post("/conversations/{conversation_id}/items")
 async def create_items(conversation_id: str, body: ItemsCreateRequest, request: Request) -> dict[str, Any]:
     store = _store(request)
-    added = new_items(body.items, await conversation_items(store, conversation_id), field="items")
+    added = _new_items(body.items, await conversation_items(store, conversation_id), field="items")
     if not await store.add_items(conversation_id, added):
         raise ConversationNotFoundError(conversation_id)  # deleted meanwhile
     return items_page(added, order="asc", limit=len(added))
