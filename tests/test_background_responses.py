@@ -396,5 +396,40 @@ def test_a_generator_s_write_outlasts_a_redis_blip_and_lands_once(redis_url: str
             await store.aclose()
 
     added, took_s, events, client_write_failed = asyncio.run(scenario())
-    assert added and 2.0 < took_s < RedisResponseStore.WRITE_RETRY_S
+    assert added and 2.0 < took_s < RedisResponseStore.RETRY_S
     assert events == ["zero"] and client_write_failed
+
+
+def test_a_stream_s_reader_outlasts_a_redis_blip_and_ends_with_an_error_past_its_retries(
+        redis_url: str) -> None:
+    """Paused 3 s: the reader waits it out and reads on; with retries shorter than the pause,
+    its stream ends with an `error` event instead of a cut connection."""
+    async def scenario(retry_s: float) -> list[str]:
+        from redis.asyncio import Redis
+
+        store = RedisResponseStore.from_url(redis_url)
+        store.RETRY_S = retry_s
+        redis = Redis.from_url(redis_url)
+        response_id = f"resp_r{int(retry_s)}"
+        try:
+            await _stored(store, response_id)
+            await store.append_event(response_id, 0, "zero\n\n", unless_stopped=True)
+            reading = asyncio.ensure_future(_collected(_stored_stream(store, response_id, -1)))
+            await asyncio.sleep(POLL_S)
+            await redis.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+            await asyncio.sleep(3.5)
+            await store.append_event(response_id, 1, "one\n\n", unless_stopped=True)
+            await store.end_events(response_id, 2, unless_stopped=True)
+            return await asyncio.wait_for(reading, 5)
+        finally:
+            await redis.aclose()
+            await store.aclose()
+
+    assert asyncio.run(scenario(RedisResponseStore.RETRY_S)) == ["zero\n\n", "one\n\n"]
+    zero, error = asyncio.run(scenario(0.5))
+    assert zero == "zero\n\n" and error.startswith("event: error\n")
+    assert json.loads(error.split("data: ", 1)[1])["sequence_number"] == 1
+
+
+async def _collected(events: Any) -> list[str]:
+    return [event async for event in events]

@@ -84,6 +84,27 @@ def test_deleting_an_item_is_a_change_that_keeps_the_conversation_longer(redis_u
         assert asyncio.run(scenario(store))
 
 
+def test_a_response_s_turn_is_added_once_through_a_redis_blip(redis_url: str) -> None:
+    """Paused 3 s: the turn's first try lands unanswered, the next finds it added; trying the
+    turn again after adds nothing either."""
+    from redis.asyncio import Redis
+
+    async def scenario() -> list[object]:
+        redis = Redis.from_url(redis_url, socket_timeout=2.0)
+        store = RedisConversationStore(redis)
+        try:
+            await store.create(Conversation("conv_r", 1), [])
+            turn = [_message("msg_in", "q"), _message("msg_out", "a")]
+            await redis.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+            seen: list[object] = [await store.add_items("conv_r", turn, turn="resp_1"),
+                                  await store.add_items("conv_r", turn, turn="resp_1")]
+            return [*seen, [item["id"] for item in await store.items("conv_r") or []]]
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(scenario()) == [True, True, ["msg_in", "msg_out"]]
+
+
 def test_the_in_process_store_drops_its_oldest_conversation_past_its_bound() -> None:
     store = InMemoryConversationStore(max_conversations=2)
 
@@ -213,7 +234,7 @@ def test_a_conversation_needs_no_body_and_its_calls_may_be_answered_later(
     ("DELETE", "/conversations/{id}/items/msg_none", None, 404, None, "msg_none"),
     ("DELETE", "/conversations/conv_none", None, 404, None, "conv_none"),
     ("POST", "/conversations", {"items": [{"id": "msg_a", "role": "user", "content": "x"}] * 2}, 400,
-     "items", "items[1].id: the conversation already has an item with id 'msg_a'"),
+     "items", "items[1].id: items[0] has the same id, 'msg_a'"),
     ("POST", "/conversations/{id}/items", {"items": [{"id": "msg_here", "role": "user", "content": "x"}]},
      400, "items", "items[0].id: the conversation already has an item with id 'msg_here'"),
     ("POST", "/responses", {"model": MODEL, "conversation": "{id}", "input": [

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from redis.exceptions import RedisError
-
-from services.gateway.errors import ServiceUnavailableError
 from services.gateway.expiring_texts import ExpiringTexts
-from services.gateway.response_store import DEFAULT_TTL_S
+from services.gateway.redis_calls import redis_call, redis_call_retried
+from services.gateway.response_store import DEFAULT_TTL_S, LEASE_S
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -62,8 +60,11 @@ class ConversationStore(Protocol):
         """Its items, oldest first; None where there is no such conversation."""
         ...
 
-    async def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
-        """Adds the items after those it has; whether the conversation was there."""
+    async def add_items(self, conversation_id: str, items: list[dict[str, Any]], *,
+                        turn: str | None = None) -> bool:
+        """Adds the items after those it has; whether the conversation was there. A response's
+        `turn` (its id) is added once, however often it is tried, and tried again through a
+        Redis blip: no client is there to try it."""
         ...
 
     async def delete_item(self, conversation_id: str, item_id: str) -> bool:
@@ -100,7 +101,9 @@ class InMemoryConversationStore:
         held = self._read(conversation_id)
         return held[1] if held is not None else None
 
-    async def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
+    async def add_items(self, conversation_id: str, items: list[dict[str, Any]], *,
+                        turn: str | None = None) -> bool:
+        # Nothing here fails part way: a turn is never tried twice.
         held = self._read(conversation_id)
         if held is not None:
             self._put(held[0], [*held[1], *items])
@@ -130,12 +133,16 @@ class InMemoryConversationStore:
             {"conversation": asdict(conversation), "items": items}, ensure_ascii=False))
 
 
-# KEYS: the conversation, its items. ARGV: the TTL in ms, then the items' JSON. 1 where added.
+# KEYS: the conversation, its items, a turn's mark. ARGV: 1 where the items are a turn, the TTL
+# in ms, then the items' JSON. 1 where added, or added before as this turn.
 _ADD_ITEMS = """
+local is_turn = ARGV[1] == '1'
+if is_turn and redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('RPUSH', KEYS[2], unpack(ARGV, 2))
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('RPUSH', KEYS[2], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+if is_turn then redis.call('SET', KEYS[3], '1', 'PX', ARGV[2]) end
 return 1
 """
 
@@ -146,6 +153,11 @@ class RedisConversationStore:
 
     KEY_PREFIX = "backport:conversation:"
     ITEMS_KEY_PREFIX = "backport:conversation-items:"
+    # Marks a response's turn added, so that a try again after one that landed unanswered
+    # adds nothing: `backport:conversation-turn:<conversation id>:<response id>`.
+    TURN_KEY_PREFIX = "backport:conversation-turn:"
+    # How long a turn is tried again: within a background response's lease, as its own writes.
+    TURN_RETRY_S = LEASE_S / 2
 
     def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
         if ttl_s <= 0:
@@ -185,12 +197,19 @@ class RedisConversationStore:
         exists, texts = await self._call(pipeline.execute())
         return [json.loads(text) for text in texts] if exists else None
 
-    async def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
+    async def add_items(self, conversation_id: str, items: list[dict[str, Any]], *,
+                        turn: str | None = None) -> bool:
         if not items:
             return await self.get(conversation_id) is not None
-        return bool(await self._call(self._add_items(
-            keys=[self._key(conversation_id), self._items_key(conversation_id)],
-            args=[self._ttl_ms, *map(_encoded, items)])))
+        def add() -> Awaitable[Any]:
+            return self._add_items(
+                keys=[self._key(conversation_id), self._items_key(conversation_id),
+                      f"{self.TURN_KEY_PREFIX}{conversation_id}:{turn or ''}"],
+                args=[int(turn is not None), self._ttl_ms, *map(_encoded, items)])
+
+        if turn is None:
+            return bool(await self._call(add()))
+        return bool(await redis_call_retried(add, "conversation store", retry_s=self.TURN_RETRY_S))
 
     async def delete_item(self, conversation_id: str, item_id: str) -> bool:
         key = self._items_key(conversation_id)
@@ -212,11 +231,7 @@ class RedisConversationStore:
         return f"{self.ITEMS_KEY_PREFIX}{conversation_id}"
 
     async def _call(self, pending: Any) -> Any:
-        try:
-            return await pending
-        except RedisError as error:
-            raise ServiceUnavailableError(
-                f"the conversation store (Redis) is unavailable: {error}") from None
+        return await redis_call(pending, "conversation store")
 
 
 def _encoded(item: dict[str, Any]) -> str:

@@ -36,10 +36,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
-from redis.exceptions import RedisError
-
-from services.gateway.errors import InvalidRequestError, ServiceUnavailableError
+from services.gateway.errors import InvalidRequestError
 from services.gateway.expiring_texts import ExpiringTexts
+from services.gateway.redis_calls import redis_call, redis_call_retried
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -311,9 +310,9 @@ class RedisResponseStore:
     # How long a reader's XREAD waits for the next event before it looks whether the stream is
     # still there: under the client's 2 s socket timeout.
     EVENTS_WAIT_MS = 1000
-    # How long a generator tries a write again (`_retried`): well within its lease.
-    WRITE_RETRY_S = LEASE_S / 2
-    WRITE_RETRY_PAUSE_S = 0.2
+    # How long a background response's own calls are made again (`_retried`): well within its
+    # lease.
+    RETRY_S = LEASE_S / 2
 
     def __init__(self, redis: Redis, *, ttl_s: float = DEFAULT_TTL_S, lease_s: float = LEASE_S) -> None:
         if ttl_s <= 0 or lease_s <= 0:
@@ -394,17 +393,22 @@ class RedisResponseStore:
         key = self._events_key(response_id)
         last_id = f"{number + 1}-0"
         wait_ms: int | None = None  # the first read does not wait: the stream may have ended
+
+        async def next_entries(block_ms: int | None) -> Any:
+            return await self._retried(lambda: self._redis.xread({key: last_id}, count=256,
+                                                                 block=block_ms))
+
         while True:
-            read = await self._call(self._redis.xread({key: last_id}, count=256, block=wait_ms))
+            read = await next_entries(wait_ms)
             wait_ms = self.EVENTS_WAIT_MS
             if not read:
-                last = await self._call(self._redis.xrevrange(key, count=1))
+                last = await self._retried(lambda: self._redis.xrevrange(key, count=1))
                 if not last or b"end" in last[0][1]:
                     return  # ended before `number`, or deleted with its response, or expired
-                if await self._call(self._redis.exists(self._lease_key(response_id))):
+                if await self._retried(lambda: self._redis.exists(self._lease_key(response_id))):
                     continue
                 # Its last events may have come as the lease lapsed, after it ended.
-                read = await self._call(self._redis.xread({key: last_id}, count=256))
+                read = await next_entries(None)
                 if not read:
                     raise BackgroundResponseLostError(response_id, _entry_number(last[0][0]))
             for entry_id, entry in read[0][1]:
@@ -433,25 +437,12 @@ class RedisResponseStore:
         return f"{self.LEASE_KEY_PREFIX}{response_id}"
 
     async def _call(self, pending: Any) -> Any:
-        try:
-            return await pending
-        except RedisError as error:
-            raise ServiceUnavailableError(f"the response store (Redis) is unavailable: {error}") from None
+        return await redis_call(pending, "response store")
 
-    async def _retried(self, write: Callable[[], Awaitable[Any]]) -> Any:
-        """A background response's generator's write, tried again for `WRITE_RETRY_S` where
-        Redis did not take it: a blip would otherwise fail a response its lease still holds.
-        Each write is one that may land twice (an event's entry is added once)."""
-        deadline = time.monotonic() + self.WRITE_RETRY_S
-        while True:
-            try:
-                return await write()
-            except RedisError as error:
-                if time.monotonic() + self.WRITE_RETRY_PAUSE_S >= deadline:
-                    raise ServiceUnavailableError(
-                        f"the response store (Redis) is unavailable: {error}") from None
-                logger.info("response store write failed (%s); trying again", error)
-                await asyncio.sleep(self.WRITE_RETRY_PAUSE_S)
+    async def _retried(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A background response's own call (its generator's writes, its stream's reads), made
+        again through a blip that would otherwise fail a response its lease still holds."""
+        return await redis_call_retried(call, "response store", retry_s=self.RETRY_S)
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -126,12 +126,16 @@ def _new_items(items: list[InputItemModel], earlier: list[dict[str, Any]], *,
 def with_new_ids(added: list[dict[str, Any]], earlier: list[dict[str, Any]], *,
                  field: str) -> list[dict[str, Any]]:
     """`added`, whose ids must be none of `earlier`'s nor repeat (a 400 naming `field`)."""
-    taken = {item.get("id") for item in earlier}
+    held = {item.get("id") for item in earlier}
+    given: dict[str, int] = {}
     for index, item in enumerate(added):
-        if item["id"] in taken:
+        if item["id"] in held:
             raise InvalidRequestError(f"{field}[{index}].id: the conversation already has an item "
                                       f"with id {item['id']!r}", param=field)
-        taken.add(item["id"])
+        if item["id"] in given:
+            raise InvalidRequestError(f"{field}[{index}].id: {field}[{given[item['id']]}] has the "
+                                      f"same id, {item['id']!r}", param=field)
+        given[item["id"]] = index
     return added
 
 

@@ -129,7 +129,9 @@ async def _prepared(whole_input: ResponsesRequest,
     """The chat request the input makes and its generation, not started. With `truncation:
     "auto"`, an input that leaves no room for `max_output_tokens` in the context (or too long
     for it) loses the fewest items from its start that leave it (OpenAI's rule): a binary search
-    over whole items, each try a render."""
+    over whole items, each try a render. The fewest where dropping an item never lengthens the
+    prompt; a template that adds its default system prompt when the first message is not a
+    system one can, and then more may go."""
     request_id = _new_id("resp")
 
     async def tried(num_dropped: int) -> tuple[ChatCompletionRequest, ChatGeneration] | None:
@@ -163,7 +165,7 @@ async def _prepared(whole_input: ResponsesRequest,
         wanted = whole_input.max_output_tokens
         raise ContextLengthError(
             f"This model's maximum context length is {_max_model_len(request)} tokens: with "
-            "truncation auto, even the input's last item leaves no room for "
+            "truncation auto, the instructions and the input's last item alone leave no room for "
             + (f"max_output_tokens={wanted}" if wanted else "output"), param="messages")
     return found
 
@@ -247,10 +249,15 @@ async def _stored_stream(store: ResponseStore, response_id: str,
                          after: int) -> AsyncGenerator[str, None]:
     """A background response's events after event `after`, read from the store. Where the
     gateway making it was lost, the stream ends as the response now reads: failed, or as it was
-    stopped meanwhile (a cancel)."""
+    stopped meanwhile (a cancel); where the store was, with an `error` event (the response may
+    go on: its stream can be read again)."""
+    number = after
     try:
         async for event in store.events_after(response_id, after):
+            number += 1
             yield event
+    except GatewayError as error:
+        yield _sse(_error_event(error), number + 1)
     except BackgroundResponseLostError as lost:
         record = await store.get(response_id)
         if record is None:
@@ -261,8 +268,8 @@ async def _stored_stream(store: ResponseStore, response_id: str,
         if response["status"] == "failed":
             ending.insert(0, {"type": "error", "code": "server_error", "param": None,
                               "message": (response.get("error") or {}).get("message", LAPSED_MESSAGE)})
-        for number, event in enumerate(ending, start=max(lost.num_events, after + 1)):
-            yield _sse(event, number)
+        for ending_number, event in enumerate(ending, start=max(lost.num_events, number + 1)):
+            yield _sse(event, ending_number)
 
 
 class ResponseNotFoundError(GatewayError):
@@ -303,7 +310,8 @@ class _ConversationTurn:
     async def add(self, response: dict[str, Any]) -> None:
         try:
             added = await self.store.add_items(self.conversation_id,
-                                               [*self.input_items, *response["output"]])
+                                               [*self.input_items, *response["output"]],
+                                               turn=response["id"])
         except GatewayError as error:
             # As for a response not stored: the answer is worth more than its turn kept.
             logger.warning("response %s not added to conversation %s: %s", response["id"],
