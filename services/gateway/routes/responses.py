@@ -249,8 +249,8 @@ async def _stored_stream(store: ResponseStore, response_id: str,
                          after: int) -> AsyncGenerator[str, None]:
     """A background response's events after event `after`, read from the store. Where the
     gateway making it was lost, the stream ends as the response now reads: failed, or as it was
-    stopped meanwhile (a cancel); where the store was, with an `error` event (the response may
-    go on: its stream can be read again)."""
+    stopped meanwhile (a cancel); where the store stays out of reach past its retries, with an
+    `error` event (the response may go on: its stream can be read again)."""
     number = after
     try:
         async for event in store.events_after(response_id, after):
