@@ -38,8 +38,6 @@ from services.ple_offload.model_table import ple_table_for_model
 
 logger = logging.getLogger(__name__)
 
-# How long a stopping tier may take beyond the drain it is given (vLLM's own shutdown).
-STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
 PLE_SERVICE = "ple"
@@ -83,6 +81,9 @@ class UpSettings(ServiceSettings):
     startup_timeout_s: float = Field(900.0, gt=0, description="how long each service may take to start")
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: how long the gateway's open "
                                                            "requests, then the engines', may finish")
+    stop_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long a stopping service may "
+                                                          "take beyond its drain (vLLM's own "
+                                                          "shutdown) before it is killed")
     engines: int = Field(1, ge=1, description="how many engines to start on this machine")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine; each engine gets "
                                                            "its own GPUs")
@@ -455,7 +456,8 @@ class Mesh:
             for service in group:
                 service.stop()
             # The whole drain first: killed sooner, the gateway cuts the streams it is finishing.
-            deadline = time.monotonic() + self.settings.drain_timeout_s + STOP_TIMEOUT_S
+            deadline = (time.monotonic() + self.settings.drain_timeout_s
+                        + self.settings.stop_timeout_s)
             for service in group:
                 service.wait_stopped(deadline)
         if self.settings.kv_events:

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from services.launcher import STOP_TIMEOUT_S
 from tests.conftest import REPO_ROOT, engine_environment, free_port, start_mesh, stop_mesh
 
 REFUSAL_TIMEOUT_S = 60.0
+# `up --stop-timeout-s`: short, so that a stream outlasting it takes seconds, not half a minute.
+STOP_TIMEOUT_S = 3.0
 # The gateway at once, then the tokenizer and the engine with nothing in flight.
 SECOND_SIGNAL_STOP_S = 60.0
 
@@ -66,9 +68,9 @@ def test_up_names_a_broken_ple_table_without_a_traceback(tmp_path: Path) -> None
 
 def test_sigterm_gives_the_gateway_s_open_stream_its_whole_drain_and_a_second_ends_it(
         tmp_path: Path) -> None:
-    """`up` killed each tier STOP_TIMEOUT_S (30 s) after SIGTERM: a stream the gateway's 60 s
-    drain was finishing was cut without its end. A second signal stops the mesh at once."""
-    mesh = start_mesh(tmp_path, "--drain-timeout-s", "300")
+    """`up` killed each tier its stop timeout after SIGTERM: a stream the gateway's drain was
+    finishing was cut without its end. A second signal stops the mesh at once."""
+    mesh = start_mesh(tmp_path, "--drain-timeout-s", "300", "--stop-timeout-s", str(STOP_TIMEOUT_S))
     try:
         body = {"model": "SmolLM2-135M-Instruct-bf16", "prompt": "Once upon a time",
                 "max_tokens": 8000, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -78,9 +80,11 @@ def test_sigterm_gives_the_gateway_s_open_stream_its_whole_drain_and_a_second_en
             mesh.process.send_signal(signal.SIGTERM)
             stopped_at = time.monotonic()
             for line in lines:
-                assert line != "data: [DONE]", "decoded too fast to outlast STOP_TIMEOUT_S"
+                assert line != "data: [DONE]", "decoded too fast to outlast the stop timeout"
                 if time.monotonic() - stopped_at > STOP_TIMEOUT_S + 5:
                     break
+            else:
+                pytest.fail("the stream ended within the stop timeout, before its drain did")
             # The stream still open and unread: the gateway would drain it for minutes.
             mesh.process.send_signal(signal.SIGTERM)
             assert mesh.process.wait(timeout=SECOND_SIGNAL_STOP_S) == 0, mesh.log_tail()
