@@ -102,6 +102,22 @@ def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> N
                                                             ("get_time", ["timezone"])]
 
 
+def test_the_sdk_stream_helper_ends_every_required_call(client: openai.OpenAI) -> None:
+    """`chat.completions.stream` fires `tool_calls.function.arguments.done` for a call only on a
+    chunk after the call's last: required calls, released as the choice ends, came in the
+    finishing chunk, and the helper never ended them."""
+    with client.chat.completions.stream(
+            model=MODEL, messages=[{"role": "user", "content": "Weather and time in Oslo?"}],
+            temperature=0, max_tokens=160, tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice="required") as stream:
+        done = [(event.name, event.arguments) for event in stream
+                if event.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    calls = final.choices[0].message.tool_calls
+    assert calls and done == [(c.function.name, c.function.arguments) for c in calls]
+
+
 # Each: the request field, a constraint in it that the engine cannot compile, and what the
 # error says is wrong.
 UNCOMPILABLE_CONSTRAINTS = {

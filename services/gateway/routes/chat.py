@@ -222,15 +222,23 @@ class _ChatCompletion:
                         message.reasoning_content = None
                     if message.is_empty and not logprobs and delta.finish_reason is None:
                         continue
-                    chunk = self._chunk([{
-                        "index": delta.index, "delta": message.to_dict(),
-                        "logprobs": (chat_logprobs(logprobs, self.shows_token_ids)
-                                     if logprobs else None),
-                        "finish_reason": self._finish_reason(delta.index, delta.finish_reason),
-                        "stop_reason": delta.stop_reason}])
-                    if continuous_usage:
-                        chunk["usage"] = usage_dict(self.generation.usage)
-                    yield sse_event(chunk)
+                    finish_reason = self._finish_reason(delta.index, delta.finish_reason)
+                    choices = [{"index": delta.index, "delta": message.to_dict(),
+                                "logprobs": (chat_logprobs(logprobs, self.shows_token_ids)
+                                             if logprobs else None),
+                                "finish_reason": finish_reason, "stop_reason": delta.stop_reason}]
+                    if finish_reason is not None and message.tool_calls:
+                        # The finish in a chunk of its own, as OpenAI sends it: the SDK's stream
+                        # helper ends a call (`arguments.done`) only on a chunk after its last.
+                        choices = [choices[0] | {"finish_reason": None, "stop_reason": None},
+                                   {"index": delta.index, "delta": {}, "logprobs": None,
+                                    "finish_reason": finish_reason,
+                                    "stop_reason": delta.stop_reason}]
+                    for choice in choices:
+                        chunk = self._chunk([choice])
+                        if continuous_usage:
+                            chunk["usage"] = usage_dict(self.generation.usage)
+                        yield sse_event(chunk)
             if include_usage:
                 yield sse_event(self._chunk([]) | {"usage": usage_dict(self.generation.usage)})
         finally:
