@@ -358,3 +358,53 @@ def test_truncation_auto_drops_the_fewest_leading_items_that_leave_room_for_the_
     truncated = client.responses.create(**fields, truncation="auto", extra_body={"stop": ["."]})
     assert truncated.truncation == "auto" and truncated.status in ("completed", "incomplete")
     assert truncated.usage.input_tokens == prompt_tokens(fewest)
+
+
+def test_input_tokens_counts_what_a_response_is_given(client: openai.OpenAI) -> None:
+    """`responses.input_tokens.count` against the input tokens of the responses themselves:
+    instructions and tools, a previous response's history, truncation, a model left out."""
+    asked: dict[str, Any] = dict(model=MODEL, input=QUESTION, instructions="Be brief.",
+                                 tools=[WEATHER_TOOL], tool_choice="none")
+    first = client.responses.create(**asked, max_output_tokens=4)
+    counted = client.responses.input_tokens.count(**asked)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == first.usage.input_tokens
+    bare = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
+    assert client.responses.input_tokens.count(input=QUESTION).input_tokens == bare.usage.input_tokens
+
+    follow_up: dict[str, Any] = dict(model=MODEL, input="And of Spain?",
+                                     previous_response_id=first.id)
+    second = client.responses.create(**follow_up, max_output_tokens=4)
+    assert (client.responses.input_tokens.count(**follow_up).input_tokens
+            == second.usage.input_tokens > first.usage.input_tokens)
+
+
+def test_input_tokens_counts_past_the_context_and_after_truncation(client: openai.OpenAI) -> None:
+    """Past the mesh's 2,048-token context a response is a 400; its count is still given, and
+    with `truncation: "auto"` the count is what is left."""
+    turns = [{"role": "user", "content": f"Turn {index}: " + "tell me more " * 66}
+             for index in range(12)]
+    whole = client.responses.input_tokens.count(model=MODEL, input=turns).input_tokens
+    assert whole > 2048
+    truncated = client.responses.input_tokens.count(model=MODEL, input=turns, truncation="auto")
+    assert truncated.input_tokens < 2048
+    answered = client.responses.create(model=MODEL, input=turns, truncation="auto",
+                                       max_output_tokens=1)
+    assert answered.usage.input_tokens == truncated.input_tokens
+
+
+@pytest.mark.parametrize(("fields", "param", "error"), [
+    ({"model": "no-such-model", "input": "hi"}, "model", openai.NotFoundError),
+    ({"model": MODEL}, "input", openai.BadRequestError),
+    ({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "input", openai.BadRequestError),
+    ({"model": MODEL, "input": "hi", "previous_response_id": "resp_none"}, "previous_response_id",
+     openai.BadRequestError),
+    ({"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}, "tools",
+     openai.BadRequestError),
+])
+def test_input_tokens_refuses_what_a_response_would(client: openai.OpenAI, fields: dict[str, Any],
+                                                    param: str, error: type[Exception]) -> None:
+    with pytest.raises(error) as refused:
+        client.responses.input_tokens.count(**fields)
+    assert refused.value.body["param"] == param, refused.value.body

@@ -485,6 +485,13 @@ class ResponsesRequest(RequestBody):
             raise InvalidRequestError(f"{param}: {problem}", param=param) from error
 
 
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a response's request, counted rather than made; without
+    a `model`, the served one."""
+
+    model: str | None = None  # type: ignore[assignment]
+
+
 def check_call_outputs(items: list[InputItemModel], *, known_call_ids: set[str],
                        field: str = "input") -> None:
     """Each `function_call_output` answers a `function_call` item before it (or one of

@@ -28,7 +28,8 @@ runs it, then as it ended; POST /v1/responses/{id}/cancel stops it, `cancelled`.
 events go to the store as they are made, and the client reads them from there: GET
 /v1/responses/{id}?stream=true (`starting_after`) reads them again, on any replica.
 
-GET /v1/responses/{id}/input_items lists the items a stored response was made from.
+GET /v1/responses/{id}/input_items lists the items a stored response was made from. POST
+/v1/responses/input_tokens counts the prompt tokens a request would be given, without generating.
 
 A response made in a `conversation` (`services.gateway.routes.conversations`) has that
 conversation's items before its input, and adds its input and output there once it ends
@@ -51,8 +52,8 @@ import copy
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -60,18 +61,19 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
-from services.gateway.backend import ServedModel
+from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.conversation_store import ConversationStore
 from services.gateway.errors import ContextLengthError, GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.input_items import Order, items_page
 from services.gateway.parsing import MessageDelta, ToolCallDelta
-from services.gateway.requests import backend_of
+from services.gateway.requests import backend_of, check_model
 from services.gateway.response_store import (LAPSED_MESSAGE, BackgroundResponseLostError,
                                              ResponseStore, StoredResponse, conversation_before)
-from services.gateway.responses_request import ResponsesRequest, responses_message, responses_param
+from services.gateway.responses_request import (InputTokensRequest, ResponsesRequest,
+                                                responses_message, responses_param)
 from services.gateway.routes.chat import (ChatGeneration, chat_logprobs, parse_choice_delta,
-                                          prepare_chat_generation)
+                                          prepare_chat_generation, render_chat_prompt)
 from services.gateway.routes.conversations import conversation_items, with_new_ids
 from services.gateway.schemas import ChatCompletionRequest, now
 from services.gateway.sse import EventStreamResponse, sse_event
@@ -89,26 +91,16 @@ ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "ca
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | EventStreamResponse:
     backend = backend_of(request)
-    history: list[dict[str, Any]] = []
-    if body.previous_response_id is not None:
-        history = await conversation_before(backend.response_store, body.previous_response_id)
-    elif body.conversation_id is not None:
-        history = await conversation_items(backend.conversation_store, body.conversation_id,
-                                           param="conversation")
+    history = await _history(body, backend)
     whole_input = body.after(history) if body.history_source is not None else body
     own_items = body.input_items()
     if body.conversation_id is not None:
         own_items = with_new_ids(own_items, history, field="input")
-    try:
+    with _named_as_responses_fields():
         chat, started = await _prepared(whole_input, request)
         # A background response's engine call starts after its answer; a refusal then fails it.
         if not body.background:
             await started.generation.start()
-    except InvalidRequestError as error:
-        # The chat path names its own fields; the client wrote ours.
-        param = responses_param(error.param)
-        message = error.message.replace(error.param, param) if error.param and param else error.message
-        raise type(error)(responses_message(message), param=param) from error
     record = _Record(backend.response_store, [*history, *own_items]) if body.stores else None
     turn = (_ConversationTurn(backend.conversation_store, body.conversation_id, own_items)
             if body.conversation_id is not None else None)
@@ -122,6 +114,49 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     if body.stream:
         return EventStreamResponse(response.events())
     return JSONResponse(await response.whole())
+
+
+@router.post("/responses/input_tokens")
+async def count_input_tokens(body: InputTokensRequest, request: Request) -> dict[str, Any]:
+    """The prompt tokens a response to this request would be given: its history, instructions,
+    tools and input rendered as a response renders them (after `truncation: "auto"` drops what
+    it would). Counted past the context too, where a response would be a 400."""
+    backend = backend_of(request)
+    model = backend.served_model()
+    body = body.model_copy(update={"model": body.model or model.name})
+    history = await _history(body, backend)
+    whole_input = body.after(history) if body.history_source is not None else body
+    with _named_as_responses_fields():
+        if whole_input.truncation == "auto":
+            _, prepared = await _prepared(whole_input, request)
+            num_tokens = prepared.generation.usage.prompt_tokens
+        else:
+            chat = whole_input.chat_request()
+            prompt_ids, _ = await render_chat_prompt(backend, check_model(backend, chat.model),
+                                                     chat, request)
+            num_tokens = len(prompt_ids)
+    return {"object": "response.input_tokens", "input_tokens": num_tokens}
+
+
+async def _history(body: ResponsesRequest, backend: GatewayBackend) -> list[dict[str, Any]]:
+    """The stored items the request goes on from: a previous response's or a conversation's."""
+    if body.previous_response_id is not None:
+        return await conversation_before(backend.response_store, body.previous_response_id)
+    if body.conversation_id is not None:
+        return await conversation_items(backend.conversation_store, body.conversation_id,
+                                        param="conversation")
+    return []
+
+
+@contextmanager
+def _named_as_responses_fields() -> Iterator[None]:
+    """The chat path's errors name its own fields; the client wrote the Responses ones."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        param = responses_param(error.param)
+        message = error.message.replace(error.param, param) if error.param and param else error.message
+        raise type(error)(responses_message(message), param=param) from error
 
 
 async def _prepared(whole_input: ResponsesRequest,
