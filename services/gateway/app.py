@@ -13,13 +13,14 @@ from services.gateway.auth import ApiKeys
 from services.gateway.backend import GatewayBackend
 from services.gateway.errors import UnexpectedErrorMiddleware, install_error_handlers
 from services.gateway.metrics import METRICS_CONTENT_TYPE, GatewayMetrics
+from services.gateway.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
 from services.gateway.routes import chat, completions, conversations, models, responses, tokenize
 from services.gateway.settings import GatewaySettings
 
 # Headers the gateway answers with that a page's script may read: a browser hides every header
-# not CORS-safelisted unless exposed. Which engine served (`--expose-engine-header`), and a 401's
-# challenge.
-CORS_EXPOSED_HEADERS = (ENGINE_HEADER.decode(), "WWW-Authenticate")
+# not CORS-safelisted unless exposed. Which engine served (`--expose-engine-header`), a 401's
+# challenge, and the request's id.
+CORS_EXPOSED_HEADERS = (ENGINE_HEADER.decode(), "WWW-Authenticate", REQUEST_ID_HEADER.decode())
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -44,6 +45,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                        expose_engine_header=settings.expose_engine_header)
     # Outside admission, so that it counts the 500, and inside CORS, so that a page reads it.
     app.add_middleware(UnexpectedErrorMiddleware)
+    # Outside both, so that refusals and 500s carry it too.
+    app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origin:
         # Added last, so outermost: a preflight carries no API key and must not meet the check,
         # and a refusal must carry the CORS headers for the page to read its error.
