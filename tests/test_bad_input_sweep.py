@@ -84,8 +84,8 @@ def test_a_non_finite_number_is_refused_as_such(mesh: RunningMesh, path: str, li
 @pytest.mark.parametrize(("path", "fields", "param"), [
     ("/v1/chat/completions", {"repetition_penalty": 1e308}, "repetition_penalty"),
     ("/v1/chat/completions", {"repetition_penalty": 1e-50}, "repetition_penalty"),
-    ("/v1/completions", {"top_p": 1e-50}, "top_p"),
-    ("/v1/responses", {"top_p": 1e-50}, "top_p"),
+    ("/v1/completions", {"top_p": -1e-50}, "top_p"),
+    ("/v1/responses", {"top_p": 1.0000001}, "top_p"),
 ])
 def test_a_number_past_the_engines_float_is_refused_by_name(
         mesh: RunningMesh, path: str, fields: dict[str, Any], param: str) -> None:
@@ -94,6 +94,30 @@ def test_a_number_past_the_engines_float_is_refused_by_name(
     error = openai_error(post(mesh, path, with_fields(path, **fields)))
     assert error["param"] == param
     assert error["message"].startswith(f"{param}: "), error
+
+
+@pytest.mark.parametrize("metadata", [{f"k{index}": "v" for index in range(17)}, {"k": "v" * 513},
+                                      {"k" * 65: "v"}])
+def test_a_response_s_metadata_past_openai_s_limits_is_refused(
+        mesh: RunningMesh, metadata: dict[str, str]) -> None:
+    """Was taken whole, where OpenAI's API and this server's own conversations refuse it."""
+    error = openai_error(post(mesh, "/v1/responses", with_fields("/v1/responses", metadata=metadata)))
+    assert error["param"] == "metadata"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": {"name": "get_weather"}}, "function_call"),
+    ({"function_call": "auto"}, "function_call"),
+])
+def test_openai_s_legacy_functions_are_refused_not_ignored(
+        mesh: RunningMesh, fields: dict[str, Any], param: str) -> None:
+    """Ignored, as vLLM ignores them, the model answered in text without the functions it was
+    given and the client waited for a `function_call` that could not come."""
+    error = openai_error(post(mesh, "/v1/chat/completions", with_fields("/v1/chat/completions",
+                                                                        **fields)))
+    assert error["param"] == param
+    assert error["message"] == f"{param}: is not supported by this server", error
 
 
 @pytest.mark.parametrize(("path", "fields"), [

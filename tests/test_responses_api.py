@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +49,7 @@ def test_a_string_input_answers(client: openai.OpenAI) -> None:
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
     assert response.instructions == "You are a helpful assistant." and response.metadata == {"k": "v"}
     assert response.error is None
+    assert response.created_at <= response.completed_at <= time.time()
 
 
 def test_streamed_events_accumulate_to_the_non_streamed_output(client: openai.OpenAI) -> None:
@@ -86,7 +88,7 @@ def test_max_output_tokens_makes_the_response_incomplete(client: openai.OpenAI) 
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 4
-    assert response.output[0].status == "incomplete"
+    assert response.output[0].status == "incomplete" and response.completed_at is None
     events = list(client.responses.create(model=MODEL, input=QUESTION, temperature=0,
                                           max_output_tokens=4, stream=True))
     assert events[-1].type == "response.incomplete"
@@ -190,7 +192,7 @@ def test_the_response_and_its_events_validate_as_the_client_types(mesh: RunningM
     # Schemas only the engine's grammar compiler refuses.
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text", "wat"),
     ({"tools": [WEATHER_TOOL | {"parameters": {"type": "wat"}}], "tool_choice": "required"},
-     "tool_choice", "wat"),
+     "tools", "wat"),
     ({"max_output_tokens": 4000}, "max_output_tokens", "maximum context length"),
     # Was "cannot be combined with response_format": a field the client never wrote.
     ({"tools": [WEATHER_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},

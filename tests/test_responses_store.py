@@ -215,6 +215,16 @@ def test_a_call_output_answers_a_call_of_the_stored_response(client: openai.Open
             model=MODEL, previous_response_id=called.id, max_output_tokens=4,
             input=[{"type": "function_call_output", "call_id": "call_other", "output": "x"}])
     assert caught.value.body["param"] == "input"
+    # The call sent back with its output, as a client without previous_response_id would: an
+    # item the conversation has, which OpenAI's API refuses ("Duplicate item found").
+    with pytest.raises(openai.BadRequestError) as repeated:
+        client.responses.create(
+            model=MODEL, previous_response_id=called.id, max_output_tokens=4,
+            input=[call.model_dump(), {"type": "function_call_output", "call_id": call.call_id,
+                                       "output": "Sunny, 24 C"}])
+    assert repeated.value.body["param"] == "input"
+    assert repeated.value.body["message"].startswith(f"input[0].id: the conversation already "
+                                                     f"has an item with id {call.id!r}")
 
 
 def test_a_response_is_continued_while_it_is_kept_whatever_became_of_those_it_continued(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import openai
 import pytest
@@ -172,3 +173,15 @@ def test_two_constraints_at_once_are_400(client: openai.OpenAI) -> None:
             model=MODEL, messages=ASK_CITY, max_tokens=4, response_format={"type": "json_object"},
             extra_body={"structured_outputs": {"regex": "a+"}})
     assert caught.value.body["param"] == "structured_outputs"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_a_forced_call_of_a_tool_whose_parameters_cannot_compile_is_400_naming_tools(
+        client: openai.OpenAI, tool_choice: Any) -> None:
+    """The schema is the tools' own: it named `tool_choice`, which the client had right."""
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4, tools=[bad],
+                                       tool_choice=tool_choice)
+    assert caught.value.body["param"] == "tools"
+    assert caught.value.body["message"].startswith("tools: invalid JSON schema: "), caught.value.body

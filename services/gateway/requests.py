@@ -11,7 +11,7 @@ from backport.v1 import engine_pb2 as pb
 from services.gateway.backend import GatewayBackend, ServedModel
 from services.gateway.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from services.gateway.parsing.forced_tool_calls import ForcedToolChoice
-from services.gateway.schemas import SamplingFields
+from services.gateway.schemas import MIN_POSITIVE_FLOAT32, SamplingFields
 
 
 def backend_of(request: Request) -> GatewayBackend:
@@ -87,7 +87,7 @@ def check_in_vocabulary(model: ServedModel, param: str, token_ids: list[int]) ->
 
 @dataclass(frozen=True, slots=True)
 class RequestedConstraint:
-    """The structured output a request asks for, and the field that asked."""
+    """The structured output a request asks for, and the field its errors name."""
 
     param: str
     engine_form: pb.StructuredOutput
@@ -123,7 +123,9 @@ def output_constraint(body: SamplingFields, forced_tools: ForcedToolChoice | Non
     else:
         form = pb.StructuredOutput(json_schema=json.dumps(body.response_format.json_schema.schema_))
     form.after_reasoning = after_reasoning
-    return RequestedConstraint(asked[0], form)
+    # A forced call's schema is made of the tools' parameters: what the engine cannot compile
+    # is in `tools`.
+    return RequestedConstraint("tools" if forced_tools is not None else asked[0], form)
 
 
 # vLLM's header: a router may set a request's priority without rewriting its body.
@@ -157,10 +159,14 @@ def generate_request(body: SamplingFields, prompt_token_ids: list[int], *, reque
         frequency_penalty=body.frequency_penalty,
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         allowed_token_ids=body.allowed_token_ids or [], bad_words=body.bad_words)
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):
+    for name in ("temperature", "top_k", "min_p", "seed", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:
             setattr(sampling, name, value)
+    if body.top_p is not None:
+        # OpenAI's top_p 0 keeps the likeliest token alone; vLLM's range leaves 0 out, and its
+        # least positive value does the same.
+        sampling.top_p = max(body.top_p, MIN_POSITIVE_FLOAT32)
     if token_limit is not None:
         sampling.max_tokens = token_limit
     if num_logprobs is not None:

@@ -23,7 +23,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 
 from services.gateway.errors import InvalidRequestError, RequestFieldError, field_path
 from services.gateway.reasoning_effort import RequestedEffort
-from services.gateway.schemas import CacheSalt, ChatCompletionRequest, RequestBody, without_nulls
+from services.gateway.schemas import (CacheSalt, ChatCompletionRequest, Metadata, RequestBody,
+                                      without_nulls)
 
 # Chat request fields a Responses field turns into, for errors the chat path raises.
 _RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -254,14 +255,14 @@ class ResponsesRequest(RequestBody):
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     reasoning: ReasoningConfig | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     stream: bool = False
     # Answered at once, `queued`, and generated after: polled by GET, stopped by cancel.
     background: bool = False
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     # OpenAI's default: stored, so a later request may continue it by `previous_response_id`.
     store: bool | None = None
     previous_response_id: str | None = None

@@ -34,6 +34,22 @@ def _checked_cache_salt(salt: str) -> str:
 
 
 CacheSalt = Annotated[str, AfterValidator(_checked_cache_salt)]
+# OpenAI's limits on the `metadata` of a response or a conversation.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _checked_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise RequestFieldError("metadata", f"at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise RequestFieldError("metadata", f"keys hold at most {MAX_METADATA_KEY_CHARS} "
+                                    f"characters and values {MAX_METADATA_VALUE_CHARS}; the "
+                                    f"pair of key {key[:MAX_METADATA_KEY_CHARS]!r} is longer")
+    return metadata
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_checked_metadata)]
 
 
 class StreamOptions(BaseModel):
@@ -172,7 +188,7 @@ class SamplingFields(RequestBody):
     model: str
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=MIN_POSITIVE_FLOAT32, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
@@ -293,6 +309,11 @@ class SamplingFields(RequestBody):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # OpenAI's deprecated forerunners of `tools` and `tool_choice`, which vLLM ignores: refused,
+    # or the model would answer without the functions the client gave it.
+    unserved_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingFields.unserved_fields, "functions": (None, []), "function_call": (None, "none")}
+
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -25,30 +25,15 @@ from services.gateway.input_items import Order, items_page, listed_item
 from services.gateway.requests import backend_of
 from services.gateway.responses_request import (InputItemModel, call_ids, check_call_outputs,
                                                 parse_input_items, stored_items)
-from services.gateway.schemas import RequestBody, now
+from services.gateway.schemas import Metadata, RequestBody, now
 
 router = APIRouter(prefix="/v1", tags=["conversations"])
 
 MAX_ITEMS_A_REQUEST = 20
-MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class _Metadata(RequestBody):
-    metadata: dict[str, str] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _within_limits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is None:
-            return None
-        if len(metadata) > MAX_METADATA_PAIRS:
-            raise RequestFieldError("metadata", f"at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
-        for key, value in metadata.items():
-            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-                raise RequestFieldError("metadata", f"keys hold at most {MAX_METADATA_KEY_CHARS} "
-                                        f"characters and values {MAX_METADATA_VALUE_CHARS}; the "
-                                        f"pair of key {key[:MAX_METADATA_KEY_CHARS]!r} is longer")
-        return metadata
+    metadata: Metadata | None = None
 
 
 def _items_field(value: Any, *, allows_none: bool) -> list[InputItemModel] | None:
@@ -74,7 +59,7 @@ class ConversationCreateRequest(_Metadata):
 
 class ConversationUpdateRequest(_Metadata):
     # Required, as OpenAI's; null clears it.
-    metadata: dict[str, str] | None = Field(...)
+    metadata: Metadata | None = Field(...)
 
 
 class ItemsCreateRequest(RequestBody):

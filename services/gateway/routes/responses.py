@@ -93,9 +93,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     backend = backend_of(request)
     history = await _history(body, backend)
     whole_input = body.after(history) if body.history_source is not None else body
-    own_items = body.input_items()
-    if body.conversation_id is not None:
-        own_items = with_new_ids(own_items, history, field="input")
+    # As OpenAI's: an item id once in a conversation, whether kept as one or as a chain of
+    # responses (an output item sent back with `previous_response_id` is a 400).
+    own_items = with_new_ids(body.input_items(), history, field="input")
     with _named_as_responses_fields():
         chat, started = await _prepared(whole_input, request)
         # A background response's engine call starts after its answer; a refusal then fails it.
@@ -695,6 +695,7 @@ class _Response:
         body = self.body
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "completed_at": now() if status == "completed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": self.model_name, "output": copy.deepcopy(output),
             "usage": _usage(usage) if usage is not None else None, "error": error,
