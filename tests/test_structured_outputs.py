@@ -103,6 +103,25 @@ def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> N
                                                             ("get_time", ["timezone"])]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_cut_by_the_token_limit_show_no_json(client: openai.OpenAI,
+                                                            stream: bool) -> None:
+    """Four tokens are not a call: the choice ends `length` with neither a call nor the start of
+    the calls' JSON array as its text (it was `[  \n{`)."""
+    asked: dict[str, Any] = dict(model=MODEL, temperature=0, max_tokens=4, tools=[WEATHER_TOOL],
+                                 messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                 tool_choice="required")
+    if stream:
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        assert not any(delta.content or delta.tool_calls for delta in deltas)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        choice = client.chat.completions.create(**asked).choices[0]
+        assert choice.finish_reason == "length"
+        assert not choice.message.content and not choice.message.tool_calls
+
+
 def test_the_sdk_stream_helper_ends_every_required_call(client: openai.OpenAI) -> None:
     """`chat.completions.stream` fires `tool_calls.function.arguments.done` for a call only on a
     chunk after the call's last: required calls, released as the choice ends, came in the

@@ -74,23 +74,31 @@ def test_required_calls_are_released_whole_at_the_end() -> None:
     assert AssistantMessage.from_deltas(deltas) == message
 
 
-@pytest.mark.parametrize("output", ['[{"name": "get_weather", "parame', "", '{"name": "get_time"}'])
-def test_required_output_that_is_not_a_list_of_calls_comes_back_as_text(output: str) -> None:
-    """What a choice cut short by max_tokens leaves."""
+@pytest.mark.parametrize(("output", "names"), [
+    ('[{"name": "get_weather", "parame', []),
+    ('', []),
+    ('[\n  {"name": "get_time", "parameters": {}},\n  {"name": "get_weather", "parameters": {"ci', ["get_time"]),
+    ('[{"name": "get_time", "parameters": {}}', ["get_time"]),
+    ('{"name": "get_time"}', []),
+])
+def test_required_output_cut_short_gives_its_whole_calls_and_no_text(output: str,
+                                                                    names: list[str]) -> None:
+    """What a choice cut short by max_tokens leaves. Its JSON came back as the message's text,
+    the schema's wrapper shown to the user as if the model had written it."""
     choice = ForcedToolChoice.of(TOOLS, "required", None)
     assert choice is not None
     deltas, message = _run(choice, [output])
-    assert message.tool_calls == [] and message.content == (output or None)
+    assert message.content is None and [call.name for call in message.tool_calls] == names
     assert AssistantMessage.from_deltas(deltas) == message
 
 
-def test_required_output_nested_past_the_recursion_limit_comes_back_as_text() -> None:
+def test_required_output_nested_past_the_recursion_limit_gives_no_call() -> None:
     """A `[[[[` loop cut by max_tokens: json.loads raised RecursionError (a 500)."""
     output = '[{"name": "get_weather", "parameters": {"city": ' + "[" * 5000
     choice = ForcedToolChoice.of(TOOLS, "required", None)
     assert choice is not None
     deltas, message = _run(choice, [output])
-    assert message.tool_calls == [] and message.content == output
+    assert message == AssistantMessage()
     assert AssistantMessage.from_deltas(deltas) == message
 
 

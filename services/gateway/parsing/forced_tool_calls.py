@@ -4,7 +4,7 @@ As in vLLM, forced calls do not go through the model family's tool-call markup: 
 holds the output to a JSON schema, so any model can answer them. A named function's output
 is its arguments object, streamed as argument deltas; "required" gives a JSON array of
 `{"name", "parameters"}` objects, released as calls when the choice ends (a partial array
-says nothing certain about a call). In that array schema each tool's definitions (`$defs`, or
+says nothing certain about a call; one cut short by the token limit gives its whole entries). In that array schema each tool's definitions (`$defs`, or
 draft-07's `definitions`) move to the root, where its `#/$defs/...` references resolve, as vLLM
 moves them.
 """
@@ -193,11 +193,9 @@ class ForcedToolCallParser:
                 self._message = AssistantMessage(
                     tool_calls=[ToolCall(self._call_id, self._function_name, text)])
             return MessageDelta()
+        # Cut short (finish_reason "length"): the array's whole entries are calls; the cut one,
+        # half a call, is dropped, and the array's JSON is no answer to show as text.
         calls = _calls_in(text)
-        if calls is None:
-            # Cut short (finish_reason "length"): what came is returned as text.
-            self._message = AssistantMessage(content=text or None)
-            return MessageDelta(content=text or None)
         self._message = AssistantMessage(tool_calls=[
             ToolCall(self._make_call_id(), name, arguments_json(arguments))
             for name, arguments in calls])
@@ -206,14 +204,33 @@ class ForcedToolCallParser:
             for index, call in enumerate(self._message.tool_calls)])
 
 
-def _calls_in(text: str) -> list[tuple[str, Any]] | None:
-    """The (name, arguments) pairs of a "required" choice's JSON array; None if it is not one."""
-    try:
-        entries = json.loads(text)
-    except (ValueError, RecursionError):  # deep nesting (a loop cut short) raises the latter
-        return None
-    if not isinstance(entries, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("name"), str) and "parameters" in e
-            for e in entries):
-        return None
-    return [(e["name"], e["parameters"]) for e in entries]
+def _calls_in(text: str) -> list[tuple[str, Any]]:
+    """The (name, arguments) pairs of a "required" choice's JSON array, up to its first entry
+    that is cut short or not a call."""
+    decoder = json.JSONDecoder()
+    position = _after_space(text, 0)
+    if not text.startswith("[", position):
+        return []
+    calls: list[tuple[str, Any]] = []
+    position += 1
+    while True:
+        position = _after_space(text, position)
+        try:
+            # RecursionError: deep nesting (a loop cut short).
+            entry, position = decoder.raw_decode(text, position)
+        except (ValueError, RecursionError):
+            return calls
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and "parameters" in entry):
+            return calls
+        calls.append((entry["name"], entry["parameters"]))
+        position = _after_space(text, position)
+        if not text.startswith(",", position):
+            return calls
+        position += 1
+
+
+def _after_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\n\r":
+        position += 1
+    return position
