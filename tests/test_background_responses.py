@@ -315,6 +315,36 @@ def test_a_lost_stream_ends_as_its_response_now_reads(redis_url: str, stopped_as
     assert [event["sequence_number"] for event in ending] == list(range(1, len(ending) + 1))
 
 
+def test_a_lost_stream_whose_response_cannot_be_read_ends_with_an_error_event(
+        redis_url: str) -> None:
+    """Its lease gone, the stream looks up how the response now reads; where Redis refuses that
+    read (here a Redis user denied MGET), the stream ended with an exception, a connection cut
+    mid-stream; it ends with an `error` event numbered on."""
+    async def scenario() -> list[dict[str, Any]]:
+        from redis.asyncio import Redis
+
+        admin = Redis.from_url(redis_url)
+        await admin.execute_command("ACL", "SETUSER", "no-mget", "on", ">pw", "~*", "&*", "+@all",
+                                    "-mget")
+        store = RedisResponseStore.from_url(redis_url.replace("redis://", "redis://no-mget:pw@"),
+                                            lease_s=LEASE_S)
+        try:
+            await _stored(store, "resp_m")
+            await store.append_event("resp_m", 0, "event: response.created\ndata: {}\n\n",
+                                     unless_stopped=True)
+            await asyncio.sleep(LEASE_S * 2)
+            events = [event async for event in _stored_stream(store, "resp_m", -1)]
+            return [json.loads(event.split("data: ", 1)[1]) for event in events[1:]]
+        finally:
+            await store.aclose()
+            await admin.execute_command("ACL", "DELUSER", "no-mget")
+            await admin.aclose()
+
+    [ending] = asyncio.run(scenario())
+    assert ending["type"] == "error" and ending["sequence_number"] == 1
+    assert "NOPERM" in ending["message"] or "permission" in ending["message"], ending
+
+
 def test_a_stream_that_ended_is_read_whole_after_its_lease_lapsed(redis_url: str) -> None:
     async def scenario() -> tuple[list[str], str]:
         store = RedisResponseStore.from_url(redis_url, lease_s=LEASE_S)

@@ -294,7 +294,12 @@ async def _stored_stream(store: ResponseStore, response_id: str,
     except GatewayError as error:
         yield _sse(_error_event(error), number + 1)
     except BackgroundResponseLostError as lost:
-        record = await store.get(response_id)
+        first_number = max(lost.num_events, number + 1)
+        try:
+            record = await store.get(response_id)
+        except GatewayError as error:
+            yield _sse(_error_event(error), first_number)
+            return
         if record is None:
             return
         response = record.lapsed().response if record.is_running else record.response
@@ -303,7 +308,7 @@ async def _stored_stream(store: ResponseStore, response_id: str,
         if response["status"] == "failed":
             ending.insert(0, {"type": "error", "code": "server_error", "param": None,
                               "message": (response.get("error") or {}).get("message", LAPSED_MESSAGE)})
-        for ending_number, event in enumerate(ending, start=max(lost.num_events, number + 1)):
+        for ending_number, event in enumerate(ending, start=first_number):
             yield _sse(event, ending_number)
 
 
