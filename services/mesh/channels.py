@@ -9,17 +9,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+KEEPALIVE_TIME_MS = 10_000
+# A server's least interval between a client's pings on a connection with no call open; gRPC's
+# default, one per 5 min, answers the clients' keepalive with GOAWAY too_many_pings at the third.
+# (gRPC core's macro is ..._MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; the name it reads is this.)
+MIN_PING_INTERVAL_OPTION = "grpc.http2.min_ping_interval_without_data_ms"
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    # Servers accept the clients' 10 s keepalive pings (their default allows one per 5 min
-    # and answers more with GOAWAY too_many_pings).
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    (MIN_PING_INTERVAL_OPTION, KEEPALIVE_TIME_MS // 2),
     # An engine restarted at the same address is reached within seconds.
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5_000),
