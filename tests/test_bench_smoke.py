@@ -27,6 +27,8 @@ RUN_MARKER_ENV = "BACKPORT_BENCH_SMOKE_RUN"
 
 PLE_QUICK = ["bench/ple.py", "--table-gib", "0.05", "--threads", "2", "--rounds", "1",
              "--calls", "100"]
+CEILING_QUICK = ["bench/gateway_ceiling.py", "--concurrency", "2", "--max-tokens", "16",
+                 "--rounds", "1"]
 AB_QUICK = ["bench/grpc_floor_ab.py", "--set", "split", "--rounds", "1", "--calls", "50",
             "--warm", "10", "--ping-pong-calls", "20", "--table-gib", "0.01"]
 
@@ -151,11 +153,22 @@ def test_grpc_floor_ab_prints_each_variant_against_the_first(tmp_path: Path) -> 
     assert all(re.fullmatch(r"\d+\.\d\d", row[ratio_column]) for row in rows)
 
 
+def test_gateway_ceiling_prints_the_gateway_against_the_engine_read_directly(tmp_path: Path) -> None:
+    run = run_bench(CEILING_QUICK, tmp_path / "ceiling.log")
+    assert_clean_exit(run)
+    # Streams, tokens a second direct and through the gateway, their ratio, CPU a token.
+    assert re.search(r"^\s+2\s+\d+\s+\d+\s+\d+\.\d{3}\s+\d+\s+\d+$", run.stdout,
+                     re.MULTILINE), run.stdout
+
+
 @pytest.mark.parametrize(("args", "started_line"), [
     # The service's log line: the bench is measuring, its service holding the table.
     pytest.param([*PLE_QUICK[:-1], "100000"], "PleOffload listening", id="ple"),
     # Every pair of processes is up once a round is done.
     pytest.param([*AB_QUICK[:4], "100", *AB_QUICK[5:]], "round 1 done", id="grpc_floor_ab"),
+    # The table's head: the services are up and the rounds begin.
+    pytest.param([*CEILING_QUICK[:4], "100000", *CEILING_QUICK[5:]], "direct tok/s",
+                 id="gateway_ceiling"),
 ])
 def test_sigterm_stops_the_bench_and_everything_it_started(args: list[str], started_line: str,
                                                             tmp_path: Path) -> None:
