@@ -174,6 +174,45 @@ def test_tools_and_tool_call_arguments_render_as_the_client_wrote_them(
     assert json.dumps(arguments) in prompt, prompt
 
 
+@pytest.mark.parametrize(("arguments", "field", "says"), [
+    # Parsed, the escape is a lone surrogate, which the template writes into the prompt.
+    ('{"city": "Paris \\ud800"}', "messages", "lone surrogate"),
+])
+def test_tool_call_arguments_that_make_no_prompt_are_invalid_argument(
+        padded_tools_tokenizer_address: str, arguments: str, field: str, says: str) -> None:
+    """Was UNKNOWN (the gateway's 503, which clients retry): the tokenizer library's TypeError
+    on the prompt's lone surrogate, raised past the render's own errors."""
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "forecast", "arguments": arguments}}]}]
+    error = render_error(padded_tools_tokenizer_address, {}, messages)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith(f"{field}: ") and says in error.details(), error.details()
+
+
+def test_tool_call_arguments_nested_past_the_stack_render_as_no_arguments(
+        padded_tools_tokenizer_address: str) -> None:
+    """Was UNKNOWN: json.loads raised RecursionError on 1,200 nested lists. Arguments that are
+    no JSON object render as {} (one bad call in a history must not make it unrenderable)."""
+    nested = '{"a": ' + "[" * 1200 + "]" * 1200 + "}"
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "forecast", "arguments": nested}}]}]
+
+    async def render() -> str:
+        client = TokenizerClient(padded_tools_tokenizer_address)
+        try:
+            reply = await client.render_chat(messages, None, {}, add_generation_prompt=False,
+                                             continue_final_message=False)
+            return reply.prompt
+        finally:
+            await client.close()
+
+    assert "<call>{}</call>" in asyncio.run(render())
+
+
 @pytest.mark.parametrize(("template_kwargs", "messages", "field"), [
     ({"budget": float("inf")}, None, "chat_template_kwargs.budget"),
     ({}, [{"role": "user", "content": "Hi", "weights": [1, float("nan")]}], "messages[0].weights[1]"),

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.tokenizer.chat_formats import ChatRenderer, chat_renderer_for
+from services.tokenizer.chat_formats import ChatRenderer, ChatRenderError, chat_renderer_for
 from services.tokenizer.chat_formats.selection import read_model_config
 from services.tokenizer.client import MAX_CHARACTER_TOKENS, REPLACEMENT_CHARACTER
 
@@ -73,6 +73,16 @@ class TokenizerCore:
         prompt = self.renderer.render(messages, tools, template_kwargs,
                                       add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message)
+        try:
+            prompt.encode()
+        except UnicodeEncodeError as error:
+            # The request's strings are checked for lone surrogates; an escape inside a tool
+            # call's arguments string (`"\\ud800"`) becomes one once parsed, and a template
+            # that writes the arguments out unescaped puts it in the prompt, which no tokenizer
+            # encodes.
+            raise ChatRenderError("messages", "the rendered prompt holds a lone surrogate (at "
+                                  f"character {error.start}), as an escape such as \\ud800 in a "
+                                  "tool call's arguments makes") from None
         # The rendered prompt already carries BOS and every special token it needs, unless the
         # caller asks for the tokenizer's own on top (vLLM's chat `add_special_tokens`).
         return prompt, self.encode(prompt, add_special_tokens=add_special_tokens)

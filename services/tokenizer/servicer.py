@@ -116,6 +116,8 @@ def _json_field(field: str, text: str, default: Any, kind: type) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise ChatRenderError(field, f"is not JSON: {error}") from None
+    except RecursionError:
+        raise ChatRenderError(field, "is nested too deeply") from None
     if not isinstance(value, kind):
         raise ChatRenderError(field, f"must be a JSON {'array' if kind is list else 'object'}")
     if kind is list:

@@ -143,7 +143,7 @@ def _arguments_object(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, str) and arguments:
         try:
             decoded = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             return {}
         return decoded if isinstance(decoded, dict) else {}
     return {}
