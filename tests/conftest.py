@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from pathlib import Path
 
@@ -85,6 +85,8 @@ class RunningMesh:
     engine_address: str
     tokenizer_address: str
     log_path: Path
+    # vLLM's Prometheus metrics of its engine, where the mesh serves them.
+    engine_metrics_url: str | None = None
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -220,7 +222,11 @@ class SharedMesh:
             return self.running
         if self.running is not None:
             stop_mesh(self.running)
-        self.running = start_mesh(self.log_dir, "--max-model-len", "2048", "--kv-events")
+        metrics_port = free_port()
+        self.running = replace(
+            start_mesh(self.log_dir, "--max-model-len", "2048", "--kv-events",
+                       "--engine-metrics-port", str(metrics_port)),
+            engine_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
         return self.running
 
 

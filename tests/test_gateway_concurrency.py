@@ -4,16 +4,14 @@ behind, and what the metrics count meanwhile. Official openai client, real `back
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from tests.cluster.processes import metric, scrape
-from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
+from tests.conftest import RunningMesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 # Long enough that an abandoned request still runs seconds after its client left (the
@@ -40,12 +38,10 @@ class MeteredMesh:
 
 
 @pytest.fixture(scope="module")
-def metered(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeteredMesh]:
-    metrics_port = free_port()
-    running = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-model-len", "2048",
-                         "--engine-metrics-port", str(metrics_port))
-    yield MeteredMesh(running, f"http://127.0.0.1:{metrics_port}/metrics")
-    stop_mesh(running)
+def metered(mesh: RunningMesh) -> MeteredMesh:
+    # The shared mesh: every count here is read before and after, or is in flight.
+    assert mesh.engine_metrics_url is not None
+    return MeteredMesh(mesh, mesh.engine_metrics_url)
 
 
 def client(mesh: RunningMesh, timeout_s: float = 120) -> openai.OpenAI:
