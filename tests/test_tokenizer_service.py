@@ -155,23 +155,31 @@ def test_tools_and_tool_call_arguments_render_as_the_client_wrote_them(
               "properties": {"days": {"type": "integer", "minimum": 1}, "city": {"type": "string"}}}
     tool = {"type": "function", "function": {"name": "forecast", "parameters": schema}}
     arguments = {"days": 3, "scale": 0.5, "city": "Oslo"}
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function",
-                     "function": {"name": "forecast", "arguments": arguments}}]}]
+    prompt = rendered_prompt(padded_tools_tokenizer_address, forecast_call(arguments), [tool])
+    assert json.dumps(schema) in prompt, prompt
+    assert json.dumps(arguments) in prompt, prompt
 
+
+def forecast_call(arguments: str | dict[str, Any]) -> list[dict[str, Any]]:
+    """A question and the assistant's call to `forecast` with `arguments`."""
+    return [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "forecast", "arguments": arguments}}]}]
+
+
+def rendered_prompt(address: str, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> str:
     async def render() -> str:
-        client = TokenizerClient(padded_tools_tokenizer_address)
+        client = TokenizerClient(address)
         try:
-            reply = await client.render_chat(messages, [tool], {}, add_generation_prompt=False,
+            reply = await client.render_chat(messages, tools, {}, add_generation_prompt=False,
                                              continue_final_message=False)
             return reply.prompt
         finally:
             await client.close()
 
-    prompt = asyncio.run(render())
-    assert json.dumps(schema) in prompt, prompt
-    assert json.dumps(arguments) in prompt, prompt
+    return asyncio.run(render())
 
 
 @pytest.mark.parametrize(("arguments", "field", "says"), [
@@ -182,11 +190,7 @@ def test_tool_call_arguments_that_make_no_prompt_are_invalid_argument(
         padded_tools_tokenizer_address: str, arguments: str, field: str, says: str) -> None:
     """Was UNKNOWN (the gateway's 503, which clients retry): the tokenizer library's TypeError
     on the prompt's lone surrogate, raised past the render's own errors."""
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function",
-                     "function": {"name": "forecast", "arguments": arguments}}]}]
-    error = render_error(padded_tools_tokenizer_address, {}, messages)
+    error = render_error(padded_tools_tokenizer_address, {}, forecast_call(arguments))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert error.details().startswith(f"{field}: ") and says in error.details(), error.details()
 
@@ -196,21 +200,7 @@ def test_tool_call_arguments_nested_past_the_stack_render_as_no_arguments(
     """Was UNKNOWN: json.loads raised RecursionError on 1,200 nested lists. Arguments that are
     no JSON object render as {} (one bad call in a history must not make it unrenderable)."""
     nested = '{"a": ' + "[" * 1200 + "]" * 1200 + "}"
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function",
-                     "function": {"name": "forecast", "arguments": nested}}]}]
-
-    async def render() -> str:
-        client = TokenizerClient(padded_tools_tokenizer_address)
-        try:
-            reply = await client.render_chat(messages, None, {}, add_generation_prompt=False,
-                                             continue_final_message=False)
-            return reply.prompt
-        finally:
-            await client.close()
-
-    assert "<call>{}</call>" in asyncio.run(render())
+    assert "<call>{}</call>" in rendered_prompt(padded_tools_tokenizer_address, forecast_call(nested))
 
 
 @pytest.mark.parametrize(("template_kwargs", "messages", "field"), [
