@@ -4,15 +4,16 @@ As in vLLM, forced calls do not go through the model family's tool-call markup: 
 holds the output to a JSON schema, so any model can answer them. A named function's output
 is its arguments object, streamed as argument deltas; "required" gives a JSON array of
 `{"name", "parameters"}` objects, released as calls when the choice ends (a partial array
-says nothing certain about a call; one cut short by the token limit gives its whole entries). In that array schema each tool's definitions (`$defs`, or
-draft-07's `definitions`) move to the root, where its `#/$defs/...` references resolve, as vLLM
-moves them.
+says nothing certain about a call; one cut short by the token limit gives its whole entries).
+In that array schema each tool's definitions (`$defs`, or draft-07's `definitions`) move to
+the root, where its `#/$defs/...` references resolve, as vLLM moves them.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +27,8 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Where JSON schemas keep reusable definitions: `$defs` (pydantic), `definitions` (draft-07, as
 # zod-to-json-schema writes them).
 _DEFINITION_KEYWORDS = ("$defs", "definitions")
+# What JSON allows between its tokens; it matches at any position, if only the empty string.
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,4 @@ def _calls_in(text: str) -> list[tuple[str, Any]]:
 
 
 def _after_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in " \t\n\r":
-        position += 1
-    return position
+    return _JSON_SPACE.match(text, position).end()  # type: ignore[union-attr]
