@@ -83,7 +83,7 @@ def test_a_completion_keeps_the_space_before_its_first_word(sentencepiece_tokeni
             try:
                 streamed = [await detokenizer.step([token_id]) for token_id in completion]
             finally:
-                await detokenizer.close()
+                detokenizer.close()
             return whole, "".join(streamed)
         finally:
             await client.close()

@@ -101,7 +101,7 @@ async def _streamed_text(address: str, token_ids: list[int]) -> str:
     try:
         return "".join([await stream.step([token_id]) for token_id in token_ids])
     finally:
-        await stream.close()
+        stream.close()
         await client.close()
 
 

@@ -302,7 +302,7 @@ def test_a_long_call_leaves_other_streams_answered(
             assert await long_call_done > 100_000
             return num_steps
         finally:
-            await stream.close()
+            stream.close()
             await client.close()
 
     # A step takes about a millisecond; one held behind the long call would end it.

@@ -20,8 +20,8 @@ from services.gateway.errors import (EngineFailedError, InvalidRequestError, Ser
 from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.request_context import current_request_context
 from services.gateway.stop_strings import StopStringMatcher
-from services.tokenizer.client import (MAX_CHARACTER_TOKENS, StreamDetokenizer, TokenizerClient,
-                                       TokenizerTimeoutError)
+from services.tokenizer.client import MAX_CHARACTER_TOKENS, TokenizerClient
+from services.tokenizer.detokenize_stream import SequenceDetokenizer, TokenizerTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Generation:
         self._skip_special_tokens = skip_special_tokens
         # Set from the chunk that carries them, the first, when the request asked for them.
         self.prompt_logprobs: list[PromptTokenLogprobs] | None = None
-        self._detokenizers: dict[int, StreamDetokenizer] = {}
+        self._detokenizers: dict[int, SequenceDetokenizer] = {}
         self._matchers: dict[int, StopStringMatcher] = {}
         # Each choice's last sampled tokens: a logprob token's text may finish their characters.
         self._sampled_tails: dict[int, list[int]] = {}
@@ -199,7 +199,7 @@ class Generation:
             # Cancelling the call is how an early stop (stop string, client gone) aborts in vLLM.
             self._call.cancel()
             for detokenizer in self._detokenizers.values():
-                await detokenizer.close()
+                detokenizer.close()
 
     def _abort_choice(self, index: int) -> None:
         engine = self.route.engine
@@ -331,7 +331,7 @@ class Generation:
         self.usage.completion_tokens_by_choice[index] = completion_tokens
         self.usage.cached_tokens = cached_tokens
 
-    def _detokenizer(self, index: int) -> StreamDetokenizer:
+    def _detokenizer(self, index: int) -> SequenceDetokenizer:
         if index not in self._detokenizers:
             self._detokenizers[index] = self.tokenizer.detokenizer(
                 skip_special_tokens=self._skip_special_tokens,

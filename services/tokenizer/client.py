@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -12,23 +11,14 @@ import grpc
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
 from services.mesh.channels import open_channel
+from services.tokenizer.detokenize_stream import (DetokenizeStream, SequenceDetokenizer,
+                                                  TokenizerTimeoutError)
 
 TOKEN_TEXT_CACHE_SIZE = 65_536
-# Enough of the prompt's end that a sequence's first generated token decodes as a continuation;
-# the whole prompt would cost a long prompt's worth of decoding per choice.
-NUM_PROMPT_TOKENS_TO_PRIME = 8
 # What a token decoded alone shows for the bytes of a character it holds only part of.
 REPLACEMENT_CHARACTER = "\ufffd"
 # Tokens enough to hold any UTF-8 character's bytes (four at most).
 MAX_CHARACTER_TOKENS = 4
-
-
-class TokenizerTimeoutError(TimeoutError):
-    """The tokenizer service did not answer a call, or a detokenize step, within its deadline."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        super().__init__(f"the tokenizer service did not answer in {timeout_s:g} s"
-                         if timeout_s is not None else "the tokenizer service did not answer")
 
 
 class TokenizerClient:
@@ -41,6 +31,7 @@ class TokenizerClient:
         self.channel = open_channel(address)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
         self._token_texts: dict[int, str] = {}
+        self._detokenize_stream = DetokenizeStream(self.stub, timeout_s=timeout_s)
 
     async def info(self, timeout_s: float = 10.0) -> pb.TokenizerInfo:
         return await self.stub.GetTokenizerInfo(pb.GetTokenizerInfoRequest(), timeout=timeout_s)
@@ -101,11 +92,14 @@ class TokenizerClient:
         return texts
 
     def detokenizer(self, *, skip_special_tokens: bool,
-                    prompt_token_ids: Sequence[int]) -> StreamDetokenizer:
-        return StreamDetokenizer(self.stub, skip_special_tokens=skip_special_tokens,
-                                 prompt_token_ids=prompt_token_ids, timeout_s=self.timeout_s)
+                    prompt_token_ids: Sequence[int]) -> SequenceDetokenizer:
+        """A sequence's incremental detokenization; every sequence of this client shares one
+        stream, and its `timeout_s` bounds each step's round trip."""
+        return self._detokenize_stream.sequence(skip_special_tokens=skip_special_tokens,
+                                                prompt_token_ids=prompt_token_ids)
 
     async def close(self) -> None:
+        await self._detokenize_stream.close()
         await self.channel.close()
 
     async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: Any) -> Any:
@@ -115,79 +109,6 @@ class TokenizerClient:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TokenizerTimeoutError(self.timeout_s) from error
             raise
-
-
-class StreamDetokenizer:
-    """One sequence's incremental detokenization over a bidirectional stream.
-
-    The stream starts with the prompt's last tokens, whose text is dropped: sentencepiece-style
-    decoders strip the leading space of a sequence's first word, so a completion decoded on its
-    own would lose the space it starts with (" Paris" after "The capital of France is"). vLLM's
-    detokenizer is primed with the prompt for the same reason.
-    """
-
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, *, skip_special_tokens: bool,
-                 prompt_token_ids: Sequence[int], timeout_s: float | None = None) -> None:
-        self._stub = stub
-        self._timeout_s = timeout_s
-        self._skip_special_tokens = skip_special_tokens
-        self._prompt_tail = list(prompt_token_ids[-NUM_PROMPT_TOKENS_TO_PRIME:])
-        self._call: grpc.aio.StreamStreamCall | None = None
-
-    async def step(self, token_ids: list[int]) -> str:
-        """The text these tokens make final."""
-        return (await self._exchange([token_ids]))[0]
-
-    async def step_each(self, token_ids: list[int]) -> list[str]:
-        """The text each token makes final, in one round trip: what a stop string needs to
-        tell which token completed it."""
-        return await self._exchange([[token_id] for token_id in token_ids])
-
-    async def _exchange(self, messages: list[list[int]]) -> list[str]:
-        # The stream lives as long as the generation, so its deadline is per round trip.
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await self._round_trip(messages)
-        except TimeoutError:
-            # A late reply would be read as the next step's: the stream cannot go on.
-            await self.close()
-            raise TokenizerTimeoutError(self._timeout_s) from None
-
-    async def _round_trip(self, messages: list[list[int]]) -> list[str]:
-        num_priming = 0
-        if self._call is None:
-            self._call = self._stub.Detokenize()
-            await self._write(pb.DetokenizeRequest(skip_special_tokens=self._skip_special_tokens,
-                                                   token_ids=self._prompt_tail))
-            num_priming = 1
-        # Every message goes out before a reply is read: one round trip, priming included.
-        for token_ids in messages:
-            await self._write(pb.DetokenizeRequest(token_ids=token_ids))
-        texts = [await self._read() for _ in range(num_priming + len(messages))]
-        return texts[num_priming:]
-
-    async def _write(self, request: pb.DetokenizeRequest) -> None:
-        assert self._call is not None
-        try:
-            await self._call.write(request)
-        except asyncio.InvalidStateError:
-            # The stream ended between two steps (the service went away): reading its end
-            # raises its status as the AioRpcError callers handle, not grpc's "RPC already
-            # finished".
-            await self._read()
-            raise
-
-    async def _read(self) -> str:
-        assert self._call is not None
-        reply = await self._call.read()
-        if reply is grpc.aio.EOF:
-            raise ConnectionError("the tokenizer service closed the detokenize stream")
-        return reply.text
-
-    async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
 
 
 def _json(value: Any) -> str:

@@ -13,7 +13,8 @@ import grpc
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
 from services.tokenizer.chat_formats import ChatRenderError
-from services.tokenizer.core import LONG_DECODE_NUM_TOKENS, TokenizerCore, UnknownTokenIdError
+from services.tokenizer.core import (LONG_DECODE_NUM_TOKENS, StreamingDetokenizer, TokenizerCore,
+                                     UnknownTokenIdError)
 
 T = TypeVar("T")
 
@@ -81,6 +82,33 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             token_ids = list(request.token_ids)
             await self._check_token_ids(context, "token_ids", token_ids)
             yield pb.DetokenizeResponse(text=detokenizer.step(token_ids))
+
+    async def DetokenizeSequences(
+            self, request_iterator: AsyncIterator[pb.DetokenizeSequencesRequest],
+            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeSequencesResponse]:
+        # The stream's own: they go with it, whatever the client closed.
+        sequences: dict[int, StreamingDetokenizer] = {}
+        async for request in request_iterator:
+            texts = [self._sequence_step(sequences, step) for step in request.steps]
+            for sequence_id in request.closed_sequence_ids:
+                sequences.pop(sequence_id, None)
+            yield pb.DetokenizeSequencesResponse(texts=texts)
+
+    def _sequence_step(self, sequences: dict[int, StreamingDetokenizer],
+                       step: pb.SequenceStep) -> pb.SequenceText:
+        if step.open:
+            sequences[step.sequence_id] = self.core.detokenizer(
+                skip_special_tokens=step.skip_special_tokens)
+        detokenizer = sequences.get(step.sequence_id)
+        if detokenizer is None:
+            return pb.SequenceText(error=f"sequence {step.sequence_id} is not open")
+        token_ids = list(step.token_ids)
+        try:
+            self.core.check_token_ids("token_ids", token_ids)
+        except UnknownTokenIdError as error:
+            del sequences[step.sequence_id]
+            return pb.SequenceText(error=str(error))
+        return pb.SequenceText(text=detokenizer.step(token_ids))
 
     async def _check_token_ids(self, context: grpc.aio.ServicerContext, field: str,
                                token_ids: Sequence[int]) -> None:

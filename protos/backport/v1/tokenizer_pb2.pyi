@@ -100,6 +100,40 @@ class DetokenizeResponse(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class SequenceStep(_message.Message):
+    __slots__ = ("sequence_id", "token_ids", "open", "skip_special_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    open: bool
+    skip_special_tokens: bool
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeSequencesRequest(_message.Message):
+    __slots__ = ("steps", "closed_sequence_ids")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[SequenceStep]
+    closed_sequence_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., closed_sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SequenceText(_message.Message):
+    __slots__ = ("text", "error")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    error: str
+    def __init__(self, text: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DetokenizeSequencesResponse(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedCompositeFieldContainer[SequenceText]
+    def __init__(self, texts: _Optional[_Iterable[_Union[SequenceText, _Mapping]]] = ...) -> None: ...
+
 class GetTokenizerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class TokenizerStub:
                 request_serializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.DetokenizeSequences = channel.stream_stream(
+                '/backport.v1.Tokenizer/DetokenizeSequences',
+                request_serializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeSequencesRequest.SerializeToString,
+                response_deserializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeSequencesResponse.FromString,
+                _registered_method=True)
         self.GetTokenizerInfo = channel.unary_unary(
                 '/backport.v1.Tokenizer/GetTokenizerInfo',
                 request_serializer=backport_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.SerializeToString,
@@ -113,6 +118,17 @@ class TokenizerServicer:
         """Incremental detokenization of one sequence: send token ids as they are
         generated, receive one text delta per request message. Deltas never split a
         UTF-8 character; text held back waiting for more bytes comes out later.
+        Gateways since DetokenizeSequences use that instead; this stays for older ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetokenizeSequences(self, request_iterator, context):
+        """Incremental detokenization of many sequences on one stream, each as Detokenize
+        does it: every request message carries steps of any of the stream's sequences and
+        is answered by one response message, a text a step. A gateway keeps one such
+        stream, so a token costs no gRPC message of its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +172,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
                     response_serializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'DetokenizeSequences': grpc.stream_stream_rpc_method_handler(
+                    servicer.DetokenizeSequences,
+                    request_deserializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeSequencesRequest.FromString,
+                    response_serializer=backport_dot_v1_dot_tokenizer__pb2.DetokenizeSequencesResponse.SerializeToString,
             ),
             'GetTokenizerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTokenizerInfo,
@@ -325,6 +346,33 @@ class Tokenizer:
             '/backport.v1.Tokenizer/Detokenize',
             backport_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
             backport_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetokenizeSequences(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/backport.v1.Tokenizer/DetokenizeSequences',
+            backport_dot_v1_dot_tokenizer__pb2.DetokenizeSequencesRequest.SerializeToString,
+            backport_dot_v1_dot_tokenizer__pb2.DetokenizeSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

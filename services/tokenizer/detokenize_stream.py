@@ -1,0 +1,208 @@
+"""Every sequence's incremental detokenization on one stream to the tokenizer service.
+
+A stream a sequence cost a gRPC message each way per chunk of tokens; at 64 concurrent
+streams those messages were the gateway's largest CPU cost (docs/bench.md). Here the steps
+that sequences queue while a message is being written go out together in the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from backport.v1 import tokenizer_pb2 as pb
+from backport.v1 import tokenizer_pb2_grpc
+
+# Enough of the prompt's end that a sequence's first generated token decodes as a continuation;
+# the whole prompt would cost a long prompt's worth of decoding per choice.
+NUM_PROMPT_TOKENS_TO_PRIME = 8
+
+
+class TokenizerTimeoutError(TimeoutError):
+    """The tokenizer service did not answer a call, or a detokenize step, within its deadline."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        super().__init__(f"the tokenizer service did not answer in {timeout_s:g} s"
+                         if timeout_s is not None else "the tokenizer service did not answer")
+
+
+@dataclass
+class _Exchange:
+    """One caller's steps, answered together."""
+    future: asyncio.Future[list[str]]
+    num_steps: int
+
+
+class DetokenizeStream:
+    """The `DetokenizeSequences` stream of one client, opened on first use and again after a
+    loss. A sequence's state lives in the service, so a lost stream fails its sequences: their
+    next step raises UNAVAILABLE, as the loss of a stream of their own did."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, *, timeout_s: float | None) -> None:
+        self._stub = stub
+        self._timeout_s = timeout_s
+        self._sequence_ids = itertools.count(1)
+        # Counts lost streams: a sequence opened on an earlier one has no state left.
+        self.incarnation = 0
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._queued_steps: list[pb.SequenceStep] = []
+        self._queued_exchanges: list[_Exchange] = []
+        self._queued_closes: list[int] = []
+        self._has_queued = asyncio.Event()
+        # Per message written and not yet answered, the exchanges it carries.
+        self._written: deque[list[_Exchange]] = deque()
+
+    def sequence(self, *, skip_special_tokens: bool,
+                 prompt_token_ids: Sequence[int]) -> SequenceDetokenizer:
+        return SequenceDetokenizer(self, next(self._sequence_ids),
+                                   skip_special_tokens=skip_special_tokens,
+                                   prompt_token_ids=prompt_token_ids)
+
+    async def exchange(self, steps: list[pb.SequenceStep]) -> list[str]:
+        """The text of each step; they go out in one message, with whatever else is queued."""
+        if self._call is None:
+            self._open()
+        exchange = _Exchange(asyncio.get_running_loop().create_future(), len(steps))
+        self._queued_steps += steps
+        self._queued_exchanges.append(exchange)
+        self._has_queued.set()
+        try:
+            # A caller that gives up cancels its future; its reply is then passed over.
+            async with asyncio.timeout(self._timeout_s):
+                return await exchange.future
+        except TimeoutError:
+            raise TokenizerTimeoutError(self._timeout_s) from None
+
+    def close_sequence(self, sequence_id: int, incarnation: int) -> None:
+        if self._call is None or incarnation != self.incarnation:
+            return
+        self._queued_closes.append(sequence_id)
+        self._has_queued.set()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._lose(self._call, _unavailable("the tokenizer client closed"))
+
+    def _open(self) -> None:
+        call = self._stub.DetokenizeSequences()
+        self._call = call
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._write_queued(call)),
+                       loop.create_task(self._read_replies(call))]
+
+    async def _write_queued(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while True:
+                await self._has_queued.wait()
+                self._has_queued.clear()
+                request = pb.DetokenizeSequencesRequest(steps=self._queued_steps,
+                                                        closed_sequence_ids=self._queued_closes)
+                self._written.append(self._queued_exchanges)
+                self._queued_steps, self._queued_exchanges, self._queued_closes = [], [], []
+                await call.write(request)
+        except asyncio.InvalidStateError:
+            # The stream ended (the service went away): the reader gets its status.
+            pass
+        except grpc.aio.AioRpcError as error:
+            self._lose(call, error)
+
+    async def _read_replies(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise _unavailable("the tokenizer service closed the detokenize stream")
+                self._answer(self._written.popleft(), reply.texts)
+        except grpc.aio.AioRpcError as error:
+            self._lose(call, error)
+
+    @staticmethod
+    def _answer(exchanges: list[_Exchange], texts: Sequence[pb.SequenceText]) -> None:
+        start = 0
+        for exchange in exchanges:
+            answered = texts[start:start + exchange.num_steps]
+            start += exchange.num_steps
+            if exchange.future.done():
+                continue
+            error = next((text.error for text in answered if text.error), None)
+            if error is not None:
+                exchange.future.set_exception(_error(grpc.StatusCode.INVALID_ARGUMENT, error))
+            else:
+                exchange.future.set_result([text.text for text in answered])
+
+    def _lose(self, call: grpc.aio.StreamStreamCall, error: grpc.aio.AioRpcError) -> None:
+        if call is not self._call:
+            return
+        self._call = None
+        self.incarnation += 1
+        call.cancel()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        unanswered = [*itertools.chain.from_iterable(self._written), *self._queued_exchanges]
+        self._written.clear()
+        self._queued_steps, self._queued_exchanges, self._queued_closes = [], [], []
+        for exchange in unanswered:
+            if not exchange.future.done():
+                exchange.future.set_exception(_error(error.code(), error.details() or ""))
+
+
+class SequenceDetokenizer:
+    """One sequence's incremental detokenization, on its client's shared stream.
+
+    The sequence starts with the prompt's last tokens, whose text is dropped: sentencepiece-style
+    decoders strip the leading space of a sequence's first word, so a completion decoded on its
+    own would lose the space it starts with (" Paris" after "The capital of France is"). vLLM's
+    detokenizer is primed with the prompt for the same reason.
+    """
+
+    def __init__(self, stream: DetokenizeStream, sequence_id: int, *, skip_special_tokens: bool,
+                 prompt_token_ids: Sequence[int]) -> None:
+        self._stream = stream
+        self._id = sequence_id
+        self._skip_special_tokens = skip_special_tokens
+        self._prompt_tail = list(prompt_token_ids[-NUM_PROMPT_TOKENS_TO_PRIME:])
+        # The stream incarnation the sequence was opened on; None until its first step.
+        self._incarnation: int | None = None
+
+    async def step(self, token_ids: list[int]) -> str:
+        """The text these tokens make final."""
+        return (await self._exchange([token_ids]))[0]
+
+    async def step_each(self, token_ids: list[int]) -> list[str]:
+        """The text each token makes final, in one round trip: what a stop string needs to
+        tell which token completed it."""
+        return await self._exchange([[token_id] for token_id in token_ids])
+
+    async def _exchange(self, token_id_lists: list[list[int]]) -> list[str]:
+        steps = [pb.SequenceStep(sequence_id=self._id, token_ids=ids) for ids in token_id_lists]
+        opening = self._incarnation is None
+        if opening:
+            steps.insert(0, pb.SequenceStep(sequence_id=self._id, token_ids=self._prompt_tail,
+                                            open=True,
+                                            skip_special_tokens=self._skip_special_tokens))
+            self._incarnation = self._stream.incarnation
+        elif self._incarnation != self._stream.incarnation:
+            raise _unavailable("the detokenize stream this sequence was on was lost")
+        texts = await self._stream.exchange(steps)
+        return texts[1:] if opening else texts
+
+    def close(self) -> None:
+        if self._incarnation is not None:
+            self._stream.close_sequence(self._id, self._incarnation)
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    # The status callers handle for any failed tokenizer call; one instance per caller, as
+    # each raises it with its own traceback.
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return _error(grpc.StatusCode.UNAVAILABLE, details)

@@ -1,0 +1,190 @@
+"""`DetokenizeSequences`: every sequence of a tokenizer client on one stream, over real gRPC to
+the real tokenizer servicer run in the test's own process, so that the test can count the
+messages it reads and hold one back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from backport.v1 import tokenizer_pb2 as pb
+from backport.v1 import tokenizer_pb2_grpc
+from services.tokenizer.client import TokenizerClient
+from services.tokenizer.core import TokenizerCore
+from services.tokenizer.detokenize_stream import TokenizerTimeoutError
+from services.tokenizer.servicer import TokenizerServicer
+from tests.conftest import free_port
+
+PROMPT = "The capital of France is"
+# Characters of two to four UTF-8 bytes, which byte-level tokens split.
+COMPLETIONS = [" Paris, and Tokyo (東京) is Japan's.", " 🎉 a party — ünïcödé!",
+               " plain words, one after another", " 1234567 + 89 = ?"]
+# The message holding a step with this token is read only after this long.
+HELD_TOKEN_ID = 0
+HOLD_S = 1.5
+
+
+class ObservedServicer(TokenizerServicer):
+    """The real servicer; counts the `DetokenizeSequences` messages it reads and holds back
+    one that carries `HELD_TOKEN_ID`."""
+
+    num_messages = 0
+
+    async def DetokenizeSequences(
+            self, request_iterator: AsyncIterator[pb.DetokenizeSequencesRequest],
+            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeSequencesResponse]:
+        async def observed() -> AsyncIterator[pb.DetokenizeSequencesRequest]:
+            async for request in request_iterator:
+                self.num_messages += 1
+                if any(HELD_TOKEN_ID in step.token_ids for step in request.steps):
+                    await asyncio.sleep(HOLD_S)
+                yield request
+
+        async for reply in super().DetokenizeSequences(observed(), context):
+            yield reply
+
+
+@pytest.fixture(scope="module")
+def core(embedded_model_path: Path) -> TokenizerCore:
+    return TokenizerCore(str(embedded_model_path))
+
+
+async def start_server(servicer: TokenizerServicer, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+def run_against_service(core: TokenizerCore,
+                        scenario: Callable[[TokenizerClient, ObservedServicer], Awaitable[None]],
+                        *, timeout_s: float | None = 10.0) -> None:
+    async def run() -> None:
+        servicer = ObservedServicer(core)
+        port = free_port()
+        server = await start_server(servicer, port)
+        client = TokenizerClient(f"127.0.0.1:{port}", timeout_s=timeout_s)
+        try:
+            await scenario(client, servicer)
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_concurrent_sequences_share_messages_and_each_gets_its_own_text(core: TokenizerCore) -> None:
+    prompt = core.encode(PROMPT, add_special_tokens=False)
+    completions = [core.encode(text, add_special_tokens=False) for text in COMPLETIONS * 6]
+
+    async def scenario(client: TokenizerClient, servicer: ObservedServicer) -> None:
+        async def stream(token_ids: list[int]) -> str:
+            detokenizer = client.detokenizer(skip_special_tokens=True, prompt_token_ids=prompt)
+            deltas = [await detokenizer.step([token_id]) for token_id in token_ids]
+            detokenizer.close()
+            return "".join(deltas)
+
+        texts = await asyncio.gather(*(stream(ids) for ids in completions))
+        assert texts == COMPLETIONS * 6
+        num_steps = sum(len(ids) for ids in completions)
+        # 24 sequences stepping together: about one message a round (15 for 294 steps), not
+        # one a step.
+        assert servicer.num_messages <= 2 * max(len(ids) for ids in completions), (
+            servicer.num_messages, num_steps)
+
+    run_against_service(core, scenario)
+
+
+def test_a_token_past_the_vocabulary_fails_its_sequence_alone(core: TokenizerCore) -> None:
+    async def scenario(client: TokenizerClient, servicer: ObservedServicer) -> None:
+        good = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+        bad = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+        hello, world = core.encode("Hello world", add_special_tokens=False)
+        results = await asyncio.gather(good.step([hello]), bad.step([2**32 - 1]),
+                                       return_exceptions=True)
+        assert results[0] == "Hello"
+        assert isinstance(results[1], grpc.aio.AioRpcError)
+        assert results[1].code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert results[1].details().startswith(f"token_ids: token id {2**32 - 1} lies outside")
+        assert await good.step([world]) == " world"
+        # The service closed the failed sequence.
+        with pytest.raises(grpc.aio.AioRpcError, match="is not open"):
+            await bad.step([hello])
+
+    run_against_service(core, scenario)
+
+
+def test_a_closed_sequence_is_dropped_by_the_service(core: TokenizerCore) -> None:
+    async def scenario(client: TokenizerClient, servicer: ObservedServicer) -> None:
+        call = client.stub.DetokenizeSequences()
+        await call.write(pb.DetokenizeSequencesRequest(steps=[
+            pb.SequenceStep(sequence_id=7, open=True, token_ids=core.encode("Hi", add_special_tokens=False))]))
+        assert [t.text for t in (await call.read()).texts] == ["Hi"]
+        await call.write(pb.DetokenizeSequencesRequest(closed_sequence_ids=[7]))
+        assert list((await call.read()).texts) == []
+        await call.write(pb.DetokenizeSequencesRequest(steps=[pb.SequenceStep(sequence_id=7, token_ids=[504])]))
+        [text] = (await call.read()).texts
+        assert text.error == "sequence 7 is not open"
+        call.cancel()
+
+    run_against_service(core, scenario)
+
+
+def test_a_step_past_its_deadline_leaves_the_others_their_own_replies(core: TokenizerCore) -> None:
+    """The late reply of a step given up on is matched to that step, not read as the next."""
+    hello, world = core.encode("Hello world", add_special_tokens=False)
+
+    async def scenario(client: TokenizerClient, servicer: ObservedServicer) -> None:
+        held = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+        other = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+        assert await other.step([hello]) == "Hello"
+        with pytest.raises(TokenizerTimeoutError):
+            await held.step([HELD_TOKEN_ID])
+        # Sent behind the held message, answered after it.
+        assert await other.step([world]) == " world"
+
+    run_against_service(core, scenario, timeout_s=HOLD_S * 2 / 3)
+
+
+def test_a_lost_stream_fails_its_sequences_and_the_client_opens_another(core: TokenizerCore) -> None:
+    """A restarted service has none of the old stream's sequences: theirs fail at once, and new
+    ones go on a new stream of the same client."""
+    hello, world = core.encode("Hello world", add_special_tokens=False)
+
+    async def run() -> None:
+        port = free_port()
+        server = await start_server(ObservedServicer(core), port)
+        client = TokenizerClient(f"127.0.0.1:{port}", timeout_s=10.0)
+        try:
+            before = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+            assert await before.step([hello]) == "Hello"
+            await server.stop(None)
+            server = await start_server(ObservedServicer(core), port)
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await before.step([world])
+            # Cancelled where the step reached the stopping server, else unavailable.
+            assert lost.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            assert await first_step_once_reconnected(client, [hello, world]) == "Hello world"
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+async def first_step_once_reconnected(client: TokenizerClient, token_ids: list[int]) -> str:
+    """A new sequence's first step, tried until the channel has reconnected."""
+    for _ in range(50):
+        try:
+            return await client.detokenizer(skip_special_tokens=True,
+                                            prompt_token_ids=[]).step(token_ids)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(0.2)
+    raise AssertionError("the client never reconnected")
