@@ -188,3 +188,34 @@ async def first_step_once_reconnected(client: TokenizerClient, token_ids: list[i
                 raise
             await asyncio.sleep(0.2)
     raise AssertionError("the client never reconnected")
+
+
+class ShortAnsweringServicer(TokenizerServicer):
+    """Answers each message one text short, as a broken service might."""
+
+    async def DetokenizeSequences(
+            self, request_iterator: AsyncIterator[pb.DetokenizeSequencesRequest],
+            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DetokenizeSequencesResponse]:
+        async for reply in super().DetokenizeSequences(request_iterator, context):
+            yield pb.DetokenizeSequencesResponse(texts=reply.texts[:-1])
+
+
+def test_a_reply_that_does_not_match_its_message_fails_the_stream_not_hangs_it(
+        core: TokenizerCore) -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        port = free_port()
+        server = await start_server(ShortAnsweringServicer(core), port)
+        # No deadline: a step left unanswered would wait forever.
+        client = TokenizerClient(f"127.0.0.1:{port}", timeout_s=None)
+        try:
+            detokenizer = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await asyncio.wait_for(detokenizer.step([504]), 10)
+            return failure.value
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.details() == "the tokenizer service answered 1 of 2 steps"

@@ -87,7 +87,9 @@ class DetokenizeStream:
 
     async def close(self) -> None:
         if self._call is not None:
+            tasks = self._tasks
             self._lose(self._call, _unavailable("the tokenizer client closed"))
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _open(self) -> None:
         call = self._stub.DetokenizeSequences()
@@ -109,8 +111,8 @@ class DetokenizeStream:
         except asyncio.InvalidStateError:
             # The stream ended (the service went away): the reader gets its status.
             pass
-        except grpc.aio.AioRpcError as error:
-            self._lose(call, error)
+        except Exception as error:
+            self._lose(call, _as_status(error))
 
     async def _read_replies(self, call: grpc.aio.StreamStreamCall) -> None:
         try:
@@ -118,12 +120,20 @@ class DetokenizeStream:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
                     raise _unavailable("the tokenizer service closed the detokenize stream")
-                self._answer(self._written.popleft(), reply.texts)
-        except grpc.aio.AioRpcError as error:
-            self._lose(call, error)
+                if not self._written:
+                    raise _unavailable("the tokenizer service answered a message never sent")
+                # Answered before it leaves the queue: a bad reply fails it with the rest.
+                self._answer(self._written[0], reply.texts)
+                self._written.popleft()
+        except Exception as error:
+            # Whatever ends the reader fails the stream: its sequences would wait forever.
+            self._lose(call, _as_status(error))
 
     @staticmethod
     def _answer(exchanges: list[_Exchange], texts: Sequence[pb.SequenceText]) -> None:
+        num_steps = sum(exchange.num_steps for exchange in exchanges)
+        if len(texts) != num_steps:
+            raise _unavailable(f"the tokenizer service answered {len(texts)} of {num_steps} steps")
         start = 0
         for exchange in exchanges:
             answered = texts[start:start + exchange.num_steps]
@@ -206,3 +216,8 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 def _unavailable(details: str) -> grpc.aio.AioRpcError:
     return _error(grpc.StatusCode.UNAVAILABLE, details)
+
+
+def _as_status(error: Exception) -> grpc.aio.AioRpcError:
+    return error if isinstance(error, grpc.aio.AioRpcError) else _unavailable(
+        f"the detokenize stream failed: {error!r}")
