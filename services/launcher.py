@@ -42,6 +42,13 @@ POLL_S = 0.25
 KV_CACHE_SERVICE = "kvcache"
 PLE_SERVICE = "ple"
 GATEWAY_SERVICE = "gateway"
+TOKENIZER_SERVICE = "tokenizer"
+# Services the mesh serves on without for a while, restarted when they exit once it has come
+# up: the gateway reconnects to the tokenizer (a request it was serving fails, 503), engines to
+# the PLE service, and engines run without the KV cache until it is back.
+RESTARTED_SERVICES = frozenset({TOKENIZER_SERVICE, KV_CACHE_SERVICE, PLE_SERVICE})
+# A service that keeps exiting (its port still held, a full disk) is started at most this often.
+RESTART_INTERVAL_S = 5.0
 # The order services stop in: the gateway first so no new work arrives, then the services
 # behind it, the KV and PLE services last, once no engine uses them (the KV service frees
 # every engine's segment; engines would wait for a stopped PLE service to come back).
@@ -124,7 +131,28 @@ class UpSettings(ServiceSettings):
 @dataclass
 class ServiceProcess:
     name: str
+    command: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...]
     process: subprocess.Popen[bytes]
+    started_at: float
+
+    @classmethod
+    def start(cls, name: str, command: list[str], env: dict[str, str],
+              pass_fds: tuple[int, ...]) -> ServiceProcess:
+        return cls(name, command, env, pass_fds, cls._popen(command, env, pass_fds),
+                   time.monotonic())
+
+    def restart(self) -> None:
+        self.process = self._popen(self.command, self.env, self.pass_fds)
+        self.started_at = time.monotonic()
+
+    @staticmethod
+    def _popen(command: list[str], env: dict[str, str],
+               pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+        # Its own session: Ctrl-C in a terminal reaches the launcher only, which stops the
+        # services in order, and a service's group can be killed whole.
+        return subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -214,10 +242,7 @@ class Mesh:
         later_writers = [writer for _, writer in self._lifelines[tier + 1:]]
         env = dict(os.environ if env is None else env, **{LIFELINE_FD_ENV: str(reader)})
         logger.info("starting %s", name)
-        # Its own session: Ctrl-C in a terminal reaches the launcher only, which stops the
-        # services in order, and a service's group can be killed whole.
-        service = ServiceProcess(name, subprocess.Popen(command, start_new_session=True, env=env,
-                                                        pass_fds=(reader, *later_writers)))
+        service = ServiceProcess.start(name, command, env, (reader, *later_writers))
         self.services.append(service)
         return service
 
@@ -234,11 +259,11 @@ class Mesh:
         if s.kv_cache:
             self._start_kv_cache()
         self._start_ple()
-        self._spawn("tokenizer", ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
+        self._spawn(TOKENIZER_SERVICE, ["tokenizer", "--model", s.model, "--port", str(s.tokenizer_port)])
         for index in range(s.engines):
             self._spawn(self._engine_name(index), self._engine_args(index),
                         self._engine_env(None if engine_gpus is None else engine_gpus[index]))
-        self._wait_grpc("tokenizer", tokenizer_address, TOKENIZER_GRPC)
+        self._wait_grpc(TOKENIZER_SERVICE, tokenizer_address, TOKENIZER_GRPC)
         for index, address in enumerate(engine_addresses):
             self._wait_grpc(self._engine_name(index), address, ENGINE_GRPC)
         self._engines_served = True
@@ -426,9 +451,21 @@ class Mesh:
                     logger.error("%s exited with status %s; %d engine(s) still serve", service.name,
                                  service.process.returncode, self._num_engines_alive())
                 continue
+            if service.name in RESTARTED_SERVICES and self._engines_served:
+                self._restart(service)
+                continue
             if service.name == GATEWAY_SERVICE and service.process.returncode == 0 and self._is_ready:
                 raise InterruptedError("the gateway drained and stopped")
             raise RuntimeError(f"{service.name} exited with status {service.process.returncode}")
+
+    def _restart(self, service: ServiceProcess) -> None:
+        if time.monotonic() < service.started_at + RESTART_INTERVAL_S:
+            return
+        # What it spawned (LMCache's server) would hold the port the new one must take.
+        service.stop_leftovers()
+        logger.error("%s exited with status %s; restarting it", service.name,
+                     service.process.returncode)
+        service.restart()
 
     def _is_engine(self, service: ServiceProcess) -> bool:
         return service.name.startswith("engine")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -28,6 +29,8 @@ LAUNCHER_GPUS = ("5", "GPU-7c1e")
 # A drain with nothing in flight, and vLLM's shutdown, on two loaded cores.
 STOP_WITHIN_S = 60.0
 HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
+# The launcher's restart interval, then the tokenizer's start on two loaded cores.
+RESTART_WITHIN_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +108,35 @@ def _wait_for_health_status(url: str, status: int, timeout_s: float) -> httpx.Re
         assert time.monotonic() < deadline, f"/health stayed {reply.status_code}: {reply.text}"
         time.sleep(0.2)
     return reply
+
+
+def test_a_killed_tokenizer_and_kv_service_are_restarted_and_the_mesh_serves_on(
+        two_engine_mesh: RunningMesh) -> None:
+    """Either one's exit had stopped the whole mesh, engines and gateway included, though the
+    gateway reconnects to a tokenizer and engines run on without the KV cache."""
+    launcher = two_engine_mesh.process.pid
+    names = ["tokenizer"] + (["kvcache"] if HAS_LMCACHE else [])
+    killed = {name: child_pid(launcher, "services.cli", name) for name in names}
+    for pid in killed.values():
+        os.kill(pid, signal.SIGKILL)
+
+    client = openai.OpenAI(base_url=two_engine_mesh.base_url, api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    deadline = time.monotonic() + RESTART_WITHIN_S
+    while True:
+        assert two_engine_mesh.process.poll() is None, two_engine_mesh.log_tail()
+        try:
+            reply = client.completions.create(model=model, prompt="The capital of France is",
+                                              max_tokens=4, temperature=0)
+            break
+        except openai.APIStatusError as error:
+            assert error.status_code == 503, error
+            assert time.monotonic() < deadline, two_engine_mesh.log_tail()
+            time.sleep(0.5)
+    assert reply.choices[0].text
+    for name, pid in killed.items():
+        assert child_pid(launcher, "services.cli", name) != pid
+        assert f"{name} exited with status -9; restarting it" in two_engine_mesh.log_tail(20_000)
 
 
 def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh) -> None:
