@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from services.mesh.errors import ServiceStartError
 from services.mesh.grpc_io import prefer_polling_thread_io
@@ -46,10 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_logging(args.command)
         settings = settings_type.from_namespace(args)
+        _check_model_folder(args, settings)
     except SettingsError as error:
         # argparse's own status and shape for a bad option, without a traceback.
         print(f"backport {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except ServiceStartError as error:
+        print(f"backport {args.command}: error: {error}", file=sys.stderr)
+        return 1
     from services.launcher import stop_with_launcher
     stop_with_launcher()  # a service `backport up` started stops when it goes
     try:
@@ -70,6 +75,17 @@ def _default_to_embedded_model(args: argparse.Namespace, settings_type: type[Ser
         return
     from services.embedded_model import ensure_embedded_model
     args.model = str(ensure_embedded_model())
+
+
+def _check_model_folder(args: argparse.Namespace, settings: ServiceSettings) -> None:
+    """Before anything loads: transformers and vLLM take any other string for a hub id and
+    fail on it with a traceback, once a model's worth of start-up has gone by."""
+    model = getattr(settings, "model", None)
+    if model is None or Path(model).is_dir():
+        return
+    source = ("--model " if "model" in vars(args)
+              else (settings.model_config.get("env_prefix") or "") + "MODEL=")
+    raise ServiceStartError(f"{source}{model}: no such folder; give a local Hugging Face model folder")
 
 
 def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[ServiceSettings], int | None]]]:

