@@ -72,6 +72,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     (["-m", "services.cli", "up", "--model", "/nonexistent", "--port", "0"], {}, "--port='0'"),
     (["-m", "services.cli", "up", "--model", "/nonexistent", "--engine-port", "70000"], {},
      "--engine-port='70000'"),
+    # An address with no port was taken, and the gateway waited for an engine gRPC cannot dial.
+    (["-m", "services.cli", "gateway", "--engine", "nocolon"], {},
+     "--engine=['nocolon']: Value error, 'nocolon' is not host:port"),
+    (["-m", "services.cli", "gateway"], {"BACKPORT_GATEWAY_TOKENIZER": "tokenizer:0"},
+     "BACKPORT_GATEWAY_TOKENIZER='tokenizer:0': Value error, 'tokenizer:0' is not host:port"),
+    # `up` passes the keys file on to the gateway, which starts once the engines have loaded.
+    (["-m", "services.cli", "up", "--model", "/nonexistent", "--api-keys-file", "/nonexistent"], {},
+     "--api-keys-file='/nonexistent': Value error, cannot read the keys file"),
 ])
 def test_invalid_setting_is_named_without_a_traceback(args: list[str], env: dict[str, str],
                                                       named: str) -> None:

@@ -1,8 +1,9 @@
-"""A gRPC service whose port is taken refuses to start instead of sharing the port."""
+"""A service whose port is taken refuses to start instead of sharing the port."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,19 @@ def test_tokenizer_on_a_taken_port_exits_naming_it(embedded_model_path: Path) ->
     finally:
         first.terminate()
         first.wait(timeout=30)
+
+
+def test_gateway_on_a_taken_port_exits_naming_it_without_waiting_for_the_mesh() -> None:
+    """It waited for its engine first (logging UNAVAILABLE twice a second, for good with none
+    there), and only then found the port taken."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        command = [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
+                   "--engine", f"127.0.0.1:{free_port()}", "--tokenizer", f"127.0.0.1:{free_port()}"]
+        finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=60)
+    assert finished.returncode == 1, finished.stderr[-2000:]
+    assert f"gateway cannot listen on 127.0.0.1:{port}: the port is already in use" in finished.stderr
+    assert "Traceback" not in finished.stderr and "waiting for" not in finished.stderr

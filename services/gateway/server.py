@@ -22,6 +22,8 @@ from services.gateway.admission import Traffic
 from services.gateway.app import create_app
 from services.gateway.backend import GatewayBackend
 from services.gateway.settings import GatewaySettings
+from services.mesh.errors import ServiceStartError
+from services.mesh.ports import is_port_free
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: GatewaySettings) -> None:
+    # uvicorn binds only once the lifespan has found the mesh, minutes later while engines load:
+    # a taken port would show only then, or never while an engine stays away.
+    if not is_port_free(settings.host, settings.port):
+        raise ServiceStartError(f"gateway cannot listen on {settings.host}:{settings.port}: the "
+                                "port is already in use, or the host is not this machine's")
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             timeout_graceful_shutdown=int(settings.drain_timeout_s),

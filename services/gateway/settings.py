@@ -43,6 +43,27 @@ def _check_origins(origins: list[str]) -> None:
                              "or trailing slash, or `*`")
 
 
+def _check_api_keys_file(path: str | None) -> None:
+    # No key configured means no check: a keys file left empty or unreadable (a secret
+    # not mounted yet) must stop the gateway, not open the API to anyone.
+    if path is None:
+        return
+    try:
+        keys = read_keys_file(path)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read the keys file: {error}") from None
+    if not keys:
+        raise ValueError("the keys file holds no key (one a line, `#` starts a comment)")
+
+
+def _check_addresses(addresses: str | list[str]) -> None:
+    # "nocolon" was taken, and the gateway waited for an engine at a target gRPC cannot dial.
+    for address in [addresses] if isinstance(addresses, str) else addresses:
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"{address!r} is not host:port")
+
+
 # The checks of the fields `backport up` passes on to the gateway, by field name: `up` runs
 # them too, before anything starts, since the gateway starts last, after the engines loaded.
 PASSED_ON_CHECKS: dict[str, Callable[[Any], None]] = {
@@ -51,7 +72,13 @@ PASSED_ON_CHECKS: dict[str, Callable[[Any], None]] = {
     "api_key": _check_api_keys,
     "allowed_origin": _check_origins,
     "redis_url": check_redis_url,
+    "api_keys_file": _check_api_keys_file,
 }
+
+
+def check_addresses_field(cls: type, value: Any) -> Any:
+    _check_addresses(value)
+    return value
 
 
 def check_passed_on_field(cls: type, value: Any, info: ValidationInfo) -> Any:
@@ -115,18 +142,4 @@ class GatewaySettings(ServiceSettings):
                                                   "`*` for any)")
 
     _passed_on_fields_hold = field_validator(*PASSED_ON_CHECKS)(check_passed_on_field)
-
-    @field_validator("api_keys_file")
-    @classmethod
-    def _keys_file_holds_a_key(cls, path: str | None) -> str | None:
-        # No key configured means no check: a keys file left empty or unreadable (a secret
-        # not mounted yet) must stop the gateway, not open the API to anyone.
-        if path is None:
-            return path
-        try:
-            keys = read_keys_file(path)
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"cannot read the keys file: {error}") from None
-        if not keys:
-            raise ValueError("the keys file holds no key (one a line, `#` starts a comment)")
-        return path
+    _addresses_are_host_port = field_validator("engine", "tokenizer")(check_addresses_field)
