@@ -118,3 +118,13 @@ def test_a_model_folder_that_is_not_there_is_named_before_anything_loads(
     assert "Traceback" not in finished.stderr
     assert finished.stderr.splitlines()[-1] == (
         f"backport {args[0]}: error: {named}; give a local Hugging Face model folder")
+
+
+def test_a_lmcache_python_that_only_exits_0_is_not_taken_for_one_with_lmcache() -> None:
+    """`/bin/true` passed the check of the probe's exit status; the server then "exited with
+    status 0 before it was ready"."""
+    finished = run_cli("-m", "services.cli", "kvcache", "--lmcache-python", "/bin/true",
+                       "--port", "6001", "--http-port", "6002")
+    assert finished.returncode == 1, finished.stderr
+    assert "lmcache is not installed for /bin/true: run `make kvcache-deps`" in finished.stderr
+    assert "Traceback" not in finished.stderr

@@ -54,12 +54,12 @@ def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
 
 
 def finds_lmcache(python: str) -> bool:
-    """Whether `python` finds the lmcache package (found, not imported: importing takes seconds)."""
+    """Whether `python` finds the lmcache package (found, not imported: importing takes seconds).
+    It must say so: any program that exits 0 (`/bin/true`) would pass a check of its status."""
     probe = subprocess.run(
-        [python, "-c", "import importlib.util, sys; "
-                       "sys.exit(importlib.util.find_spec('lmcache') is None)"],
+        [python, "-c", "import importlib.util; print(importlib.util.find_spec('lmcache') is not None)"],
         env=lmcache_environment(), capture_output=True)
-    return probe.returncode == 0
+    return probe.returncode == 0 and probe.stdout.strip() == b"True"
 
 
 class LmcacheServer:
