@@ -105,19 +105,20 @@ def test_a_response_s_metadata_past_openai_s_limits_is_refused(
     assert error["param"] == "metadata"
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}, "functions"),
-    ({"function_call": {"name": "get_weather"}}, "function_call"),
-    ({"function_call": "auto"}, "function_call"),
+@pytest.mark.parametrize(("fields", "param", "instead"), [
+    ({"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}, "functions",
+     "give them as `tools`"),
+    ({"function_call": {"name": "get_weather"}}, "function_call", "use `tool_choice`"),
+    ({"function_call": "auto"}, "function_call", "use `tool_choice`"),
 ])
 def test_openai_s_legacy_functions_are_refused_not_ignored(
-        mesh: RunningMesh, fields: dict[str, Any], param: str) -> None:
+        mesh: RunningMesh, fields: dict[str, Any], param: str, instead: str) -> None:
     """Ignored, as vLLM ignores them, the model answered in text without the functions it was
     given and the client waited for a `function_call` that could not come."""
     error = openai_error(post(mesh, "/v1/chat/completions", with_fields("/v1/chat/completions",
                                                                         **fields)))
     assert error["param"] == param
-    assert error["message"] == f"{param}: is not supported by this server", error
+    assert error["message"] == f"{param}: is not supported by this server; {instead}", error
 
 
 @pytest.mark.parametrize(("path", "fields"), [

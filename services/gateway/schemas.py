@@ -174,6 +174,8 @@ class SamplingFields(RequestBody):
     unserved_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (None, False), "logprob_token_ids": (None, []),
         "repetition_detection": (None,), "vllm_xargs": (None, {})}
+    # What to send instead, where the API has it.
+    unserved_field_hints: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -182,7 +184,8 @@ class SamplingFields(RequestBody):
             for name, values_asking_nothing in cls.unserved_fields.items():
                 if name in body and not any(body[name] == value and type(body[name]) is type(value)
                                             for value in values_asking_nothing):
-                    raise RequestFieldError(name, "is not supported by this server")
+                    raise RequestFieldError(name, "is not supported by this server"
+                                                  + cls.unserved_field_hints.get(name, ""))
         return body
 
     model: str
@@ -313,6 +316,8 @@ class ChatCompletionRequest(SamplingFields):
     # or the model would answer without the functions the client gave it.
     unserved_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingFields.unserved_fields, "functions": (None, []), "function_call": (None, "none")}
+    unserved_field_hints: ClassVar[dict[str, str]] = {
+        "functions": "; give them as `tools`", "function_call": "; use `tool_choice`"}
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
