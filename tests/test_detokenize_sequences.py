@@ -16,7 +16,7 @@ from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
 from services.tokenizer.client import TokenizerClient
 from services.tokenizer.core import TokenizerCore
-from services.tokenizer.detokenize_stream import TokenizerTimeoutError
+from services.tokenizer.errors import TokenizerTimeoutError
 from services.tokenizer.servicer import TokenizerServicer
 from tests.conftest import free_port
 

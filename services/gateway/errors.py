@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.tokenizer.detokenize_stream import TokenizerTimeoutError
+from services.tokenizer.errors import TokenizerTimeoutError
 
 logger = logging.getLogger(__name__)
 

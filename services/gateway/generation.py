@@ -21,7 +21,8 @@ from services.gateway.reasoning_tokens import ReasoningTokenCounter
 from services.gateway.request_context import current_request_context
 from services.gateway.stop_strings import StopStringMatcher
 from services.tokenizer.client import MAX_CHARACTER_TOKENS, TokenizerClient
-from services.tokenizer.detokenize_stream import SequenceDetokenizer, TokenizerTimeoutError
+from services.tokenizer.detokenize_stream import SequenceDetokenizer
+from services.tokenizer.errors import TokenizerTimeoutError
 
 logger = logging.getLogger(__name__)
 

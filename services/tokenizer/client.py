@@ -11,8 +11,8 @@ import grpc
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
 from services.mesh.channels import open_channel
-from services.tokenizer.detokenize_stream import (DetokenizeStream, SequenceDetokenizer,
-                                                  TokenizerTimeoutError)
+from services.tokenizer.detokenize_stream import DetokenizeStream, SequenceDetokenizer
+from services.tokenizer.errors import TokenizerTimeoutError
 
 TOKEN_TEXT_CACHE_SIZE = 65_536
 # What a token decoded alone shows for the bytes of a character it holds only part of.

@@ -17,20 +17,13 @@ import grpc
 
 from backport.v1 import tokenizer_pb2 as pb
 from backport.v1 import tokenizer_pb2_grpc
+from services.tokenizer.errors import TokenizerTimeoutError
 
 # A step's error code as the status it names (0, OK, names none: UNKNOWN then).
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode if code != grpc.StatusCode.OK}
 # Enough of the prompt's end that a sequence's first generated token decodes as a continuation;
 # the whole prompt would cost a long prompt's worth of decoding per choice.
 NUM_PROMPT_TOKENS_TO_PRIME = 8
-
-
-class TokenizerTimeoutError(TimeoutError):
-    """The tokenizer service did not answer a call, or a detokenize step, within its deadline."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        super().__init__(f"the tokenizer service did not answer in {timeout_s:g} s"
-                         if timeout_s is not None else "the tokenizer service did not answer")
 
 
 @dataclass
