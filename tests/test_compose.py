@@ -20,6 +20,8 @@ def compose_services() -> dict[str, Any]:
 def parsed_commands(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Each service's command as the real CLI parses it: the settings it would start with."""
     parsed: dict[str, Any] = {}
+    # The model folder is the container's (/models/model), not this machine's.
+    monkeypatch.setattr(cli, "_check_model_folder", lambda args, settings: None)
     for name, service in compose_services().items():
         if "command" not in service:
             continue
