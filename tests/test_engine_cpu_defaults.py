@@ -33,8 +33,9 @@ def test_auto_is_float32_for_a_plain_checkpoint_on_a_cpu_said_to_lack_bf16(
 @pytest.mark.parametrize(("dtype", "config", "want"), [
     ("bfloat16", {}, "bfloat16"),  # the operator's choice
     ("auto", {"quantization_config": {"quant_method": "awq"}}, "auto"),  # its kernels' dtype
+    ("auto", {"model_type": "deepseek_v4"}, "auto"),  # its CPU mixing asserts bf16
 ])
-def test_an_explicit_dtype_and_a_quantized_checkpoint_keep_what_vllm_would_take(
+def test_an_explicit_dtype_a_quantized_checkpoint_and_the_seeds_families_keep_vllms_choice(
         tmp_path: Path, cpu_without_bf16: None, dtype: str, config: dict, want: str) -> None:
     assert engine_dtype(EngineSettings(model=checkpoint(tmp_path, **config), dtype=dtype)) == want
 

@@ -46,6 +46,9 @@ RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 _RPC_BASE_PATH = os.environ.get(RPC_BASE_PATH_ENV)  # the setting before any engine's own
 # How vLLM starts its engine core and workers: fork (its default) or spawn.
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+# The seed's model families: their CPU paths (vLLM's and ours, such as DeepSeek-V4's mHC
+# mixing) take bf16 only.
+BF16_ONLY_MODEL_TYPES = frozenset({"deepseek_v4", "glm5_next", "qwen4_exp"})
 # vLLM's CPU OpenMP thread binding ("nobind" turns it off), and the switch that, off, lets
 # its CPU platform keep a single worker in the engine core process.
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -212,8 +215,8 @@ def engine_dtype(settings: EngineSettings) -> str:
 
     vLLM's CPU platform takes bf16 for native on every x86 CPU. Without AVX512-BF16, torch
     emulates bf16 matmuls: on one core of an AVX2 machine, 1 GFLOPS against float32's 53, and
-    the embedded model's 1,500-token prefill takes 45 s against 10. A quantized checkpoint
-    keeps vLLM's choice, which its kernels are written for.
+    the embedded model's 1,500-token prefill takes 45 s against 10. A quantized checkpoint, and
+    the families in BF16_ONLY_MODEL_TYPES, keep vLLM's choice, which their kernels are written for.
     """
     if (settings.dtype != "auto" or not current_platform.is_cpu()
             or current_platform.get_cpu_architecture() != CpuArchEnum.X86
@@ -223,7 +226,7 @@ def engine_dtype(settings: EngineSettings) -> str:
         config = json.loads((Path(settings.model) / "config.json").read_text())
     except (OSError, ValueError):
         return settings.dtype  # a hub id, or no readable config: vLLM decides
-    if "quantization_config" in config:
+    if "quantization_config" in config or config.get("model_type") in BF16_ONLY_MODEL_TYPES:
         return settings.dtype
     logger.info("this CPU has no AVX512-BF16, where bf16 matmuls are emulated: the engine runs "
                 "in float32 (--dtype bfloat16 keeps bf16)")

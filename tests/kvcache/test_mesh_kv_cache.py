@@ -123,7 +123,7 @@ def test_the_kv_service_shares_a_salted_prefix_only_under_its_salt(
     prefix cache: round robin sends each request to the other engine."""
     mesh, _ = kv_mesh
     client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=600)
-    prompt = "Salted. " + long_prompt()
+    prompt = "Salted. " + long_prompt(num_lines=16)  # about 550 tokens: two whole chunks
 
     def cached_tokens(salt: str) -> int:
         reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
