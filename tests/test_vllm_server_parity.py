@@ -24,8 +24,9 @@ import openai
 import pytest
 
 from tests.cluster.processes import stop_service
-from tests.conftest import (RunningMesh, background_response_polled_to_its_end, engine_environment,
-                            free_port, wait_for_http_ok)
+from tests.conftest import (TEST_ENGINE_KV_CACHE_GIB, RunningMesh,
+                            background_response_polled_to_its_end, engine_environment, free_port,
+                            wait_for_http_ok)
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
 START_TIMEOUT_S = 300.0
@@ -59,7 +60,8 @@ def vllm_server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFact
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(embedded_model_path), "--served-model-name", MODEL, "--max-model-len", "2048",
                "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", engine_dtype(settings)]
+               "--dtype", engine_dtype(settings),
+               "--kv-cache-memory-bytes", str(int(TEST_ENGINE_KV_CACHE_GIB * 2**30))]
     with log_path.open("wb") as log:
         # vLLM stores responses (for `previous_response_id`) only when told to.
         environment = engine_environment() | {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}

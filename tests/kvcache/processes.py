@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import free_port
+from tests.conftest import ONE_ENGINE_THREAD, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "engine_probe.py"
@@ -37,8 +37,7 @@ def lmcache_python() -> str | None:
 
 
 def process_environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env = ONE_ENGINE_THREAD | dict(os.environ)
     env["LMCACHE_DISABLE_BANNER"] = "1"
     env["LMCACHE_TRACK_USAGE"] = "false"
     env["VLLM_NO_USAGE_STATS"] = "1"
