@@ -13,14 +13,14 @@ PROTO_FILES := $(wildcard protos/backport/v1/*.proto)
 run: install
 	$(VENV)/bin/backport up
 
-# The kernel tests run in a process of their own: under Triton's interpreter one of them
+# The kernel tests run in processes of their own: under Triton's interpreter one of them
 # (indexer-K compress) fails after vLLM-importing tests ran in the same process.
 # BACKPORT_SKIP_SLOW_TESTS=1 skips the KV reuse-across-restarts tests (minutes apiece).
-# The rest runs on TEST_WORKERS pytest-xdist workers, a test file to a worker: one engine
-# decodes on one thread, so two workers keep CI's two cores busy.
+# Each run spreads its test files over TEST_WORKERS pytest-xdist workers (tests/xdist_scheduling.py):
+# an engine decodes on one thread, so two workers keep CI's two cores busy.
 TEST_WORKERS ?= 2
 test: install kvcache-deps protos-check
-	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
+	$(PY) -m pytest tests/kernels -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(PY) -m pytest --ignore=tests/kernels -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 install: $(STAMP)

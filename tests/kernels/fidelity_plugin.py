@@ -20,6 +20,8 @@ Nothing heavy is imported unless a test under tests/kernels is collected.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import os
 import pkgutil
@@ -34,6 +36,7 @@ import pytest
 KERNEL_TESTS_DIR = Path(__file__).resolve().parent
 KERNEL_PACKAGE = "services.engine.backport.kernels"
 GPU_ARCHS = ("sm80", "sm86", "sm89")
+WORKER_OUTPUT_KEY = "kernel_fidelity"
 
 
 @dataclass
@@ -49,6 +52,8 @@ class _HarnessState:
     # CUDA C++ kernels (not in Triton's compile reports): name -> table row fields.
     cuda_resources: dict[str, dict[str, int]] = field(default_factory=dict)
     over_limit: set[str] = field(default_factory=set)
+    # The figures of pytest-xdist's workers, on its controller.
+    worker_figures: list[FidelityFigures] = field(default_factory=list)
 
 
 _state = _HarnessState()
@@ -230,8 +235,29 @@ def _kernel_fidelity_checks(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"shared memory over the {_state.arch} limit of {limit} B: {offenders}")
 
 
-def fidelity_table() -> list[dict[str, str]]:
-    """One row per kernel: compiled resources (worst specialization) and max error."""
+@dataclass
+class FidelityFigures:
+    """What the table shows, gathered in one test process."""
+
+    arch_label: str
+    max_errors: dict[str, float]
+    # Kernel name -> the largest shared bytes, registers and spills of its builds (_add_variant).
+    resources: dict[str, dict[str, int]]
+
+    def merged(self, other: FidelityFigures) -> FidelityFigures:
+        """Both processes' figures, the worst of each."""
+        max_errors = dict(self.max_errors)
+        for name, error in other.max_errors.items():
+            max_errors[name] = max(error, max_errors.get(name, 0.0))
+        resources = {name: dict(row) for name, row in self.resources.items()}
+        for name, row in other.resources.items():
+            mine = resources.setdefault(name, {})
+            for key, value in row.items():
+                mine[key] = max(value, mine.get(key, 0))
+        return FidelityFigures(self.arch_label, max_errors, resources)
+
+
+def own_figures() -> FidelityFigures:
     rows: dict[str, dict[str, Any]] = {}
     if not _state.is_interpreter and _state.is_prepared:
         from services.engine.backport.kernels.arch_fidelity import compiled_kernel_reports
@@ -240,8 +266,6 @@ def fidelity_table() -> list[dict[str, str]]:
             _add_variant(rows, report.name, report.shared_bytes, report.registers,
                          report.spills, report.card_spills)
     rows.update(_state.cuda_resources)
-    for name in _state.max_errors:
-        rows.setdefault(name, {})
     if _state.is_interpreter:
         arch_label = f"{_state.arch or 'any'} (interpreter)"
     else:
@@ -249,6 +273,14 @@ def fidelity_table() -> list[dict[str, str]]:
         if _state.sm_share is not None:
             share = _state.sm_share
             arch_label += f" ({share.sm_count} of {share.card_sm_count} SMs)"
+    return FidelityFigures(arch_label, dict(_state.max_errors), rows)
+
+
+def fidelity_table(figures: FidelityFigures) -> list[dict[str, str]]:
+    """One row per kernel: compiled resources (worst specialization) and max error."""
+    rows = dict(figures.resources)
+    for name in figures.max_errors:
+        rows.setdefault(name, {})
     limit = None
     if _state.arch is not None:
         from services.engine.backport.kernels.arch_fidelity import SHARED_MEMORY_LIMIT_BYTES
@@ -257,11 +289,11 @@ def fidelity_table() -> list[dict[str, str]]:
     table = []
     for name in sorted(rows):
         row = rows[name]
-        error = _state.max_errors.get(name)
+        error = figures.max_errors.get(name)
         table.append(
             {
                 "kernel": name,
-                "arch": arch_label,
+                "arch": figures.arch_label,
                 "max error vs reference": "-" if error is None else f"{error:.3g}",
                 "shared B": str(row["shared"]) + (f" / {limit}" if limit else "")
                 if "shared" in row
@@ -284,10 +316,25 @@ def _markdown(table: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A pytest-xdist worker hands its figures to the controller, which prints the table.
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None and _state.is_prepared:
+        worker_output[WORKER_OUTPUT_KEY] = dataclasses.asdict(own_figures())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    figures = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
+    if figures is not None:
+        _state.worker_figures.append(FidelityFigures(**figures))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _state.is_prepared:
+    gathered = _state.worker_figures + ([own_figures()] if _state.is_prepared else [])
+    if not gathered:
         return
-    table = fidelity_table()
+    table = fidelity_table(functools.reduce(FidelityFigures.merged, gathered))
     if not table:
         return
     text = _markdown(table)
