@@ -75,7 +75,8 @@ def _bindable(port: int) -> bool:
     return True
 
 
-# Per engine: two test workers run up to eight engines at once on CI's 24 GB.
+# Per engine: two test workers have run seven engines at once, which overfilled CI's 24 GB
+# at 1 GiB each.
 TEST_ENGINE_KV_CACHE_GIB = 0.5
 # Several engines, the tests and the other services share two cores: one unbound OpenMP
 # thread per engine decodes 5-15x faster there than vLLM's default core binding.

@@ -95,8 +95,8 @@ def test_engine_started_after_another_and_a_service_restart_gets_its_prefix_from
 
 def held_shared_memory(service: KvService) -> int:
     """Bytes of exited engines' LMCache segments still named in /dev/shm plus those the
-    service's processes map. Live engines' segments are left out: other tests' run beside
-    this one under pytest-xdist."""
+    service's processes map. Live engines' segments are left out: other tests' engines
+    run beside this one under pytest-xdist."""
     named = sum(s.num_bytes for s in lmcache_segment_files()
                 if s.owner_pid is not None and not is_process_alive(s.owner_pid))
     tree = [service.process.pid] + [c.pid for c in psutil.Process(service.process.pid).children(
