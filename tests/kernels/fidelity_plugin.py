@@ -14,6 +14,7 @@ the repository root so the `tests` package is importable at plugin-load time).
 - At the end a table is printed (and written as markdown to `--fidelity-report PATH`):
   kernel, arch, max error vs reference, shared memory, registers and spills (the target's
   build under `--gpu-arch`), and the spills of the card's own build, which the tests run.
+  Under pytest-xdist each worker hands its figures to the controller, which prints one table.
 
 Nothing heavy is imported unless a test under tests/kernels is collected.
 """
