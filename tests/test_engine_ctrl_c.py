@@ -16,6 +16,7 @@ from backport.v1 import engine_pb2 as pb
 from services.engine.client import EngineClient
 from tests.cluster.processes import kill_group, start_engine
 from tests.conftest import free_port, wait_for_grpc_serving
+from tests.ctrl_c import children_take_ctrl_c
 
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
@@ -27,8 +28,9 @@ def test_ctrl_c_on_the_engines_process_group_drains_its_open_stream(
     port, log_path = free_port(), tmp_path / "engine.log"
     address = f"127.0.0.1:{port}"
     # Its own session, as a terminal's foreground job: SIGINT to the group is Ctrl-C.
-    process = start_engine(embedded_model_path, port, log_path, "--max-model-len", "512",
-                           "--kv-cache-memory-gib", "0.5")
+    with children_take_ctrl_c():
+        process = start_engine(embedded_model_path, port, log_path, "--max-model-len", "512",
+                               "--kv-cache-memory-gib", "0.5")
     try:
         wait_for_grpc_serving(address, START_TIMEOUT_S, process, log_path)
 
