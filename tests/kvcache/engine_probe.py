@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 PASSAGE = ("The lighthouse keeper wrote down the tides, the ships that passed, the colour of "
            "the sky at dawn and the number of gulls on the rocks. {name} kept every page. ")
-KV_CACHE_GIB = 1
+# As every test engine (tests/conftest.py's TEST_ENGINE_KV_CACHE_GIB): room for 11k tokens.
+KV_CACHE_GIB = 0.5
 # LMCache keys chunks by the engine's model name (its path here) and KV world size (one rank).
 KV_WORLD_SIZE = 1
 STORE_WAIT_TIMEOUT_S = 60.0
@@ -102,15 +103,16 @@ async def serve_prompts(args: argparse.Namespace) -> None:
 
     from services.engine.kv_transfer import engine_kv_args
     from services.engine.settings import EngineSettings
-    from services.engine.vllm_engine import engine_dtype
+    from services.engine.vllm_engine import cpu_worker_in_engine_core, engine_dtype
 
     kv_args = engine_kv_args(args.model, args.kv_service, args.transfer_mode, args.chunk_size,
                              args.kv_events_endpoint)
+    settings = EngineSettings(model=args.model)
+    cpu_worker_in_engine_core(settings)
     engine_args = AsyncEngineArgs(
         model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
-        dtype=engine_dtype(EngineSettings(model=args.model)),
-        enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
-        **kv_args)
+        dtype=engine_dtype(settings), enable_prefix_caching=args.prefix_caching,
+        kv_cache_memory_bytes=int(KV_CACHE_GIB * (1 << 30)), **kv_args)
     llm = AsyncLLM.from_engine_args(engine_args)
     try:
         tokenizer = llm.get_tokenizer()
