@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from xdist.remote import Producer
+
 from tests.xdist_scheduling import FileScheduling
 
 COLLECTION = [
@@ -33,7 +35,7 @@ def test_long_units_go_out_first_and_a_folder_unit_stays_on_one_worker() -> None
     options = {"tx": ["popen", "popen"], "numprocesses": 2}
     config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True, maxworkerrestart=None),
                              getvalue=options.get)
-    scheduling = FileScheduling(config, None)
+    scheduling = FileScheduling(config, Producer("scheduling", enabled=False))
     nodes = [StandInWorkerNode("gw0"), StandInWorkerNode("gw1")]
     for node in nodes:
         scheduling.add_node(node)
