@@ -1,5 +1,6 @@
 """What the engine service changes of vLLM's defaults on the CPU: the dtype where bf16 is
-emulated, and where vLLM's one worker runs. The engines of the other tests run with both."""
+emulated, the OpenMP thread binding on two cores, and where vLLM's one worker runs. The
+engines of the other tests run with all three."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from services.engine.settings import EngineSettings
 from services.engine.vllm_engine import (MULTIPROCESSING_ENV, THREADS_BIND_ENV,
-                                         cpu_worker_in_engine_core, engine_dtype)
+                                         cpu_worker_in_engine_core, engine_dtype,
+                                         unbind_cpu_threads_on_two_cores)
 
 
 def checkpoint(tmp_path: Path, **config: object) -> str:
@@ -62,3 +64,18 @@ def test_the_worker_joins_the_engine_core_only_with_binding_off_and_one_worker(
     settings = EngineSettings(model=checkpoint(tmp_path), tensor_parallel_size=tensor_parallel_size)
     cpu_worker_in_engine_core(settings, environ)
     assert environ.get(MULTIPROCESSING_ENV) == want
+
+
+@pytest.mark.parametrize(("environ", "usable_cpus", "tensor_parallel_size", "want"), [
+    ({}, 2, 1, "nobind"),  # "auto" would bind one thread and keep the other core
+    ({}, 1, 1, "nobind"),
+    ({}, 3, 1, None),  # not measured: vLLM's binding stays
+    ({}, 2, 2, None),  # a worker a rank, each bound by vLLM
+    ({THREADS_BIND_ENV: "auto"}, 2, 1, "auto"),  # the operator's
+])
+def test_threads_run_unbound_on_two_cores_unless_the_operator_chose(
+        tmp_path: Path, environ: dict[str, str], usable_cpus: int, tensor_parallel_size: int,
+        want: str | None) -> None:
+    settings = EngineSettings(model=checkpoint(tmp_path), tensor_parallel_size=tensor_parallel_size)
+    unbind_cpu_threads_on_two_cores(settings, environ, usable_cpus)
+    assert environ.get(THREADS_BIND_ENV) == want

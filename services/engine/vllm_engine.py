@@ -192,6 +192,23 @@ def spawn_vllm_processes_for_ple(environ: MutableMapping[str, str] = os.environ)
         environ[MULTIPROC_METHOD_ENV] = "spawn"
 
 
+def unbind_cpu_threads_on_two_cores(settings: EngineSettings,
+                                    environ: MutableMapping[str, str] = os.environ,
+                                    usable_cpus: int | None = None) -> None:
+    """On a machine of two usable cores or fewer, vLLM's OpenMP threads run unbound.
+
+    vLLM's "auto" binding keeps a core for its engine core's scheduler and binds one thread to
+    each of the others: one thread of two cores. Unbound, torch's threads use both. The
+    embedded model on two cores (`make run`): 23 against 17 tokens a second for one stream,
+    72 against 49 for four. Not measured on more cores, where "auto" binds more threads; an
+    operator's setting is left as it is.
+    """
+    usable = usable_cpus if usable_cpus is not None else len(os.sched_getaffinity(0))
+    if (current_platform.is_cpu() and THREADS_BIND_ENV not in environ
+            and settings.tensor_parallel_size == 1 and usable <= 2):
+        environ[THREADS_BIND_ENV] = "nobind"
+
+
 def cpu_worker_in_engine_core(settings: EngineSettings,
                               environ: MutableMapping[str, str] = os.environ) -> None:
     """On the CPU with OpenMP thread binding off, vLLM's one worker runs inside its engine core
@@ -309,6 +326,7 @@ class VllmEngine:
         os.environ[RPC_BASE_PATH_ENV] = self._ipc_dir
         os.environ[SERVICE_PID_ENV] = str(os.getpid())
         spawn_vllm_processes_for_ple()
+        unbind_cpu_threads_on_two_cores(s)
         cpu_worker_in_engine_core(s)
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
