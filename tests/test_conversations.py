@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.gateway.conversation_store import (Conversation, InMemoryConversationStore,
-                                                 RedisConversationStore)
+                                                 ItemIdTaken, RedisConversationStore)
 from tests.conftest import RunningMesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -103,6 +103,55 @@ def test_a_response_s_turn_is_added_once_through_a_redis_blip(redis_url: str) ->
             await redis.aclose()
 
     assert asyncio.run(scenario()) == [True, True, ["msg_in", "msg_out"]]
+
+
+def test_an_item_id_the_conversation_has_is_refused_in_the_add_itself(redis_url: str) -> None:
+    """Ten adds of one id at once (a client's request and its retry, say): one lands. The
+    route checks ids before adding too, but another add may come between its check and add."""
+    async def scenario(store: InMemoryConversationStore | RedisConversationStore) -> list[object]:
+        await store.create(Conversation("conv_d", 1), [_message("msg_1", "one")])
+        outcomes = await asyncio.gather(
+            *(store.add_items("conv_d", [_message("msg_dup", "again")]) for _ in range(10)),
+            return_exceptions=True)
+        seen: list[object] = [sorted(repr(outcome) for outcome in outcomes)]
+        try:
+            await store.add_items("conv_d", [_message("msg_new", "new"), _message("msg_1", "old")])
+        except ItemIdTaken as taken:
+            seen.append((taken.index, taken.item_id))
+        seen.append([item["id"] for item in await store.items("conv_d") or []])
+        await store.delete_item("conv_d", "msg_dup")
+        seen.append(await store.add_items("conv_d", [_message("msg_dup", "once more")]))
+        return seen
+
+    refused = repr(ItemIdTaken(0, "msg_dup"))
+    for store in _stores(redis_url):
+        assert asyncio.run(scenario(store)) == [
+            sorted(["True"] + [refused] * 9), (1, "msg_1"), ["msg_1", "msg_dup"], True]
+
+
+def test_a_conversation_stored_before_its_id_set_was_kept_still_refuses_its_ids(
+        redis_url: str) -> None:
+    """A rolling upgrade: the conversation's items are in Redis, the set of their ids is not."""
+    from redis.asyncio import Redis
+
+    async def scenario() -> list[object]:
+        redis = Redis.from_url(redis_url)
+        store = RedisConversationStore(redis)
+        try:
+            await store.create(Conversation("conv_o", 1), [_message("msg_1", "one"),
+                                                          _message("msg_2", "two")])
+            await redis.delete(f"{RedisConversationStore.ITEM_IDS_KEY_PREFIX}conv_o")
+            seen: list[object] = []
+            try:
+                await store.add_items("conv_o", [_message("msg_2", "again")])
+            except ItemIdTaken as taken:
+                seen.append(taken.item_id)
+            seen.append(await store.add_items("conv_o", [_message("msg_3", "three")]))
+            return [*seen, [item["id"] for item in await store.items("conv_o") or []]]
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(scenario()) == ["msg_2", True, ["msg_1", "msg_2", "msg_3"]]
 
 
 def test_the_in_process_store_drops_its_oldest_conversation_past_its_bound() -> None:

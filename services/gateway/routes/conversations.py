@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from pydantic import Field, field_validator
 
-from services.gateway.conversation_store import Conversation, ConversationStore
+from services.gateway.conversation_store import Conversation, ConversationStore, ItemIdTaken
 from services.gateway.errors import GatewayError, InvalidRequestError, RequestFieldError
 from services.gateway.input_items import Order, items_page, listed_item
 from services.gateway.requests import backend_of
@@ -161,8 +161,11 @@ async def delete_conversation(conversation_id: str, request: Request) -> dict[st
 async def create_items(conversation_id: str, body: ItemsCreateRequest, request: Request) -> dict[str, Any]:
     store = _store(request)
     added = _new_items(body.items, await conversation_items(store, conversation_id), field="items")
-    if not await store.add_items(conversation_id, added):
-        raise ConversationNotFoundError(conversation_id)  # deleted meanwhile
+    try:
+        if not await store.add_items(conversation_id, added):
+            raise ConversationNotFoundError(conversation_id)  # deleted meanwhile
+    except ItemIdTaken as taken:  # by an add that came between the check above and this one
+        raise InvalidRequestError(f"items[{taken.index}].id: {taken}", param="items") from None
     return items_page(added, order="asc", limit=len(added))
 
 

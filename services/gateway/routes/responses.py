@@ -62,7 +62,7 @@ from fastapi.responses import JSONResponse
 
 from services.gateway.background_responses import BackgroundResponses, EarlyEnd
 from services.gateway.backend import GatewayBackend, ServedModel
-from services.gateway.conversation_store import ConversationStore
+from services.gateway.conversation_store import ConversationStore, ItemIdTaken
 from services.gateway.errors import ContextLengthError, GatewayError, InvalidRequestError
 from services.gateway.generation import ChoiceDelta, TokenLogprob, UsageCounts
 from services.gateway.input_items import Order, items_page
@@ -356,6 +356,11 @@ class _ConversationTurn:
             # As for a response not stored: the answer is worth more than its turn kept.
             logger.warning("response %s not added to conversation %s: %s", response["id"],
                            self.conversation_id, error.message)
+            return
+        except ItemIdTaken as taken:
+            # An input item's id, added by another request since this one checked its input.
+            logger.warning("response %s not added to conversation %s: %s", response["id"],
+                           self.conversation_id, taken)
             return
         if not added:
             logger.info("response %s not added to conversation %s: it was deleted",
