@@ -1,6 +1,6 @@
 """What the engine service changes of vLLM's defaults on the CPU: the dtype where bf16 is
-emulated, the OpenMP thread binding on two cores, and where vLLM's one worker runs. The
-engines of the other tests run with all three."""
+emulated, the OpenMP thread binding on two cores, where vLLM's one worker runs and how its
+engine core starts. The engines of the other tests run with all four."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from services.engine.settings import EngineSettings
-from services.engine.vllm_engine import (MULTIPROCESSING_ENV, THREADS_BIND_ENV,
-                                         cpu_worker_in_engine_core, engine_dtype,
+from services.engine.vllm_engine import (MULTIPROC_METHOD_ENV, MULTIPROCESSING_ENV,
+                                         THREADS_BIND_ENV, cpu_worker_in_engine_core,
+                                         engine_dtype, fork_an_engine_core_that_holds_its_worker,
                                          unbind_cpu_threads_on_two_cores)
 
 
@@ -79,3 +80,21 @@ def test_threads_run_unbound_on_two_cores_unless_the_operator_chose(
     settings = EngineSettings(model=checkpoint(tmp_path), tensor_parallel_size=tensor_parallel_size)
     unbind_cpu_threads_on_two_cores(settings, environ, usable_cpus)
     assert environ.get(THREADS_BIND_ENV) == want
+
+
+WORKER_IN_ENGINE_CORE = {THREADS_BIND_ENV: "nobind", MULTIPROCESSING_ENV: "0"}
+
+
+@pytest.mark.parametrize(("environ", "method_chosen", "kv_connector", "want"), [
+    (WORKER_IN_ENGINE_CORE, None, False, "fork"),
+    (WORKER_IN_ENGINE_CORE, "spawn", False, "spawn"),  # the operator's, or the PLE hook's
+    (WORKER_IN_ENGINE_CORE, None, True, "spawn"),  # LMCache's connector brings llvmlite
+    ({THREADS_BIND_ENV: "nobind", MULTIPROCESSING_ENV: "1"}, None, False, "spawn"),  # a worker process
+    ({THREADS_BIND_ENV: "auto", MULTIPROCESSING_ENV: "0"}, None, False, "spawn"),  # binds in the core
+])
+def test_the_engine_core_is_forked_only_where_it_holds_an_unbound_worker(
+        environ: dict[str, str], method_chosen: str | None, kv_connector: bool, want: str) -> None:
+    # As vLLM's CPU platform leaves it once the config is built.
+    environ = environ | {MULTIPROC_METHOD_ENV: "spawn"}
+    fork_an_engine_core_that_holds_its_worker(method_chosen, kv_connector, environ)
+    assert environ[MULTIPROC_METHOD_ENV] == want

@@ -99,11 +99,10 @@ async def serve_prompts(args: argparse.Namespace) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from services.engine.kv_transfer import engine_kv_args
     from services.engine.settings import EngineSettings
-    from services.engine.vllm_engine import cpu_worker_in_engine_core, engine_dtype
+    from services.engine.vllm_engine import cpu_worker_in_engine_core, engine_dtype, start_async_llm
 
     kv_args = engine_kv_args(args.model, args.kv_service, args.transfer_mode, args.chunk_size,
                              args.kv_events_endpoint)
@@ -113,7 +112,7 @@ async def serve_prompts(args: argparse.Namespace) -> None:
         model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
         dtype=engine_dtype(settings), enable_prefix_caching=args.prefix_caching,
         kv_cache_memory_bytes=int(KV_CACHE_GIB * (1 << 30)), **kv_args)
-    llm = AsyncLLM.from_engine_args(engine_args)
+    llm = start_async_llm(engine_args)
     try:
         tokenizer = llm.get_tokenizer()
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5,

@@ -24,16 +24,42 @@ POLL_S = 0.5
 
 def watch_engine_service() -> None:
     """In vLLM's processes below an engine service: ignore SIGINT; in the engine core, also
-    SIGTERM itself, which vLLM handles as a shutdown, once its parent is gone. A no-op in
-    every other process."""
+    SIGTERM itself, which vLLM handles as a shutdown, once its parent is gone. In the service,
+    the same for an engine core it forks. A no-op in every other process."""
     value = os.environ.get(SERVICE_PID_ENV)
-    if not value or os.getpid() == int(value):
+    if not value:
+        return
+    service_pid = int(value)
+    if os.getpid() == service_pid:
+        # A forked child loads no plugins: it inherits them, loaded, from the service.
+        os.register_at_fork(before=_block_sigint_across_fork,
+                            after_in_parent=_unblock_sigint_after_fork,
+                            after_in_child=lambda: _start_watch(service_pid))
         return
     # vLLM sets its own SIGINT handler before it loads plugins, so this one stands.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.getppid() != int(value):
-        return
-    threading.Thread(target=_stop_when_orphaned, args=(int(value),), daemon=True,
+    if os.getppid() == service_pid:
+        _start_watch(service_pid)
+
+
+# In a forked child vLLM sets its SIGINT handler after the fork, over any ignore; blocked,
+# SIGINT never reaches it. The block is set before the fork, because grpc's own fork handlers
+# start threads in the child, which take the forking thread's mask, before Python's
+# after-fork handlers run. Every thread the child starts later inherits it too.
+_mask_before_fork: set[signal.Signals] = set()
+
+
+def _block_sigint_across_fork() -> None:
+    global _mask_before_fork
+    _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _unblock_sigint_after_fork() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
+
+
+def _start_watch(service_pid: int) -> None:
+    threading.Thread(target=_stop_when_orphaned, args=(service_pid,), daemon=True,
                      name="backport-engine-service-watch").start()
 
 
