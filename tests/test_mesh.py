@@ -13,10 +13,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from backport.v1 import engine_pb2 as pb
-from tests.cluster.processes import engine_num_running
+from tests.cluster.processes import engine_ipc_dirs, engine_num_running
 from tests.conftest import RunningMesh, stop_mesh
 
 MODEL = "SmolLM2-135M-Instruct-bf16"
@@ -388,7 +389,7 @@ def test_sigterm_to_backport_up_leaves_no_process_or_socket_behind(mesh: Running
     kv_events_socket = Path(tempfile.gettempdir()) / f"backport-kv-events-{engine_port}"
     assert kv_events_socket.is_socket(), "the mesh runs with --kv-events"
     # vLLM's own sockets, in the engine's directory (its engine core inherits the setting).
-    ipc_dirs = _environment_values(children, "VLLM_RPC_BASE_PATH")
+    ipc_dirs = engine_ipc_dirs(psutil.Process(pid) for pid in children)
     assert any(path.is_socket() for ipc_dir in ipc_dirs for path in ipc_dir.iterdir())
     mesh.process.send_signal(signal.SIGTERM)
     assert mesh.process.wait(timeout=90) == 0
@@ -413,19 +414,6 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             frontier.append(child)
     return found
-
-
-def _environment_values(pids: list[int], name: str) -> set[Path]:
-    values = set()
-    for pid in pids:
-        try:
-            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (FileNotFoundError, PermissionError):
-            continue
-        prefix = f"{name}=".encode()
-        values |= {Path(item[len(prefix):].decode()) for item in environment
-                   if item.startswith(prefix)}
-    return values
 
 
 def _is_alive(pid: int) -> bool:

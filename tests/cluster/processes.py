@@ -296,3 +296,20 @@ def commands_of(processes: Iterable[psutil.Process]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return commands
+
+
+def engine_ipc_dirs(processes: Iterable[psutil.Process]) -> set[Path]:
+    """The folders of the vLLM socket files these processes have open: an engine service's
+    own folder (`backport-engine-ipc-*`, services/engine/vllm_engine.py) for each engine. Read
+    from the sockets, not the environment: a forked engine core's /proc environ is the one its
+    service was started with."""
+    folders = set()
+    for process in processes:
+        try:
+            sockets = process.net_connections(kind="unix")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for path in (Path(s.laddr) for s in sockets if s.laddr):
+            if path.parent.name.startswith("backport-engine-ipc-"):
+                folders.add(path.parent)
+    return folders
