@@ -201,9 +201,10 @@ def test_a_step_past_its_deadline_leaves_the_others_their_own_replies(core: Toke
     run_against_service(core, scenario, timeout_s=HOLD_S * 2 / 3)
 
 
-def test_a_lost_stream_fails_its_sequences_and_the_client_opens_another(core: TokenizerCore) -> None:
-    """A restarted service has none of the old stream's sequences: theirs fail at once, and new
-    ones go on a new stream of the same client."""
+def test_a_sequence_on_a_lost_stream_goes_on_on_the_clients_next_one(core: TokenizerCore) -> None:
+    """A restarted service has none of the old stream's sequences: one opens again on the new
+    stream, brought up to date with the tokens it stepped, and goes on; a new sequence shares
+    that stream."""
     hello, world = core.encode("Hello world", add_special_tokens=False)
 
     async def run() -> None:
@@ -215,13 +216,28 @@ def test_a_lost_stream_fails_its_sequences_and_the_client_opens_another(core: To
             assert await before.step([hello]) == "Hello"
             await server.stop(None)
             server = await start_server(ObservedServicer(core), port)
-            # Whichever status the stop gave the stream (UNAVAILABLE, CANCELLED, or INTERNAL
-            # from its GOAWAY): every one is the gateway's 503.
-            with pytest.raises(grpc.aio.AioRpcError):
-                await asyncio.wait_for(before.step([world]), 10)
+            assert await asyncio.wait_for(before.step([world]), 10) == " world"
             assert await first_step_once_reconnected(client, [hello, world]) == "Hello world"
         finally:
             await client.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_a_step_is_not_tried_again_once_its_client_closed(core: TokenizerCore) -> None:
+    async def run() -> None:
+        port = free_port()
+        server = await start_server(ObservedServicer(core), port)
+        client = TokenizerClient(f"127.0.0.1:{port}", timeout_s=10.0)
+        try:
+            sequence = client.detokenizer(skip_special_tokens=True, prompt_token_ids=[])
+            assert await sequence.step([504]) != ""
+            await client.close()
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await asyncio.wait_for(sequence.step([504]), 10)
+            assert failure.value.details() == "the tokenizer client closed"
+        finally:
             await server.stop(None)
 
     asyncio.run(run())

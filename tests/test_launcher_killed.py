@@ -22,7 +22,8 @@ import pytest
 
 from services.engine.kv_events import ipc_socket_path
 from services.gpu_placement import VISIBLE_DEVICES_ENV
-from tests.cluster.processes import child_pid, commands_of, http_ok, wait_for_exits
+from tests.cluster.processes import (child_pid, commands_of, engine_ipc_dirs, http_ok,
+                                     wait_for_exits)
 from tests.conftest import RunningMesh, free_port, start_mesh, stop_mesh
 
 LAUNCHER_GPUS = ("5", "GPU-7c1e")
@@ -113,27 +114,33 @@ def _wait_for_health_status(url: str, status: int, timeout_s: float) -> httpx.Re
 def test_a_killed_tokenizer_and_kv_service_are_restarted_and_the_mesh_serves_on(
         two_engine_mesh: RunningMesh) -> None:
     """Either one's exit had stopped the whole mesh, engines and gateway included, though the
-    gateway reconnects to a tokenizer and engines run on without the KV cache."""
+    gateway reconnects to a tokenizer and engines run on without the KV cache. A stream open
+    through the tokenizer's restart goes on with the text it would have had."""
     launcher = two_engine_mesh.process.pid
     names = ["tokenizer"] + (["kvcache"] if HAS_LMCACHE else [])
     killed = {name: child_pid(launcher, "services.cli", name) for name in names}
-    for pid in killed.values():
-        os.kill(pid, signal.SIGKILL)
-
     client = openai.OpenAI(base_url=two_engine_mesh.base_url, api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
+    request = {"model": model, "prompt": "The capital of France is", "max_tokens": 64,
+               "temperature": 0}
+    stream = client.completions.create(**request, stream=True)
+    streamed = [next(stream).choices[0].text]
+    for pid in killed.values():
+        os.kill(pid, signal.SIGKILL)
+    streamed += [chunk.choices[0].text for chunk in stream if chunk.choices]
+
     deadline = time.monotonic() + RESTART_WITHIN_S
     while True:
         assert two_engine_mesh.process.poll() is None, two_engine_mesh.log_tail()
         try:
-            reply = client.completions.create(model=model, prompt="The capital of France is",
-                                              max_tokens=4, temperature=0)
+            reply = client.completions.create(**request)
             break
         except openai.APIStatusError as error:
             assert error.status_code == 503, error
             assert time.monotonic() < deadline, two_engine_mesh.log_tail()
             time.sleep(0.5)
     assert reply.choices[0].text
+    assert "".join(streamed) == reply.choices[0].text
     for name, pid in killed.items():
         assert child_pid(launcher, "services.cli", name) != pid
         assert f"{name} exited with status -9; restarting it" in two_engine_mesh.log_path.read_text()
@@ -146,8 +153,8 @@ def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh)
     names = ["gateway", "tokenizer", "engine"] + (["kvcache"] if HAS_LMCACHE else [])
     services = {name: child_pid(launcher, "services.cli", name) for name in names}
     assert any("EngineCore" in " ".join(p.cmdline()) for p in descendants)
-    ipc_dirs = _environment_values(descendants, "VLLM_RPC_BASE_PATH")
-    assert ipc_dirs, "the engine core runs in the engine's own ipc folder"
+    ipc_dirs = engine_ipc_dirs(descendants)
+    assert len(ipc_dirs) == 2, "each engine's vLLM sockets lie in a folder of its own"
     kv_event_sockets = {ipc_socket_path(endpoint)
                         for endpoint in _flag_values(descendants, "--kv-events-endpoint")}
     assert kv_event_sockets and all(path.is_socket() for path in kv_event_sockets)
@@ -165,18 +172,6 @@ def test_a_killed_launchers_services_stop_in_order(two_engine_mesh: RunningMesh)
     assert exited_at[services["gateway"]] <= exited_at[services["engine"]]
     if HAS_LMCACHE:
         assert exited_at[services["engine"]] <= exited_at[services["kvcache"]]
-
-
-def _environment_values(processes: list[psutil.Process], name: str) -> set[Path]:
-    values = set()
-    for process in processes:
-        try:
-            value = process.environ().get(name)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if value:
-            values.add(Path(value))
-    return values
 
 
 def _flag_values(processes: list[psutil.Process], flag: str) -> set[str]:
