@@ -380,6 +380,23 @@ def test_gateway_imports_no_torch_vllm_or_transformers() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_only_the_engine_service_holds_its_metrics_port(mesh: RunningMesh) -> None:
+    """vLLM's engine core, forked from the service on the CPU, closes its copy of the metrics
+    socket: it would hold the port past the service's exit."""
+    assert mesh.engine_metrics_url is not None
+    metrics_port = int(mesh.engine_metrics_url.rsplit(":", 1)[1].split("/")[0])
+    holders = []
+    for pid in _descendants(mesh.process.pid):
+        try:
+            process = psutil.Process(pid)
+            if any(s.status == psutil.CONN_LISTEN and s.laddr.port == metrics_port
+                   for s in process.net_connections(kind="tcp")):
+                holders.append(" ".join(process.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+    assert len(holders) == 1 and "services.cli engine" in holders[0], holders
+
+
 def test_sigterm_to_backport_up_leaves_no_process_or_socket_behind(mesh: RunningMesh) -> None:
     """Runs last in this module: it stops the shared mesh (the next module gets a new one)."""
     session = os.getpgid(mesh.process.pid)

@@ -4,6 +4,8 @@ Both live in prometheus_client's default registry, so one endpoint serves them."
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import Counter, Gauge, start_http_server
 
 from services.mesh.errors import ServiceStartError
@@ -24,7 +26,10 @@ class EngineMetrics:
     def serve(self, host: str, port: int) -> None:
         """Serves the default registry over HTTP from a daemon thread."""
         try:
-            start_http_server(port, addr=host)
+            server, _ = start_http_server(port, addr=host)
         except OSError as error:
             raise ServiceStartError(f"the engine's metrics endpoint cannot listen on {host}:{port}: "
                                     f"{error.strerror}") from None
+        # vLLM's engine core, forked from this process on the CPU, would hold the port past the
+        # service's exit: a restart on it would find it taken.
+        os.register_at_fork(after_in_child=server.socket.close)
