@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import subprocess
 import sys
 
@@ -42,6 +43,11 @@ def test_a_forked_vllm_process_cannot_reach_the_service(small_fp8_table: TableFi
     call (`Describe`) runs into its deadline."""
     with ServiceProcess(small_fp8_table.path) as service:
         probe = _probe(service.address, {}, timeout_s=60)
+    if probe.returncode == -signal.SIGSEGV:
+        # Worse, on a loaded machine: grpc skips its fork handlers while other threads are in
+        # a call, and the parent crashes.
+        assert "skipping fork() handlers" in probe.stderr, probe.stderr[-3000:]
+        return
     assert probe.returncode == 0, probe.stderr[-3000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])
     assert seen["start_method"] == "fork" and "DEADLINE_EXCEEDED" in seen["error"], seen
