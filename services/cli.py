@@ -101,6 +101,9 @@ def _services() -> dict[str, tuple[type[ServiceSettings], str, Callable[[Service
         return asyncio.run(serve(settings))
 
     def run_tokenizer(settings: ServiceSettings) -> None:
+        if not settings.trust_remote_code:
+            from services.tokenizer.without_torch import hide_torch_from_transformers
+            hide_torch_from_transformers()
         from services.tokenizer.server import serve
         asyncio.run(serve(settings))
 

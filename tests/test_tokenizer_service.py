@@ -372,3 +372,20 @@ def test_sigterm_with_a_detokenize_stream_open_ends_it_after_the_drain_without_a
 async def _step(call: grpc.aio.StreamStreamCall) -> object:
     await call.write(pb.DetokenizeRequest(token_ids=[504]))
     return await call.read()
+
+
+def test_the_service_renders_without_loading_torch(embedded_model_path: Path,
+                                                   tmp_path: Path) -> None:
+    """transformers imports torch whenever it is installed; the service keeps it out
+    (services/tokenizer/without_torch.py), which was most of its start and 300 MB."""
+    port, log_path = free_port(), tmp_path / "tokenizer.log"
+    process = start_tokenizer(embedded_model_path, port, log_path)
+    try:
+        wait_for_grpc_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process, log_path)
+        prompt = rendered_prompt(f"127.0.0.1:{port}", [{"role": "user", "content": "Hi"}])
+        assert "Hi" in prompt
+        assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
+    finally:
+        kill_group(process)
+        process.wait()
+    assert "PyTorch was not found" not in log_path.read_text()
