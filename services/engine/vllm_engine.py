@@ -35,6 +35,7 @@ from services.engine.backport.engine_core_watch import SERVICE_PID_ENV
 from services.engine.backport.ple.activation import ADDRESS_ENV as PLE_ADDRESS_ENV
 from services.engine.kv_events import ipc_socket_path
 from services.engine.kv_transfer import engine_kv_args
+from services.engine.llvmlite_in_forked_core import give_llvmlites_library_an_empty_namespace
 from services.engine.settings import EngineSettings
 from services.mesh.errors import ServiceStartError
 
@@ -227,7 +228,7 @@ def cpu_worker_in_engine_core(settings: EngineSettings,
         environ[MULTIPROCESSING_ENV] = "0"
 
 
-def fork_an_engine_core_that_holds_its_worker(method_chosen: str | None, kv_connector: bool,
+def fork_an_engine_core_that_holds_its_worker(method_chosen: str | None,
                                               environ: MutableMapping[str, str] = os.environ) -> None:
     """Where vLLM's one CPU worker runs inside its engine core (`cpu_worker_in_engine_core`),
     the engine core is forked from the engine service rather than spawned: it skips a second
@@ -236,11 +237,9 @@ def fork_an_engine_core_that_holds_its_worker(method_chosen: str | None, kv_conn
     vLLM's CPU platform sets spawn as it builds the config, so that each worker binds its OpenMP
     threads in a fresh process; with binding off there is nothing to bind. `method_chosen` is
     the start method set before the config was built (the operator's, or the PLE hook's spawn),
-    which stays. So does spawn with a KV connector: building the config imports LMCache's, which
-    imports llvmlite, and a forked worker inheriting that fails its start in vLLM's scan of the
-    loaded modules for Triton kernels (`'_lib_fn_wrapper' object has no attribute 'get'`).
+    which stays.
     """
-    if (method_chosen is None and not kv_connector and current_platform.is_cpu()
+    if (method_chosen is None and current_platform.is_cpu()
             and environ.get(THREADS_BIND_ENV) == "nobind" and environ.get(MULTIPROCESSING_ENV) == "0"):
         environ[MULTIPROC_METHOD_ENV] = "fork"
 
@@ -251,7 +250,8 @@ def start_async_llm(args: AsyncEngineArgs,
     `fork_an_engine_core_that_holds_its_worker` says so."""
     method_chosen = os.environ.get(MULTIPROC_METHOD_ENV)
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
-    fork_an_engine_core_that_holds_its_worker(method_chosen, config.kv_transfer_config is not None)
+    fork_an_engine_core_that_holds_its_worker(method_chosen)
+    give_llvmlites_library_an_empty_namespace()
     return AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers,
                                      enable_log_requests=args.enable_log_requests,
                                      disable_log_stats=args.disable_log_stats)
