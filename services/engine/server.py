@@ -8,18 +8,17 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING
 
 from backport.v1 import engine_pb2_grpc
+from services.engine.kv_events import collector_for
 from services.engine.metrics import EngineMetrics
 from services.engine.registry import EngineRecord, EngineRegistration
+from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
+from services.engine.vllm_engine import VllmEngine
 from services.mesh.grpc_server import GrpcServer
 from services.mesh.ports import is_port_free
 from services.mesh.service_names import ENGINE_GRPC
-
-if TYPE_CHECKING:
-    from services.engine.vllm_engine import VllmEngine
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +37,21 @@ class StartupInterrupted(BaseException):
 
 async def serve(settings: EngineSettings) -> int:
     """Serves until a signal, or until vLLM's engine core dies; returns the exit status."""
+    engine = VllmEngine(settings)
     metrics = EngineMetrics()
     server = GrpcServer(ENGINE_GRPC, f"{settings.host}:{settings.port}",
                         grace_s=settings.drain_timeout_s)
-    # Before vLLM is imported and the model loads: a taken port is refused in a second, not
-    # after the import's 15 s on two cores or once the load is done. The gRPC port is checked,
-    # not held: grpc listens as soon as it binds (calls would hang through the load), and
-    # vLLM's engine core, forked, would keep that socket open after the service had closed it.
+    kv_events = collector_for(settings.kv_events_endpoint)
+    servicer = EngineServicer(engine, metrics, kv_events)
+    server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
+    # Before the model loads: a taken port is refused in seconds, not once the load is done.
+    # The gRPC port is checked, not held: grpc listens as soon as it binds (calls would hang
+    # through the load), and vLLM's engine core, forked, would keep that socket open after the
+    # service had closed it.
     if settings.port != 0 and not _can_listen(settings.host, settings.port):
         raise server.port_taken_error()
     if settings.metrics_port is not None:
         metrics.serve(settings.host, settings.metrics_port)
-    from services.engine.kv_events import collector_for
-    from services.engine.servicer import EngineServicer
-    from services.engine.vllm_engine import VllmEngine
-
-    engine = VllmEngine(settings)
-    kv_events = collector_for(settings.kv_events_endpoint)
-    servicer = EngineServicer(engine, metrics, kv_events)
-    server.add(lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s))
     registration = None
     if settings.redis_url:
         registration = EngineRegistration(settings.redis_url,
