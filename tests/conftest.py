@@ -93,6 +93,19 @@ def engine_environment() -> dict[str, str]:
     return ONE_ENGINE_THREAD | env
 
 
+@pytest.fixture(autouse=True)
+def environment_as_the_test_found_it() -> Iterator[None]:
+    """A test that builds a vLLM config in-process lets vLLM's CPU platform write its settings
+    into os.environ (the start method "spawn", LD_PRELOAD, thread counts). Every service a
+    later test of this worker started would inherit them: each engine would spawn its core
+    rather than fork it, about 25 CPU-s more an engine on CI's two cores."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test`'s `--dist loadfile`, with some folders kept whole (tests/xdist_scheduling.py)."""
