@@ -6,10 +6,13 @@ GGUF is dequantized once into a bf16 folder under the user's cache directory.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from services.mesh.errors import ServiceStartError
@@ -53,9 +56,11 @@ def _convert_gguf(source_dir: Path, gguf_file: str, target: Path) -> None:
     logger.info("converting %s to a bf16 folder at %s (once)", gguf_file, target)
     staging = target.with_name(target.name + f".partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_file)
-    # transformers shows its own progress bar while it dequantizes the GGUF tensors.
-    model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=gguf_file, dtype=torch.bfloat16)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_file)
+        # transformers shows its own progress bar while it dequantizes the GGUF tensors.
+        model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=gguf_file,
+                                                     dtype=torch.bfloat16)
     # Clearing the quantization marker lets save_pretrained write plain bf16 weights.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -74,3 +79,25 @@ def _convert_gguf(source_dir: Path, gguf_file: str, target: Path) -> None:
     finally:
         # Interrupted (Ctrl-C), failed or beaten, the attempt's copy of the model goes too.
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the GGUF file three times (for the tokenizer, the config and the
+    weights) and builds gguf's tensor-name map once per module of the model (397 times here).
+    Within this block each is made once and shared: the conversion takes 14 s against 33 on
+    one core. Both are read-only views of the file and of fixed tables, so sharing is safe.
+    """
+    import gguf
+
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    @functools.cache
+    def parsed(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+        return parse(path, mode)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = parse, name_map
