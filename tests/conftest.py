@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 from pathlib import Path
@@ -93,17 +94,33 @@ def engine_environment() -> dict[str, str]:
     return ONE_ENGINE_THREAD | env
 
 
-@pytest.fixture(autouse=True)
-def environment_as_the_test_found_it() -> Iterator[None]:
-    """A test that builds a vLLM config in-process lets vLLM's CPU platform write its settings
-    into os.environ (the start method "spawn", LD_PRELOAD, thread counts). Every service a
-    later test of this worker started would inherit them: each engine would spawn its core
-    rather than fork it, about 25 CPU-s more an engine on CI's two cores."""
+@contextmanager
+def environment_restored() -> Iterator[None]:
+    """os.environ as it was before the block. A test or fixture that builds a vLLM config
+    in-process lets vLLM's CPU platform write its settings there (the start method "spawn",
+    LD_PRELOAD, thread counts); every service started later from this test worker would
+    inherit them, and each engine would spawn its core rather than fork it (some 25 CPU-s
+    more an engine on CI's two cores)."""
     before = dict(os.environ)
-    yield
-    if os.environ != before:
-        os.environ.clear()
-        os.environ.update(before)
+    try:
+        yield
+    finally:
+        if os.environ != before:
+            os.environ.clear()
+            os.environ.update(before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def each_module_restores_the_environment() -> Iterator[None]:
+    """For module-scoped fixtures, which an autouse fixture of their scope wraps."""
+    with environment_restored():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def each_test_restores_the_environment() -> Iterator[None]:
+    with environment_restored():
+        yield
 
 
 @pytest.hookimpl(optionalhook=True)
