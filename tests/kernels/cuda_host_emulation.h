@@ -1,20 +1,26 @@
 // CUDA's built-ins and the backport's Ampere instructions (ampere_shared.cuh) for a kernel
 // compiled as host C++ (g++ -include this -DBACKPORT_HOST_EMULATION), run by
-// cuda_host_emulation.py one block at a time, one std::thread a CUDA thread. Warp-wide
+// cuda_host_emulation.py one block at a time, one fiber a CUDA thread. Warp-wide
 // instructions (ldmatrix, mma, shuffles) exchange values through a warp's slots between
 // two waits on the warp's barrier; cp.async copies land when a wait_group lets them (so a
 // read before the wait sees the old bytes, as it may on the GPU).
+//
+// The fibers take turns on one OS thread and switch only at a barrier. With an OS thread a
+// CUDA thread, every warp-wide instruction woke 31 sleeping threads twice, and a 256-thread
+// block spent most of its time in the kernel's scheduler. A thread therefore runs from one
+// barrier to the next without interruption: a race the kernel's barriers leave open shows
+// as one fixed interleaving, not a varying one.
 #pragma once
 
-#include <algorithm>
-#include <barrier>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+// As few standard headers as will do: they are most of each build's compile time.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <thread>
 #include <vector>
 
 #define __device__
@@ -25,8 +31,10 @@
 #define __shared__
 #define __align__(n)
 
-using std::max;
-using std::min;
+template <typename T>
+inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T>
+inline T max(T a, T b) { return a < b ? b : a; }
 
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
@@ -50,9 +58,10 @@ inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
-inline thread_local dim3 threadIdx;
-inline thread_local dim3 blockIdx;
-inline thread_local dim3 gridDim;
+// The running fiber's: the scheduler sets them before it resumes one.
+inline dim3 threadIdx;
+inline dim3 blockIdx;
+inline dim3 gridDim;
 
 // The block's shared memory: blocks run one after another.
 alignas(16) inline uint8_t shared[1 << 18];
@@ -60,16 +69,57 @@ alignas(16) inline uint8_t shared[1 << 18];
 namespace emulation {
 
 constexpr int kWarpSize = 32;
+// std::thread's default: a kernel's locals need what they would on an OS thread.
+constexpr size_t kStackBytes = size_t{8} << 20;
+
+// A thread's cp.async copies: the group being issued, then committed groups, oldest first.
+struct Copy {
+  uint32_t dst;
+  std::vector<uint8_t> bytes;
+};
+
+// One CUDA thread of the running block.
+struct Fiber {
+  ucontext_t context;
+  dim3 index;
+  std::vector<std::vector<Copy>> copy_groups;
+  std::vector<Copy> open_group;
+  bool finished = false;
+};
+
+inline ucontext_t scheduler;
+inline Fiber* running = nullptr;
+// Arrivals at any barrier: a round of the scheduler with none, and no fiber finished, is a
+// deadlock.
+inline uint64_t arrivals = 0;
+
+inline void yield() { swapcontext(&running->context, &scheduler); }
+
+// A barrier of `expected` fibers. The arrival that completes it opens the next generation
+// and goes on; the others return to the scheduler until their generation has passed.
+struct Barrier {
+  explicit Barrier(int expected) : expected(expected) {}
+  void arrive_and_wait() {
+    const uint64_t mine = generation;
+    ++arrivals;
+    if (++arrived == expected) {
+      arrived = 0;
+      ++generation;
+      return;
+    }
+    while (generation == mine) yield();
+  }
+  int expected;
+  int arrived = 0;
+  uint64_t generation = 0;
+};
 
 struct Block {
-  explicit Block(int threads)
-      : barrier(threads), warps(threads / kWarpSize) {
-    for (auto& warp : warps) warp.barrier = std::make_unique<std::barrier<>>(kWarpSize);
-  }
-  std::barrier<> barrier;
+  explicit Block(int threads) : barrier(threads), warps(threads / kWarpSize) {}
+  Barrier barrier;
   unsigned barriers = 0;  // __syncthreads the block has passed
   struct Warp {
-    std::unique_ptr<std::barrier<>> barrier;
+    Barrier barrier{kWarpSize};
     uint32_t slots[kWarpSize][10];
   };
   std::vector<Warp> warps;
@@ -80,23 +130,19 @@ inline Block* block = nullptr;
 // steps for kernels with one barrier a step.
 inline std::vector<unsigned> block_barriers;
 
-// The first fault a kernel made (the GPU would have stopped it there), for the launcher.
-inline std::mutex fault_lock;
-inline std::string fault;
+// The first fault a kernel made (the GPU would have stopped it there), for the launcher;
+// empty while there is none.
+inline char fault[256] = "";
 
 inline void check(bool ok, const char* what, uint64_t address) {
-  if (ok) return;
-  std::lock_guard<std::mutex> guard(fault_lock);
-  if (fault.empty()) fault = std::string(what) + " at " + std::to_string(address);
+  if (!ok && fault[0] == '\0') {
+    std::snprintf(fault, sizeof fault, "%s at %llu", what,
+                  static_cast<unsigned long long>(address));
+  }
 }
 
-// A thread's cp.async copies: the group being issued, then committed groups, oldest first.
-struct Copy {
-  uint32_t dst;
-  std::vector<uint8_t> bytes;
-};
-inline thread_local std::vector<std::vector<Copy>> copy_groups;
-inline thread_local std::vector<Copy> open_group;
+inline std::vector<std::vector<Copy>>& copy_groups() { return running->copy_groups; }
+inline std::vector<Copy>& open_group() { return running->open_group; }
 
 inline int lane() { return threadIdx.x % kWarpSize; }
 inline Block::Warp& warp() { return block->warps[threadIdx.x / kWarpSize]; }
@@ -104,34 +150,101 @@ inline Block::Warp& warp() { return block->warps[threadIdx.x / kWarpSize]; }
 // Puts `count` words in this lane's slots and returns once every lane of the warp has, so
 // the slots may be read; `done` must follow before they are written again.
 inline void publish(const uint32_t* words, int count) {
-  std::copy(words, words + count, warp().slots[lane()]);
-  warp().barrier->arrive_and_wait();
+  for (int i = 0; i < count; ++i) warp().slots[lane()][i] = words[i];
+  warp().barrier.arrive_and_wait();
 }
-inline void done() { warp().barrier->arrive_and_wait(); }
+inline void done() { warp().barrier.arrive_and_wait(); }
+
+// The fibers' stacks in one mapping, pages committed as they are touched, each with a page
+// below it that faults an overflow.
+class Stacks {
+ public:
+  explicit Stacks(int count)
+      : guard_(sysconf(_SC_PAGESIZE)), stride_(guard_ + kStackBytes), count_(count) {
+    void* mapping = mmap(nullptr, stride_ * count_, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    base_ = mapping == MAP_FAILED ? nullptr : static_cast<uint8_t*>(mapping);
+    for (size_t i = 0; base_ != nullptr && i < count_; ++i)
+      mprotect(base_ + i * stride_, guard_, PROT_NONE);
+  }
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+  ~Stacks() {
+    if (base_ != nullptr) munmap(base_, stride_ * count_);
+  }
+  bool mapped() const { return base_ != nullptr; }
+  void* lowest_address(size_t fiber) const { return base_ + fiber * stride_ + guard_; }
+
+ private:
+  size_t guard_, stride_, count_;
+  uint8_t* base_;
+};
+
+// The grid's kernel, called by every fiber (a function pointer: <functional> alone added a
+// fifth to each build's compile time).
+inline void (*block_kernel)(const void*) = nullptr;
+inline const void* block_kernel_call = nullptr;
+
+inline void run_fiber() {
+  block_kernel(block_kernel_call);
+  running->finished = true;
+}  // returns to the scheduler through uc_link
+
+// Runs every fiber of the block until all have finished; a round in which none arrives at
+// a barrier or finishes leaves them waiting for good, reported as the block's fault.
+inline void run_block(std::vector<Fiber>& fibers, const Stacks& stacks) {
+  for (size_t t = 0; t < fibers.size(); ++t) {
+    Fiber& fiber = fibers[t];
+    fiber.index = {static_cast<unsigned>(t), 0, 0};
+    getcontext(&fiber.context);
+    fiber.context.uc_stack.ss_sp = stacks.lowest_address(t);
+    fiber.context.uc_stack.ss_size = kStackBytes;
+    fiber.context.uc_link = &scheduler;
+    makecontext(&fiber.context, run_fiber, 0);
+  }
+  for (size_t live = fibers.size(); live > 0;) {
+    const uint64_t arrivals_before = arrivals;
+    const size_t live_before = live;
+    for (Fiber& fiber : fibers) {
+      if (fiber.finished) continue;
+      running = &fiber;
+      threadIdx = fiber.index;
+      swapcontext(&scheduler, &fiber.context);
+      live -= fiber.finished;
+    }
+    if (live == live_before && arrivals == arrivals_before) {
+      // The waiting fibers are abandoned, with what their stacks hold.
+      check(false, "threads wait at a barrier the others never reach, block", blockIdx.x);
+      break;
+    }
+  }
+  running = nullptr;
+}
 
 template <typename Kernel>
 void run_grid(dim3 grid, int threads, Kernel kernel) {
   block_barriers.clear();
+  const Stacks stacks(threads);
+  if (!stacks.mapped()) {
+    check(false, "no memory for the fibers' stacks, threads", threads);
+    return;
+  }
+  block_kernel = [](const void* call) { (*static_cast<const Kernel*>(call))(); };
+  block_kernel_call = &kernel;
+  gridDim = grid;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
         Block state(threads);
         block = &state;
-        std::vector<std::thread> workers;
-        for (int t = 0; t < threads; ++t) {
-          workers.emplace_back([=] {
-            threadIdx = {static_cast<unsigned>(t), 0, 0};
-            blockIdx = {x, y, z};
-            gridDim = grid;
-            copy_groups.clear();
-            open_group.clear();
-            kernel();
-          });
-        }
-        for (auto& worker : workers) worker.join();
+        blockIdx = {x, y, z};
+        std::vector<Fiber> fibers(threads);
+        run_block(fibers, stacks);
         block_barriers.push_back(state.barriers);
         block = nullptr;
       }
+  block_kernel = nullptr;
+  block_kernel_call = nullptr;
 }
 
 inline float bf16_to_float(uint16_t bits) {
@@ -148,7 +261,7 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stay
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-inline float fp16_to_float(uint16_t bits) {
+inline float decode_fp16(uint16_t bits) {
   const int exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF;
   float magnitude;
   if (exponent == 0) {
@@ -160,6 +273,21 @@ inline float fp16_to_float(uint16_t bits) {
   }
   return (bits & 0x8000) ? -magnitude : magnitude;
 }
+
+// `decode` of every bit pattern of `Bits`, worked out once: ldexp, a call an element, was
+// most of an mma's time.
+template <typename Bits, float (*decode)(Bits)>
+inline float decoded(Bits bits) {
+  static const std::vector<float> table = [] {
+    std::vector<float> values(size_t{1} << (8 * sizeof(Bits)));
+    for (size_t pattern = 0; pattern < values.size(); ++pattern)
+      values[pattern] = decode(static_cast<Bits>(pattern));
+    return values;
+  }();
+  return table[bits];
+}
+
+inline float fp16_to_float(uint16_t bits) { return decoded<uint16_t, decode_fp16>(bits); }
 
 // This lane's C fragment (rows g, g + 8 at columns 2t, 2t + 1) += A B, in double.
 template <int kK>
@@ -199,7 +327,7 @@ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
   accumulate_tile(c, A, B);
 }
 
-inline float e4m3_to_float(uint8_t bits) {
+inline float decode_e4m3(uint8_t bits) {
   const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
   float magnitude;
   if (exponent == 0) {
@@ -211,6 +339,8 @@ inline float e4m3_to_float(uint8_t bits) {
   }
   return (bits & 0x80) ? -magnitude : magnitude;
 }
+
+inline float e4m3_to_float(uint8_t bits) { return decoded<uint8_t, decode_e4m3>(bits); }
 
 // C += A B of mma.m16n8k32 on e4m3 fragments (PTX ISA layout: thread (g, t) holds A's rows
 // g, g + 8 at k = 4t .. 4t + 3 (a0, a1) and k = 16 + 4t .. (a2, a3), a byte a k, and B's
@@ -317,7 +447,7 @@ void copy_async(uint32_t dst, const void* src, bool valid) {
   emulation::check(dst + kBytes <= sizeof(shared), "cp.async past shared memory", dst);
   emulation::Copy copy{dst, std::vector<uint8_t>(kBytes, 0)};
   if (valid) std::memcpy(copy.bytes.data(), src, kBytes);
-  emulation::open_group.push_back(std::move(copy));
+  emulation::open_group().push_back(std::move(copy));
 }
 
 template <int kBytes>
@@ -326,13 +456,13 @@ void copy_async(void* dst, const void* src, bool valid) {
 }
 
 inline void commit_copies() {
-  emulation::copy_groups.push_back(std::move(emulation::open_group));
-  emulation::open_group.clear();
+  emulation::copy_groups().push_back(std::move(emulation::open_group()));
+  emulation::open_group().clear();
 }
 
 template <int kPending>
 void wait_copies() {
-  auto& groups = emulation::copy_groups;
+  auto& groups = emulation::copy_groups();
   while (groups.size() > static_cast<size_t>(kPending)) {
     for (const auto& copy : groups.front())
       std::memcpy(shared + copy.dst, copy.bytes.data(), copy.bytes.size());

@@ -2,10 +2,10 @@
 
 The source is compiled as host C++ with `cuda_host_emulation.h` (CUDA's built-ins, and
 the Ampere instructions of `ampere_shared.cuh` emulated), and each block runs with a
-thread a CUDA thread. So the kernel's indexing, masks, pipeline and warp-level data
-movement run as written, on small shapes; the instructions' semantics are the emulator's
-reading of the PTX ISA, which only a GPU run confirms. Slow: a warp-wide instruction is
-two barrier waits of 32 threads.
+fiber a CUDA thread, all on one OS thread. So the kernel's indexing, masks, pipeline and
+warp-level data movement run as written, on small shapes; the instructions' semantics are
+the emulator's reading of the PTX ISA, which only a GPU run confirms. A warp-wide
+instruction is two barrier waits of 32 fibers, a switch of stacks each.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ LAUNCHER = """#include "{source}"
 extern "C" const char* launch_emulated(const void* params, unsigned x, unsigned y,
                                        unsigned z, int threads) {{
   const auto& p = *static_cast<const {params}*>(params);
-  emulation::fault.clear();
+  emulation::fault[0] = '\\0';
   emulation::run_grid(dim3{{x, y, z}}, threads, [&] {{ {kernel}(p); }});
-  return emulation::fault.empty() ? nullptr : emulation::fault.c_str();
+  return emulation::fault[0] == '\\0' ? nullptr : emulation::fault;
 }}
 extern "C" unsigned block_barriers(unsigned block) {{
   return emulation::block_barriers.at(block);
