@@ -5,11 +5,11 @@
 // two waits on the warp's barrier; cp.async copies land when a wait_group lets them (so a
 // read before the wait sees the old bytes, as it may on the GPU).
 //
-// The fibers take turns on one OS thread and switch only at a barrier. With an OS thread a
-// CUDA thread, every warp-wide instruction woke 31 sleeping threads twice, and a 256-thread
-// block spent most of its time in the kernel's scheduler. A thread therefore runs from one
-// barrier to the next without interruption: a race the kernel's barriers leave open shows
-// as one fixed interleaving, not a varying one.
+// The fibers take turns on one OS thread and switch only at a barrier, so a thread runs
+// from one barrier to the next without interruption: a race the kernel's barriers leave
+// open shows as one fixed interleaving, not a varying one. (With an OS thread a CUDA
+// thread, every warp-wide instruction woke 31 sleeping threads twice, and a 256-thread
+// block spent most of its time in the OS scheduler.)
 #pragma once
 
 #include <sys/mman.h>
